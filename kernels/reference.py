@@ -1,0 +1,113 @@
+"""Plain-torch reference twins of the attention kernels. Used on CPU and as test oracles."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    block_size = kv_cache.shape[2]
+    block_ids = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [B, max_num_blocks]
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [B, num_kv_heads, num_tokens, head_dim]
+    """Copy the first num_tokens cached tokens of each sequence into contiguous K and V."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-num_tokens // block_size)
+    blocks = kv_cache[block_tables[:, :num_blocks].long()]  # [B, nb, 2, bs, Hkv, D]
+    batch, _, _, _, num_kv_heads, head_dim = blocks.shape
+    blocks = blocks.permute(2, 0, 4, 1, 3, 5)  # [2, B, Hkv, nb, bs, D]
+    kv = blocks.reshape(2, batch, num_kv_heads, num_blocks * block_size, head_dim)
+    return kv[0, :, :, :num_tokens], kv[1, :, :, :num_tokens]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    query_start_loc: list[int],  # [B + 1]
+    seq_lens: list[int],  # [B] context length after this step
+    block_tables: torch.Tensor,  # [B, max_num_blocks]
+    seq_lens_tensor: torch.Tensor,  # [B] same as seq_lens, on the device
+    num_decode_seqs: int,
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    out = torch.empty_like(query)
+    if num_decode_seqs:
+        rows = query_start_loc[num_decode_seqs]
+        out[:rows] = _decode(
+            query[:rows],
+            kv_cache,
+            block_tables[:num_decode_seqs],
+            seq_lens_tensor[:num_decode_seqs],
+            max(seq_lens[:num_decode_seqs]),
+            scale,
+        )
+    for i in range(num_decode_seqs, len(seq_lens)):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        out[start:end] = _extend(
+            query[start:end], kv_cache, block_tables[i : i + 1], seq_lens[i], scale
+        )
+    return out
+
+
+def _decode(
+    query: torch.Tensor,  # [B, H, D]: one token per sequence
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_num_blocks]
+    seq_lens: torch.Tensor,  # [B]
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """All decode sequences at once: gather K/V padded to the longest, mask the padding."""
+    key, value = gather_kv(kv_cache, block_tables, max_seq_len)  # [B, Hkv, L, D]
+    positions = torch.arange(max_seq_len, device=query.device)
+    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    q = query.unsqueeze(2).to(key.dtype)  # [B, H, 1, D]
+    out = F.scaled_dot_product_attention(
+        q, key, value, attn_mask=mask, scale=scale, enable_gqa=_is_gqa(q, key)
+    )
+    return out.squeeze(2).to(query.dtype)
+
+
+def _extend(
+    query: torch.Tensor,  # [Q, H, D]: the newest Q tokens of one sequence
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [1, max_num_blocks]
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One prefill chunk: new tokens attend to the cached prefix and causally to themselves."""
+    key, value = gather_kv(kv_cache, block_table, seq_len)  # [1, Hkv, L, D]
+    num_queries = query.shape[0]
+    q = query.transpose(0, 1).unsqueeze(0).to(key.dtype)  # [1, H, Q, D]
+    gqa = _is_gqa(q, key)
+    if num_queries == seq_len:
+        out = F.scaled_dot_product_attention(
+            q, key, value, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    else:
+        # Query j sits at position seq_len - Q + j and sees keys up to and including it.
+        q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
+        out = F.scaled_dot_product_attention(
+            q, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _is_gqa(query: torch.Tensor, key: torch.Tensor) -> bool:
+    return query.shape[1] != key.shape[1]

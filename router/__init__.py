@@ -1,0 +1,1 @@
+"""The router: priority scheduling across workers. Imports no torch."""

@@ -1,0 +1,63 @@
+"""Typed errors shared by the SDK, the router and the worker.
+
+Each class names the gRPC status code it travels as (by name, so this module needs no grpc
+import); the servers map exceptions to codes in one place and the SDK maps codes back.
+"""
+
+from __future__ import annotations
+
+
+class HeadraceError(Exception):
+    """Base of every error headrace raises on purpose."""
+
+    grpc_code = "UNKNOWN"
+
+
+class InvalidArgumentError(HeadraceError, ValueError):
+    """The caller sent a bad value; ``field`` names it (e.g. ``config.top_p``)."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotFoundError(HeadraceError):
+    """A named thing (model, request id) does not exist."""
+
+    grpc_code = "NOT_FOUND"
+
+
+class ResourceExhaustedError(HeadraceError):
+    """The server is overloaded; retry after ``retry_after_s`` seconds."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class UnavailableError(HeadraceError):
+    """The server is shutting down, or no worker can take the request."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class DeadlineExceededError(HeadraceError):
+    """The request's timeout passed before it finished."""
+
+    grpc_code = "DEADLINE_EXCEEDED"
+
+
+class CancelledError(HeadraceError):
+    """The request was cancelled by its client."""
+
+    grpc_code = "CANCELLED"
+
+
+class InternalError(HeadraceError):
+    """A bug or a fault inside headrace; the message says what failed."""
+
+    grpc_code = "INTERNAL"

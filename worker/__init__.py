@@ -1,0 +1,1 @@
+"""The worker: engine, scheduler, KV cache, sampling, models."""

@@ -1,0 +1,1 @@
+"""TP-ready layers: parallel linears, vocab-parallel embedding, norms, rotary, attention."""

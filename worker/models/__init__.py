@@ -1,0 +1,1 @@
+"""Llama-family models behind a registry keyed by model_type."""

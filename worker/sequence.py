@@ -1,0 +1,89 @@
+"""One sample of one request as the engine tracks it, from admission to finish."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import TYPE_CHECKING, Any
+
+from headrace.sdk.config import GenerationConfig
+
+if TYPE_CHECKING:
+    from headrace.worker.outputs import TokenLogprob
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed inside the engine; the request's error says why
+
+
+class SequenceStatus(IntEnum):
+    """Ordered so that `is_finished` is one comparison."""
+
+    WAITING = 0  # queued, or preempted and waiting to be recomputed
+    RUNNING = 1
+    FINISHED = 2
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    #: Which of the request's n samples this is.
+    sample_index: int
+    config: GenerationConfig
+    #: The prompt followed by every generated token.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    #: Higher runs sooner.
+    priority: int
+    #: Engine-wide admission counter: lower arrived earlier.
+    arrival: int
+    #: The seed this sample draws from (derived from config.seed and sample_index), or None.
+    sample_seed: int | None
+    #: Token ids that end this sample: the model's EOS (unless ignore_eos) and stop_token_ids.
+    stop_token_ids: frozenset[int]
+    status: SequenceStatus = SequenceStatus.WAITING
+    #: Tokens whose K/V are in the cache (or were served from the prefix cache).
+    num_computed_tokens: int = 0
+    #: Prompt tokens served from the prefix cache at first admission (for usage reporting).
+    num_cached_tokens: int = 0
+    #: KV blocks holding this sequence's tokens, in order.
+    block_ids: list[int] = field(default_factory=list)
+    #: Hash of each full block of token_ids in order (prefix-cache chain).
+    block_hashes: list[int] = field(default_factory=list)
+    #: Times this sequence was preempted (its blocks freed, to be recomputed).
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: Exception | None = None
+    #: Logprobs of generated tokens, when config.logprobs is set.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Per-sequence detokenizer state (owned by the detokenizer).
+    detok_state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= SequenceStatus.FINISHED
+
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once every token up to the newest has its K/V computed (decode phase)."""
+        return self.num_computed_tokens >= self.num_tokens - 1 and self.num_output_tokens > 0
