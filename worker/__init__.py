@@ -1,1 +1,37 @@
-"""The worker: engine, scheduler, KV cache, sampling, models."""
+"""The worker: engine, scheduler, KV cache, sampling, models.
+
+The in-process APIs: `LLM` for offline batches, `AsyncEngine` for servers. They are imported
+on first use, so importing a submodule (the scheduler, say) does not load the whole engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from headrace.worker.async_engine import AsyncEngine, OutputStream
+    from headrace.worker.config import EngineConfig
+    from headrace.worker.engine import Engine, RequestOutput, SampleDelta
+    from headrace.worker.llm import LLM, Completion, GenerationResult
+
+_EXPORTS = {
+    "AsyncEngine": "async_engine",
+    "OutputStream": "async_engine",
+    "EngineConfig": "config",
+    "Engine": "engine",
+    "RequestOutput": "engine",
+    "SampleDelta": "engine",
+    "LLM": "llm",
+    "Completion": "llm",
+    "GenerationResult": "llm",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'headrace.worker' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"headrace.worker.{module}"), name)

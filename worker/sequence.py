@@ -64,6 +64,10 @@ class Sequence:
     error: Exception | None = None
     #: Logprobs of generated tokens, when config.logprobs is set.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Sample 0 of a request with config.prompt_logprobs scores the prompt for all samples.
+    wants_prompt_logprobs: bool = False
+    #: Logprob of prompt token k + 1 at index k, filled as prefill chunks run.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Per-sequence detokenizer state (owned by the detokenizer).
     detok_state: Any = None
 

@@ -1,0 +1,76 @@
+from headrace.worker.block_manager import BlockManager
+from tests.worker.seqs import make_seq
+
+
+def admit(bm: BlockManager, seq, num_new: int | None = None) -> list[int]:
+    """Admit seq the way the scheduler does: cached prefix, then fresh blocks, then compute."""
+    cached = bm.match_prefix(seq)
+    bm.take_cached(seq, cached)
+    num_new = seq.num_tokens - seq.num_computed_tokens if num_new is None else num_new
+    bm.allocate(seq, num_new)
+    seq.num_computed_tokens += num_new
+    bm.commit_full_blocks(seq)
+    return cached
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    seq = make_seq(10)
+    admit(bm, seq)
+    assert len(seq.block_ids) == 3 and len(set(seq.block_ids)) == 3
+    assert bm.num_free_blocks == 5
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and seq.block_ids == []
+
+
+def test_second_sequence_with_shared_prefix_reuses_full_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    first = make_seq(list(range(10)))
+    admit(bm, first)
+    second = make_seq(list(range(9)) + [99, 100])
+    cached = admit(bm, second)
+    # Tokens 0..7 fill two full blocks; the third block differs at token 9.
+    assert cached == first.block_ids[:2]
+    assert second.block_ids[:2] == first.block_ids[:2]
+    assert bm.ref_counts[first.block_ids[0]] == 2
+    assert bm.num_prefix_hit_blocks == 2
+
+
+def test_a_whole_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    first = make_seq(8)
+    admit(bm, first)
+    again = make_seq(8)
+    cached = bm.match_prefix(again)
+    # Two full blocks are cached, but one must be left so the step yields logits.
+    assert len(cached) == 1
+
+
+def test_freed_cached_blocks_are_reused_until_evicted_lru_first():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    a_blocks = list(a.block_ids)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    # A freed, cached block can still be matched.
+    b = make_seq([1, 2, 3, 4, 9])
+    assert admit(bm, b) == a_blocks[:2]
+    bm.free(b)
+    # Fill the pool with unrelated tokens: the cached blocks are evicted and forgotten.
+    c = make_seq([7] * 8)
+    admit(bm, c)
+    assert bm.match_prefix(make_seq([1, 2, 3, 4, 5])) == []
+    bm.free(c)
+    assert bm.num_free_blocks == 4
+
+
+def test_cost_counts_cached_blocks_that_sit_in_the_free_queue():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    a = make_seq([1, 2, 3, 4, 5])
+    admit(bm, a)
+    bm.free(a)
+    again = make_seq([1, 2, 3, 4, 6])
+    cached = bm.match_prefix(again)
+    assert len(cached) == 2
+    assert bm.cost_of(cached, num_new_blocks=1) == 3

@@ -1,0 +1,134 @@
+from headrace.worker.block_manager import BlockManager
+from headrace.worker.config import EngineConfig
+from headrace.worker.scheduler import Scheduler, SchedulerOutput
+from headrace.worker.sequence import FinishReason, SequenceStatus
+from tests.worker.seqs import make_seq
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 16,
+    max_num_seqs: int = 8,
+    chunked: bool = True,
+) -> Scheduler:
+    config = EngineConfig(
+        model="unused",
+        block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked,
+    )
+    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=True))
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    """Schedule, pretend the model ran, and give each sampling chunk one new token."""
+    step = scheduler.schedule()
+    scheduler.update_after_step(step)
+    for chunk in step.chunks:
+        if chunk.samples:
+            chunk.seq.token_ids.append(7)
+    return step
+
+
+def planned(step: SchedulerOutput) -> dict[str, int]:
+    return {chunk.seq.request_id: chunk.num_new_tokens for chunk in step.chunks}
+
+
+def test_long_prompt_is_chunked_and_never_stalls_running_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    short = make_seq(5)
+    scheduler.add(short)
+    run_step(scheduler)  # short's prompt fits in one step and samples
+    long = make_seq(40)
+    scheduler.add(long)
+    step = run_step(scheduler)
+    assert planned(step) == {short.request_id: 1, long.request_id: 15}
+    assert step.num_decode_seqs == 1 and step.chunks[0].seq is short
+    step = run_step(scheduler)
+    assert planned(step) == {short.request_id: 1, long.request_id: 15}
+    step = run_step(scheduler)
+    assert planned(step) == {short.request_id: 1, long.request_id: 10}
+    assert step.chunks[1].samples  # the last chunk reaches the prompt's end
+    assert long.num_output_tokens == 1
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=16, chunked=False)
+    first, second = make_seq(10), make_seq(10)
+    scheduler.add(first)
+    scheduler.add(second)
+    assert planned(run_step(scheduler)) == {first.request_id: 10}
+    assert planned(run_step(scheduler)) == {first.request_id: 1, second.request_id: 10}
+
+
+def test_waiting_requests_start_by_priority_then_arrival():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    low = make_seq(4, priority=0)
+    high_late = make_seq(4, priority=5)
+    high_early = make_seq(4, priority=5)
+    high_early.arrival, high_late.arrival = -2, -1
+    for seq in (low, high_late, high_early):
+        scheduler.add(seq)
+    order = [next(iter(planned(run_step(scheduler)))) for _ in range(3)]
+    assert order[0] == high_early.request_id
+
+
+def test_out_of_blocks_preempts_the_lowest_priority_latest_request():
+    # 6 blocks of 4 tokens; three sequences of 8 tokens take 2 blocks each.
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    a, b, c = make_seq(8, priority=1), make_seq(8, priority=0), make_seq(8, priority=0)
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert scheduler.block_manager.num_free_blocks == 0
+    # Each now needs a third block for its decode: c (lowest priority, latest) goes first.
+    step = run_step(scheduler)
+    assert step.preempted == [c]
+    assert c.status == SequenceStatus.WAITING and c.block_ids == []
+    assert c.num_computed_tokens == 0 and c.num_preemptions == 1
+    assert set(planned(step)) == {a.request_id, b.request_id}
+
+
+def test_high_priority_arrival_preempts_lower_running_work():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    low = make_seq(15, priority=0)
+    scheduler.add(low)
+    run_step(scheduler)
+    urgent = make_seq(6, priority=9)
+    scheduler.add(urgent)
+    step = run_step(scheduler)
+    assert step.preempted == [low]
+    assert planned(step) == {urgent.request_id: 6}
+    # An equal-priority newcomer would have waited instead.
+    scheduler2 = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    low2 = make_seq(15)
+    scheduler2.add(low2)
+    run_step(scheduler2)
+    peer = make_seq(6)
+    scheduler2.add(peer)
+    step = run_step(scheduler2)
+    assert step.preempted == [] and planned(step) == {low2.request_id: 1}
+
+
+def test_sequence_cap_limits_running_sequences():
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    seqs = [make_seq(3) for _ in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    step = run_step(scheduler)
+    assert len(step.chunks) == 2 and scheduler.num_waiting == 1
+
+
+def test_finish_frees_blocks_wherever_the_sequence_is():
+    scheduler = make_scheduler(num_blocks=8)
+    running, waiting = make_seq(8), make_seq(8)
+    scheduler.add(running)
+    run_step(scheduler)
+    scheduler.add(waiting)
+    scheduler.finish(running, FinishReason.ABORT)
+    scheduler.finish(waiting, FinishReason.ABORT)
+    assert scheduler.block_manager.num_free_blocks == 8
+    assert not scheduler.has_work()
+    assert scheduler.schedule().is_empty

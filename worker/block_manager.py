@@ -1,0 +1,152 @@
+"""The KV cache's block pool: free list, ref counts and prefix caching.
+
+Design note. The cache is a fixed pool of `num_blocks` blocks of `block_size` token slots,
+allocated once. A sequence owns an ordered list of block ids; token i of the sequence lives
+in block ``block_ids[i // block_size]`` at offset ``i % block_size``.
+
+Prefix caching: once a block is full and its K/V computed, it is registered under a hash
+that chains the previous block's hash with the block's tokens, so the hash names the whole
+prefix up to the block's end. A new sequence whose prefix hashes match reuses those blocks
+(ref count + 1) and skips computing them. A block whose ref count drops to 0 goes to the back
+of the free queue but keeps its hash; it is only forgotten when the queue's front reaches it
+and it is handed out again, so the least recently used cached blocks are evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from headrace.worker.sequence import Sequence
+
+# The chain's seed for a sequence's first block; any fixed int works.
+_ROOT_HASH = 0x6865616472616365
+
+
+def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of everything before it."""
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        #: Registered hash of each block (None while the block is partial or unregistered).
+        self.block_hashes: list[int | None] = [None] * num_blocks
+        #: Token ids of each registered block, to rule out hash collisions.
+        self.block_tokens: list[tuple[int, ...]] = [()] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        #: Blocks with ref count 0, least recently freed first (an ordered set).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        #: Prompt blocks served from the cache instead of computed, over the engine's life.
+        self.num_prefix_hit_blocks = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache -----------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached block ids holding a prefix of seq's tokens (at least one token left over).
+
+        At least one token must still be computed so the step yields logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        matched: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.hash_to_block.get(seq.block_hashes[i])
+            if block_id is None or self.block_tokens[block_id] != self._block_tokens(seq, i):
+                break
+            matched.append(block_id)
+        return matched
+
+    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        hashes = seq.block_hashes
+        while len(hashes) < num_full_blocks:
+            prev = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(chain_hash(prev, self._block_tokens(seq, len(hashes))))
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(seq.token_ids[start : start + self.block_size])
+
+    # --- allocation ---------------------------------------------------------------------
+
+    def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_ids))
+
+    def cost_of(self, cached_block_ids: list[int], num_new_blocks: int) -> int:
+        """Free blocks used up by taking these cached blocks plus num_new_blocks fresh ones."""
+        return num_new_blocks + sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
+
+    def can_allocate(self, num_free_blocks_needed: int) -> bool:
+        return num_free_blocks_needed <= len(self.free_queue)
+
+    def take_cached(self, seq: Sequence, cached_block_ids: list[int]) -> None:
+        """Give a sequence with no blocks yet the matched prefix blocks; mark them computed."""
+        assert not seq.block_ids and seq.num_computed_tokens == 0
+        for block_id in cached_block_ids:
+            self._ref(block_id)
+        seq.block_ids = list(cached_block_ids)
+        seq.num_computed_tokens = len(cached_block_ids) * self.block_size
+        self.num_prefix_hit_blocks += len(cached_block_ids)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Append enough fresh blocks to hold num_new_tokens more computed tokens."""
+        num_new = self.num_new_blocks_needed(seq, num_new_tokens)
+        assert num_new <= len(self.free_queue), "caller must check can_allocate first"
+        for _ in range(num_new):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._forget(block_id)
+            self.ref_counts[block_id] = 1
+            seq.block_ids.append(block_id)
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that this step filled, so later sequences can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
+        self._extend_hashes(seq, num_full)
+        for i in range(num_full - 1, -1, -1):
+            block_id = seq.block_ids[i]
+            if self.block_hashes[block_id] is not None:
+                break  # this block and every one before it are already registered
+            block_hash = seq.block_hashes[i]
+            if block_hash in self.hash_to_block:
+                continue  # another sequence computed the same prefix first; keep theirs
+            self.block_hashes[block_id] = block_hash
+            self.block_tokens[block_id] = self._block_tokens(seq, i)
+            self.hash_to_block[block_hash] = block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Drop seq's references; the tail goes to the free queue first, so it is evicted first."""
+        for block_id in reversed(seq.block_ids):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+        seq.block_ids = []
+
+    def _ref(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free_queue[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _forget(self, block_id: int) -> None:
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:
+            if self.hash_to_block.get(block_hash) == block_id:
+                del self.hash_to_block[block_hash]
+            self.block_hashes[block_id] = None
+            self.block_tokens[block_id] = ()

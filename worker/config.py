@@ -1,0 +1,76 @@
+"""`EngineConfig`: how one engine is built. Built once, validated, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headrace.sdk.errors import InvalidArgumentError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    #: A local Hugging Face checkpoint directory, or a known short name (see `headrace models`).
+    model: str
+    #: "auto" (the checkpoint's float dtype), "float32", "bfloat16" or "float16".
+    dtype: str = "auto"
+    #: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    #: Tokens per KV block.
+    block_size: int = 16
+    #: KV blocks in the pool; None sizes it from the memory budget below.
+    num_kv_blocks: int | None = None
+    #: On CUDA: fraction of the device's free memory (after weights) given to the KV cache.
+    gpu_memory_utilization: float = 0.9
+    #: On CPU: GiB given to the KV cache.
+    cpu_kv_cache_gib: float = 2.0
+    #: Token budget of one engine step (prefill chunks + decodes).
+    max_num_batched_tokens: int = 2048
+    #: Most sequences running at once.
+    max_num_seqs: int = 256
+    #: Longest sequence (prompt + output); None takes the model's max_position_embeddings.
+    max_model_len: int | None = None
+    #: Cut long prompts into chunks that share steps with decodes.
+    enable_chunked_prefill: bool = True
+    #: Reuse KV blocks of identical prompt prefixes across requests.
+    enable_prefix_caching: bool = True
+    #: Seed of the engine's generator for requests that set no seed of their own.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise InvalidArgumentError(
+                "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidArgumentError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidArgumentError("gpu_memory_utilization", "must be in (0, 1]")
+        if self.cpu_kv_cache_gib <= 0:
+            raise InvalidArgumentError("cpu_kv_cache_gib", "must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InvalidArgumentError("max_model_len", "must be >= 2")
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if checkpoint_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return checkpoint_dtype
+        return torch.float32
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,409 @@
+"""`Engine`: the synchronous core. Add requests, abort them, and step.
+
+Each `step()` schedules, runs the model once, samples, detokenizes, checks stops, and returns
+one `RequestOutput` per request that made progress: the step's new tokens and text for each of
+its samples (deltas, for streaming), and on the last one the finish reasons and usage.
+
+The engine is single-threaded; `AsyncEngine` runs it on a thread of its own for servers, and
+`LLM` drives it to completion for offline batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import GenerationConfig as HFGenerationConfig
+
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
+from headrace.worker.block_manager import BlockManager
+from headrace.worker.config import EngineConfig
+from headrace.worker.detokenizer import Detokenizer
+from headrace.worker.model_runner import ModelRunner, StepResult, kv_block_bytes
+from headrace.worker.model_store import resolve_model
+from headrace.worker.models.registry import load_model
+from headrace.worker.outputs import TokenLogprob, Usage
+from headrace.worker.sampler import Sampler, compute_prompt_logprobs
+from headrace.worker.scheduler import Scheduler, SchedulerOutput
+from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """What one sample of a request gained in one step."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Set on the sample's last delta.
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's progress in one step (a streaming delta)."""
+
+    request_id: str
+    samples: list[SampleDelta] = field(default_factory=list)
+    #: True on the request's last output: every sample has finished.
+    finished: bool = False
+    #: Logprob of each prompt token after the first, once the prompt is fully scored.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    #: On the last output.
+    usage: Usage | None = None
+    #: Why the request failed (finish_reason "error"), on the last output.
+    error: HeadraceError | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    config: GenerationConfig
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    #: Samples 1..n-1 wait here until sample 0 has computed the shared prompt.
+    pending_siblings: list[Sequence]
+    arrival_time: float
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path: Path = resolve_model(config.model)
+        self.device = config.torch_device()
+        loaded = load_model(self.model_path, self._dtype_for(self.model_path), self.device)
+        self.model = loaded.model
+        self.hf_config = loaded.hf_config
+        self.dtype = next(iter(loaded.model.parameters())).dtype  # type: ignore[attr-defined]
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
+        self.vocab_size = self.model.vocab_size
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = self._eos_token_ids()
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, num_blocks)
+        self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d block_size=%d",
+            self.model_path, self.dtype, self.device, num_blocks, config.block_size,
+        )
+
+    # --- set-up -------------------------------------------------------------------------
+
+    def _dtype_for(self, model_path: Path) -> torch.dtype:
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(model_path)
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
+            hf_config, "torch_dtype", None
+        )
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
+        return self.config.torch_dtype(checkpoint_dtype)
+
+    def _max_model_len(self) -> int:
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        limit = self.config.max_model_len or model_max
+        if limit > model_max:
+            raise InvalidArgumentError(
+                "max_model_len", f"{limit} exceeds the model's context of {model_max}"
+            )
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < limit:
+            raise InvalidArgumentError(
+                "max_num_batched_tokens",
+                f"without chunked prefill it must be >= max_model_len ({limit}) so every "
+                "prompt fits one step",
+            )
+        return limit
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        try:
+            generation = HFGenerationConfig.from_pretrained(self.model_path)
+            eos = generation.eos_token_id
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        except OSError:
+            pass  # no generation_config.json
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        block_bytes = kv_block_bytes(self.model, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = int(self.config.cpu_kv_cache_gib * 2**30)
+        # More blocks than every running sequence at full length could use is wasted memory.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(budget // block_bytes, useful))
+
+    # --- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        config: GenerationConfig | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; bad input raises InvalidArgumentError and changes nothing."""
+        config = GenerationConfig() if config is None else config
+        if not isinstance(config, GenerationConfig):
+            raise InvalidArgumentError("config", "must be a GenerationConfig")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError("request_id", "must be a non-empty string")
+        if request_id in self._requests:
+            raise InvalidArgumentError("request_id", f"{request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidArgumentError("priority", f"must be an integer, got {priority!r}")
+        prompt_token_ids = self._prompt_token_ids(prompt)
+        self._check_fits(prompt_token_ids)
+        self._check_token_ids("config.stop_token_ids", list(config.stop_token_ids))
+        request = self._new_request(request_id, prompt_token_ids, config, priority)
+        self._requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its last output (None if unknown)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        output = RequestOutput(request_id)
+        self._finish_all(request, FinishReason.ABORT, output)
+        self._finalize(request, output)
+        return output
+
+    def _finish_all(
+        self, request: _Request, reason: FinishReason, output: RequestOutput
+    ) -> None:
+        """End every unfinished sample of a request, each with a final empty delta."""
+        for seq in request.seqs:
+            if seq.is_finished:
+                continue
+            if seq in request.pending_siblings:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            else:
+                self.scheduler.finish(seq, reason)
+            output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
+
+    def prompt_token_ids(self, request_id: str) -> list[int]:
+        return self._requests[request_id].prompt_token_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgumentError("prompt", "must not be empty")
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, list | tuple):
+            raise InvalidArgumentError("prompt", "must be a string or a list of token ids")
+        if not prompt:
+            raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+        token_ids = list(prompt)
+        self._check_token_ids("prompt_token_ids", token_ids)
+        return token_ids
+
+    def _check_token_ids(self, field_name: str, token_ids: list[int]) -> None:
+        for i, token_id in enumerate(token_ids):
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise InvalidArgumentError(field_name, f"[{i}] is not an integer: {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidArgumentError(
+                    field_name,
+                    f"[{i}] = {token_id} is outside the vocabulary [0, {self.vocab_size})",
+                )
+
+    def _check_fits(self, prompt_token_ids: list[int]) -> None:
+        num_tokens = len(prompt_token_ids)
+        if num_tokens + 1 > self.max_model_len:
+            raise InvalidArgumentError(
+                "prompt",
+                f"has {num_tokens} tokens; the model's context is {self.max_model_len} and must "
+                "hold the prompt plus at least one generated token",
+            )
+        num_blocks = self.block_manager.num_blocks_for(num_tokens + 1)
+        if num_blocks > self.block_manager.num_blocks:
+            raise InvalidArgumentError(
+                "prompt",
+                f"needs {num_blocks} KV blocks but the cache has {self.block_manager.num_blocks}",
+            )
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], config: GenerationConfig, priority: int
+    ) -> _Request:
+        stop_ids = frozenset(config.stop_token_ids)
+        if not config.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        arrival = next(self._arrivals)
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                sample_index=i,
+                config=config,
+                token_ids=list(prompt_token_ids),
+                num_prompt_tokens=len(prompt_token_ids),
+                priority=priority,
+                arrival=arrival,
+                sample_seed=_sample_seed(config.seed, i),
+                stop_token_ids=stop_ids,
+                wants_prompt_logprobs=(i == 0 and config.prompt_logprobs is not None),
+            )
+            for i in range(config.n)
+        ]
+        for seq in seqs:
+            seq.detok_state = self.detokenizer.new_state(prompt_token_ids, config)
+        return _Request(request_id, config, prompt_token_ids, seqs, seqs[1:], time.monotonic())
+
+    # --- stepping -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of every request that progressed."""
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return []
+        try:
+            result = self.runner.execute(step)
+            sampled = (
+                self.sampler(result.sample_logits, [c.seq for c in result.sample_chunks])
+                if result.sample_logits is not None
+                else None
+            )
+        except Exception as exc:  # a fault in the step fails its requests, not the engine
+            logger.exception("engine step failed")
+            return self._fail_step(step, InternalError(f"engine step failed: {exc!r}"))
+        self.scheduler.update_after_step(step)
+        outputs: dict[str, RequestOutput] = {}
+        self._record_prompt_logprobs(result)
+        if sampled is not None:
+            for chunk, token_id, logprob in zip(
+                result.sample_chunks, sampled.token_ids, sampled.logprobs, strict=True
+            ):
+                self._append_token(chunk.seq, token_id, logprob, outputs)
+        return self._collect(outputs)
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        for span in result.prompt_spans:
+            num_top = span.seq.config.prompt_logprobs or 0
+            scored = compute_prompt_logprobs(span.logits, span.target_ids, num_top)
+            del span.seq.prompt_logprobs[span.first_position :]
+            span.seq.prompt_logprobs.extend(scored)
+
+    def _append_token(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        outputs: dict[str, RequestOutput],
+    ) -> None:
+        request = self._requests[seq.request_id]
+        if seq.num_output_tokens == 0 and request.pending_siblings:
+            # The prompt's full blocks are now in the prefix cache: siblings reuse them.
+            for sibling in request.pending_siblings:
+                self.scheduler.add(sibling)
+            request.pending_siblings = []
+        seq.token_ids.append(token_id)
+        delta = SampleDelta(seq.sample_index, [token_id], "")
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            delta.logprobs.append(logprob)
+        text = self.detokenizer.add_tokens(seq.detok_state, [token_id])
+        delta.text = text.text
+        reason = self._finish_reason(seq, token_id, text.stop_string is not None)
+        if reason is not None:
+            if text.stop_string is None:
+                delta.text += self.detokenizer.finish(seq.detok_state)
+            delta.finish_reason = reason
+            self.scheduler.finish(seq, reason)
+        output = outputs.get(seq.request_id)
+        if output is None:
+            output = outputs[seq.request_id] = RequestOutput(seq.request_id)
+        output.samples.append(delta)
+
+    def _finish_reason(self, seq: Sequence, token_id: int, hit_stop_string: bool) -> FinishReason | None:
+        num_output = seq.num_output_tokens
+        if hit_stop_string:
+            return FinishReason.STOP
+        if token_id in seq.stop_token_ids and num_output >= seq.config.min_tokens:
+            return FinishReason.STOP
+        if num_output >= seq.config.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _collect(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
+        for request_id, output in outputs.items():
+            request = self._requests[request_id]
+            self._attach_prompt_logprobs(request, output)
+            if request.is_finished:
+                del self._requests[request_id]
+                self._finalize(request, output)
+        return list(outputs.values())
+
+    def _attach_prompt_logprobs(self, request: _Request, output: RequestOutput) -> None:
+        leader = request.seqs[0]
+        if leader.wants_prompt_logprobs and not request.prompt_logprobs_sent:
+            if len(leader.prompt_logprobs) >= request.seqs[0].num_prompt_tokens - 1:
+                output.prompt_logprobs = list(leader.prompt_logprobs)
+                request.prompt_logprobs_sent = True
+
+    def _finalize(self, request: _Request, output: RequestOutput) -> None:
+        output.finished = True
+        output.usage = Usage(
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_generated_tokens=sum(seq.num_output_tokens for seq in request.seqs),
+            num_cached_tokens=request.seqs[0].num_cached_tokens,
+        )
+        errors = [seq.error for seq in request.seqs if seq.error is not None]
+        if errors:
+            output.error = errors[0] if isinstance(errors[0], HeadraceError) else None
+
+    def _fail_step(self, step: SchedulerOutput, error: HeadraceError) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        for chunk in step.chunks:
+            request = self._requests.get(chunk.seq.request_id)
+            if request is None:
+                continue
+            output = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
+            request.seqs[0].error = error
+            self._finish_all(request, FinishReason.ERROR, output)
+        return self._collect(outputs)
+
+
+def _sample_seed(seed: int | None, sample_index: int) -> int | None:
+    """Sample 0 uses the request's seed as is, so n=1 and sample 0 of n agree."""
+    if seed is None or sample_index == 0:
+        return seed
+    return hash((seed, sample_index)) & (2**63 - 1)

@@ -1,0 +1,218 @@
+"""Builds each engine step from running and waiting sequences.
+
+Design note. Every step has a token budget (`max_num_batched_tokens`) and a cap on running
+sequences (`max_num_seqs`). A sequence is just "tokens not yet computed": a decode has one,
+a prompt has many and is cut into chunks that fit the budget (chunked prefill), so a long
+prompt never stalls running decodes.
+
+1. Running sequences are served first, highest priority then earliest arrival. When the
+   block pool cannot hold a sequence's new tokens, the lowest-priority, latest-arrived running
+   sequence is preempted (blocks freed, recomputed later; its full blocks usually survive in
+   the prefix cache), repeating until it fits or the sequence preempted itself.
+2. Then waiting sequences are admitted in the same order while budget, sequence cap and blocks
+   allow. A waiting sequence of higher priority may preempt running ones of lower priority,
+   even ones already planned into this step (their chunk is taken back).
+
+The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, then calls
+`update_after_step` so computed-token counts and the prefix cache move forward.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass, field
+
+from headrace.worker.block_manager import BlockManager
+from headrace.worker.config import EngineConfig
+from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Run tokens [start, start + num_new_tokens) of seq this step."""
+
+    seq: Sequence
+    #: Position of the first new token (the sequence's computed-token count before the step).
+    start: int
+    num_new_tokens: int
+    #: The chunk reaches the sequence's newest token, so the step samples its successor.
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The whole scheduler -> model runner contract for one step."""
+
+    #: Single-token chunks first (decodes), then multi-token prefill chunks.
+    chunks: list[ScheduledChunk]
+    #: How many leading chunks have exactly one new token.
+    num_decode_seqs: int
+    num_batched_tokens: int
+    #: Sequences preempted while building this step (already back in the waiting queue).
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """The step being built: chunks planned so far and the token budget left."""
+
+    budget: int
+    chunks: dict[int, ScheduledChunk] = field(default_factory=dict)  # by seq_id
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        start = seq.num_computed_tokens
+        samples = start + num_new_tokens == seq.num_tokens
+        self.chunks[seq.seq_id] = ScheduledChunk(seq, start, num_new_tokens, samples)
+        self.budget -= num_new_tokens
+
+    def take_back(self, seq: Sequence) -> None:
+        chunk = self.chunks.pop(seq.seq_id, None)
+        if chunk is not None:
+            self.budget += chunk.num_new_tokens
+
+
+def _order(seq: Sequence) -> tuple[int, int]:
+    """Sort key: higher priority first, then earlier arrival."""
+    return (-seq.priority, seq.arrival)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        #: Sorted by _order; the tail is the first to be preempted.
+        self.running: list[Sequence] = []
+        #: Heap of (order key, seq_id, seq); aborted entries are skipped lazily.
+        self._waiting: list[tuple[tuple[int, int], int, Sequence]] = []
+        self.num_waiting = 0
+        self.num_preemptions = 0
+
+    # --- queue management ----------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (_order(seq), seq.seq_id, seq))
+        self.num_waiting += 1
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence wherever it is and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.WAITING:
+            self.num_waiting -= 1  # its heap entry is dropped lazily
+        elif seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting and self._waiting[0][2].status != SequenceStatus.WAITING:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][2] if self._waiting else None
+
+    def _pop_waiting(self) -> Sequence:
+        _, _, seq = heapq.heappop(self._waiting)
+        self.num_waiting -= 1
+        return seq
+
+    # --- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        chunks = sorted(plan.chunks.values(), key=lambda c: c.num_new_tokens != 1)
+        num_decode_seqs = sum(1 for c in chunks if c.num_new_tokens == 1)
+        num_batched_tokens = self.config.max_num_batched_tokens - plan.budget
+        return SchedulerOutput(chunks, num_decode_seqs, num_batched_tokens, plan.preempted)
+
+    def _chunk_size(self, num_uncomputed: int, budget: int) -> int:
+        """Tokens to run this step out of num_uncomputed, or 0 to wait for a bigger budget."""
+        if num_uncomputed <= budget:
+            return num_uncomputed
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            seq = self.running[i]
+            num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
+            if num_new == 0:
+                i += 1
+                continue
+            needed = self.block_manager.num_new_blocks_needed(seq, num_new)
+            while not self.block_manager.can_allocate(needed):
+                # The tail is never planned yet: planning walks from the front.
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    return
+            self.block_manager.allocate(seq, num_new)
+            plan.add(seq, num_new)
+            i += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None or not self._try_admit(seq, plan):
+                return
+
+    def _try_admit(self, seq: Sequence, plan: _StepPlan) -> bool:
+        """Admit the head of the waiting queue if budget and blocks allow (maybe preempting)."""
+        bm = self.block_manager
+        while True:
+            cached = [] if seq.wants_prompt_logprobs else bm.match_prefix(seq)
+            num_cached_tokens = len(cached) * bm.block_size
+            num_new = self._chunk_size(seq.num_tokens - num_cached_tokens, plan.budget)
+            if num_new == 0:
+                return False
+            num_new_blocks = bm.num_blocks_for(num_cached_tokens + num_new) - len(cached)
+            if bm.can_allocate(bm.cost_of(cached, num_new_blocks)):
+                break
+            victim = self.running[-1] if self.running else None
+            if victim is None or victim.priority >= seq.priority:
+                return False
+            self._preempt(victim, plan)
+        self._pop_waiting()
+        bm.take_cached(seq, cached)
+        if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_cached_tokens
+        bm.allocate(seq, num_new)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_order)
+        plan.add(seq, num_new)
+        return True
+
+    def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
+        """Free seq's blocks and queue it to be recomputed from its first token."""
+        plan.take_back(seq)
+        plan.preempted.append(seq)
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # --- after the step ------------------------------------------------------------------
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """Count the chunks' tokens as computed and register blocks they filled."""
+        block_size = self.block_manager.block_size
+        for chunk in output.chunks:
+            seq = chunk.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + chunk.num_new_tokens
+            if seq.num_computed_tokens // block_size != before // block_size:
+                self.block_manager.commit_full_blocks(seq)
