@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from headrace.kernels import reference
 
 

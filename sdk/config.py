@@ -128,5 +128,7 @@ def _check_float(
     too_low = v <= low if low_open else v < low
     if not math.isfinite(v) or too_low or (high is not None and v > high):
         left = "(" if low_open else "["
-        bounds = f"in {left}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
+        bounds = (
+            f"in {left}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
+        )
         raise InvalidArgumentError(name, f"must be a finite number {bounds}, got {value}")

@@ -27,7 +27,17 @@ _EXPORTS = {
     "GenerationResult": "llm",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "GenerationResult",
+    "OutputStream",
+    "RequestOutput",
+    "SampleDelta",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from headrace.sdk.errors import InvalidArgumentError
 
 _DTYPES = {

@@ -17,9 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers import GenerationConfig as HFGenerationConfig
-
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
 from headrace.worker.block_manager import BlockManager
@@ -32,6 +29,8 @@ from headrace.worker.outputs import TokenLogprob, Usage
 from headrace.worker.sampler import Sampler, compute_prompt_logprobs
 from headrace.worker.scheduler import Scheduler, SchedulerOutput
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import GenerationConfig as HFGenerationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +99,23 @@ class Engine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, num_blocks)
+        self.runner = ModelRunner(
+            self.model, self.device, self.dtype, config.block_size, num_blocks
+        )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._requests: dict[str, _Request] = {}
+        #: The most recent step's plan, for benchmarks and metrics.
+        self.last_step: SchedulerOutput | None = None
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d block_size=%d",
-            self.model_path, self.dtype, self.device, num_blocks, config.block_size,
+            self.model_path,
+            self.dtype,
+            self.device,
+            num_blocks,
+            config.block_size,
         )
 
     # --- set-up -------------------------------------------------------------------------
@@ -200,9 +207,7 @@ class Engine:
         self._finalize(request, output)
         return output
 
-    def _finish_all(
-        self, request: _Request, reason: FinishReason, output: RequestOutput
-    ) -> None:
+    def _finish_all(self, request: _Request, reason: FinishReason, output: RequestOutput) -> None:
         """End every unfinished sample of a request, each with a final empty delta."""
         for seq in request.seqs:
             if seq.is_finished:
@@ -293,6 +298,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of every request that progressed."""
         step = self.scheduler.schedule()
+        self.last_step = step
         if step.is_empty:
             return []
         try:
@@ -353,7 +359,9 @@ class Engine:
             output = outputs[seq.request_id] = RequestOutput(seq.request_id)
         output.samples.append(delta)
 
-    def _finish_reason(self, seq: Sequence, token_id: int, hit_stop_string: bool) -> FinishReason | None:
+    def _finish_reason(
+        self, seq: Sequence, token_id: int, hit_stop_string: bool
+    ) -> FinishReason | None:
         num_output = seq.num_output_tokens
         if hit_stop_string:
             return FinishReason.STOP
@@ -374,10 +382,11 @@ class Engine:
 
     def _attach_prompt_logprobs(self, request: _Request, output: RequestOutput) -> None:
         leader = request.seqs[0]
-        if leader.wants_prompt_logprobs and not request.prompt_logprobs_sent:
-            if len(leader.prompt_logprobs) >= request.seqs[0].num_prompt_tokens - 1:
-                output.prompt_logprobs = list(leader.prompt_logprobs)
-                request.prompt_logprobs_sent = True
+        if not leader.wants_prompt_logprobs or request.prompt_logprobs_sent:
+            return
+        if len(leader.prompt_logprobs) >= leader.num_prompt_tokens - 1:
+            output.prompt_logprobs = list(leader.prompt_logprobs)
+            request.prompt_logprobs_sent = True
 
     def _finalize(self, request: _Request, output: RequestOutput) -> None:
         output.finished = True

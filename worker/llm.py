@@ -1,8 +1,8 @@
 """`LLM`: the offline batch API (RLHF rollouts, evaluation).
 
-    llm = LLM("smollm2-135m-instruct", dtype="bfloat16")
-    results = llm.generate(["Hello", "The capital of France is"], GenerationConfig(max_tokens=32))
-    print(results[0].text)
+llm = LLM("smollm2-135m-instruct", dtype="bfloat16")
+results = llm.generate(["Hello", "The capital of France is"], GenerationConfig(max_tokens=32))
+print(results[0].text)
 """
 
 from __future__ import annotations
@@ -132,8 +132,10 @@ class LLM:
 def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, list | tuple) and prompts and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompts
+    if (
+        isinstance(prompts, list | tuple)
+        and prompts
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
     ):
         return [list(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, list | tuple) or not prompts:
@@ -149,7 +151,5 @@ def _configs_for(
     if isinstance(config, GenerationConfig):
         return [config] * len(batch)
     if len(config) != len(batch):
-        raise InvalidArgumentError(
-            "config", f"got {len(config)} configs for {len(batch)} prompts"
-        )
+        raise InvalidArgumentError("config", f"got {len(config)} configs for {len(batch)} prompts")
     return list(config)

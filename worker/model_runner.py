@@ -13,7 +13,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
 from headrace.kernels import AttentionMetadata
 from headrace.worker.scheduler import ScheduledChunk, SchedulerOutput
 from headrace.worker.sequence import Sequence
@@ -147,8 +146,12 @@ class ModelRunner:
                 span = _prompt_logprob_span(seq, start, end)
                 if span is not None:
                     first_position, count = span
-                    prompt_rows.append((chunk, first_position, first_row + first_position - start, count))
-        metadata = self._metadata(chunks, positions, query_start_loc, seq_lens, step.num_decode_seqs)
+                    prompt_rows.append(
+                        (chunk, first_position, first_row + first_position - start, count)
+                    )
+        metadata = self._metadata(
+            chunks, positions, query_start_loc, seq_lens, step.num_decode_seqs
+        )
         return _Batch(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

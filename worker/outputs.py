@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headrace.worker.sequence import FinishReason
-
 
 @dataclass(slots=True)
 class TokenLogprob:

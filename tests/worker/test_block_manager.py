@@ -1,4 +1,5 @@
 from headrace.worker.block_manager import BlockManager
+
 from tests.worker.seqs import make_seq
 
 
@@ -15,7 +16,7 @@ def admit(bm: BlockManager, seq, num_new: int | None = None) -> list[int]:
 
 def test_allocate_and_free_return_every_block():
     bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-    seq = make_seq(10)
+    seq = make_seq(list(range(10)))
     admit(bm, seq)
     assert len(seq.block_ids) == 3 and len(set(seq.block_ids)) == 3
     assert bm.num_free_blocks == 5
@@ -38,9 +39,9 @@ def test_second_sequence_with_shared_prefix_reuses_full_blocks():
 
 def test_a_whole_cached_prompt_still_computes_its_last_token():
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    first = make_seq(8)
+    first = make_seq(list(range(8)))
     admit(bm, first)
-    again = make_seq(8)
+    again = make_seq(list(range(8)))
     cached = bm.match_prefix(again)
     # Two full blocks are cached, but one must be left so the step yields logits.
     assert len(cached) == 1

@@ -1,0 +1,199 @@
+"""The offline and streaming APIs: stops, logprobs, bad input, streaming == offline."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from headrace.sdk import GenerationConfig, InvalidArgumentError
+from headrace.worker import LLM, AsyncEngine, EngineConfig
+from transformers import AutoModelForCausalLM
+
+from tests.factories import build_checkpoint, hf_greedy
+
+PROMPT = [5, 17, 42, 99, 7, 64, 23, 11]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("api"), family="llama")
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt), dtype="float32", max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt):
+    return hf_greedy(ckpt, [PROMPT], 12)[0]
+
+
+def greedy(**kw) -> GenerationConfig:
+    return GenerationConfig(temperature=0.0, **{"max_tokens": 12, "ignore_eos": True, **kw})
+
+
+def test_stop_token_id_ends_the_sample_and_is_kept(llm, expected):
+    stop_at = next(i for i, t in enumerate(expected) if i >= 3 and t not in expected[:i])
+    result = llm.generate([PROMPT], greedy(stop_token_ids=[expected[stop_at]]))[0]
+    assert result.token_ids == expected[: stop_at + 1]
+    assert result.finish_reason == "stop"
+
+
+def test_min_tokens_holds_back_a_stop_token(llm, expected):
+    result = llm.generate([PROMPT], greedy(stop_token_ids=[expected[0]], min_tokens=4))[0]
+    assert len(result.token_ids) >= 4
+
+
+def test_eos_ends_the_sample_unless_ignored(llm, expected):
+    eos = min(llm.engine.eos_token_ids)
+    prompt_ending_in_eos_context = PROMPT
+    result = llm.generate([prompt_ending_in_eos_context], greedy(ignore_eos=True))[0]
+    assert len(result.token_ids) == 12
+    # Make the oracle's 3rd token an EOS for this engine: the sample must stop there.
+    llm.engine.eos_token_ids = frozenset({expected[2]})
+    try:
+        stopped = llm.generate([PROMPT], GenerationConfig(temperature=0.0, max_tokens=12))[0]
+    finally:
+        llm.engine.eos_token_ids = frozenset({eos})
+    assert stopped.token_ids[-1] == expected[2] and stopped.finish_reason == "stop"
+
+
+def test_text_is_the_decoded_tokens_and_a_stop_string_cuts_it(llm, expected):
+    full = llm.generate([PROMPT], greedy())[0]
+    assert full.text == llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = llm.generate([PROMPT], greedy(stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate([PROMPT], greedy(stop=[stop], include_stop_str_in_output=True))[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_max_model_len_ends_a_sample_with_length(llm):
+    prompt = list(range(3, 3 + 60))
+    result = llm.generate([prompt], greedy(max_tokens=50))[0]
+    assert len(result.token_ids) == 64 - 60 and result.finish_reason == "length"
+
+
+def hf_log_softmax(ckpt, token_ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_logprobs_match_the_oracle_distribution(llm, ckpt, expected):
+    result = llm.generate([PROMPT], greedy(logprobs=3, prompt_logprobs=2))[0]
+    reference = hf_log_softmax(ckpt, PROMPT + expected)
+    n = len(PROMPT)
+    for i, lp in enumerate(result.logprobs):
+        row = reference[n - 1 + i]
+        assert lp.token_id == expected[i]
+        assert math.isclose(lp.logprob, row[expected[i]].item(), abs_tol=1e-4)
+        top = torch.topk(row, 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+    assert len(result.prompt_logprobs) == n - 1
+    for k, lp in enumerate(result.prompt_logprobs):
+        assert lp.token_id == PROMPT[k + 1]
+        assert math.isclose(lp.logprob, reference[k][PROMPT[k + 1]].item(), abs_tol=1e-4)
+        assert len(lp.top) == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "field"),
+    [
+        ("", "prompt"),
+        ([], "prompt_token_ids"),
+        ([1, 2, -1], "prompt_token_ids"),
+        ([1, 10**9], "prompt_token_ids"),
+        (list(range(3, 3 + 64)), "prompt"),
+    ],
+)
+def test_bad_prompts_name_the_field_and_the_engine_keeps_serving(llm, expected, prompt, field):
+    with pytest.raises(InvalidArgumentError) as info:
+        llm.generate([PROMPT, prompt], greedy())
+    assert info.value.field == field
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([PROMPT], greedy())[0].token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": 100}, "logprobs"),
+    ],
+)
+def test_bad_generation_config_names_the_field(options, field):
+    with pytest.raises(InvalidArgumentError) as info:
+        GenerationConfig(**options)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_streaming_equals_offline_and_bad_input_stays_in_band(ckpt, llm):
+    prompts = [PROMPT, PROMPT[:3], list(range(20, 50))]
+    offline = [r.token_ids for r in llm.generate(prompts, greedy())]
+    offline_text = [r.text for r in llm.generate(prompts, greedy())]
+    engine = AsyncEngine(EngineConfig(str(ckpt), dtype="float32", max_model_len=64))
+
+    async def collect(i: int, prompt) -> tuple[list[int], str]:
+        tokens, text = [], ""
+        async for output in engine.generate(f"s{i}", prompt, greedy()):
+            for delta in output.samples:
+                tokens.extend(delta.token_ids)
+                text += delta.text
+        return tokens, text
+
+    async def main():
+        good = [asyncio.create_task(collect(i, p)) for i, p in enumerate(prompts)]
+        with pytest.raises(InvalidArgumentError) as info:
+            await collect(99, [10**9])
+        assert info.value.field == "prompt_token_ids"
+        return await asyncio.gather(*good)
+
+    try:
+        streamed = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [tokens for tokens, _ in streamed] == offline
+    assert [text for _, text in streamed] == offline_text
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_leaving_a_stream_early_aborts_the_request(ckpt):
+    engine = AsyncEngine(EngineConfig(str(ckpt), dtype="float32"))
+
+    async def main():
+        stream = engine.generate("early", PROMPT, greedy(max_tokens=200))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):  # the abort is applied by the engine thread
+            if not engine.engine.has_unfinished_requests():
+                return
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert not engine.engine.has_unfinished_requests()
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
