@@ -1,0 +1,340 @@
+"""Incremental detokenization: token ids in, text deltas out, stop strings matched on the text.
+
+What the deltas of one sequence add up to (deltas + `finish()`, when no stop string matched):
+
+* Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM2):
+  ``tokenizer.decode(output_ids, skip_special_tokens=...)``. Fast path: every token id's
+  bytes are computed once from the vocab, and a UTF-8 decoder with carry-over turns the byte
+  stream into text, so a character whose bytes span several tokens appears whole once its last
+  byte arrives (never as U+FFFD before that). Special tokens are found by id: skipped ones
+  leave the byte stream untouched, kept ones (and other added tokens) are written verbatim and
+  end the byte run, as ``decode`` does.
+* Any other tokenizer (SentencePiece / Metaspace, WordPiece, ...):
+  ``decode(tail + output_ids)[len(decode(tail)):]`` where ``tail`` is the prompt's last
+  `PROMPT_TAIL_TOKENS` ids, so a leading "▁" becomes a space after the prompt. Generic path:
+  vLLM's prefix/read offsets -- decode a short window of recent ids each step and emit what
+  grew past the window's already-emitted prefix, unless it ends in U+FFFD (bytes still
+  arriving). Emitted text is never taken back, so a decoder whose text for earlier ids depends
+  on later ones (ByteFallback turning a whole invalid byte run into U+FFFDs, clean-up of " .")
+  can differ from the one-shot decode on such sequences.
+
+Stop strings (design note). A sequence stops as soon as its text contains a stop string: the
+match that ends first wins, and of matches ending at the same character the longest. The text
+is cut just before it (just after it with include_stop_str_in_output); nothing after the cut is
+ever emitted. Without include_stop_str_in_output the longest suffix of the unemitted text that
+is a proper prefix of a stop string is held back, because it may still become a stop; a later
+call releases it once it cannot, and `finish()` releases it when the sequence ends otherwise.
+With include_stop_str_in_output nothing needs holding: a partial stop is output either way.
+Matching only needs the text's last ``max(len(stop)) - 1`` characters (the window) plus the new
+text, so each call costs O(new text + window), not O(text).
+"""
+
+from __future__ import annotations
+
+import functools
+from codecs import utf_8_decode
+from dataclasses import dataclass, field
+
+import tokenizers
+from headrace.sdk.config import GenerationConfig
+from tokenizers import decoders, models
+from transformers import PreTrainedTokenizerBase
+
+#: Prompt ids decoded ahead of the output on the generic path (vLLM uses the same 5).
+PROMPT_TAIL_TOKENS = 5
+
+
+@dataclass(slots=True)
+class TextDelta:
+    #: New text safe to stream now (may be "").
+    text: str
+    #: The stop string matched in this call, if any; the sequence must then stop.
+    stop_string: str | None
+
+
+class _ByteStream:
+    """Fast path: text of a byte-level BPE sequence from per-id bytes and a UTF-8 carry-over."""
+
+    __slots__ = ("added", "pending", "pieces")
+
+    def __init__(self, pieces: list[str | bytes | None], added: dict[int, str]) -> None:
+        #: Per token id: its text when its bytes are valid UTF-8 alone, else its bytes;
+        #: None for an added token written verbatim (its text is in `added`).
+        self.pieces = pieces
+        self.added = added
+        #: Bytes of a character still arriving (at most 3).
+        self.pending = b""
+
+    def decode(self, token_ids: list[int]) -> str:
+        text = ""
+        for token_id in token_ids:
+            try:
+                piece = self.pieces[token_id]
+            except IndexError:
+                continue  # an id past the vocab (padded embedding row): decode drops it too
+            if isinstance(piece, str) and not self.pending:
+                text += piece
+            elif piece is None:
+                text += self.flush() + self.added[token_id]
+            else:
+                data = piece if isinstance(piece, bytes) else piece.encode()
+                text += self._decode_bytes(data)
+        return text
+
+    def flush(self) -> str:
+        """Ends the byte run: an incomplete character becomes U+FFFD, as in a one-shot decode."""
+        if not self.pending:
+            return ""
+        text = utf_8_decode(self.pending, "replace", True)[0]
+        self.pending = b""
+        return text
+
+    def _decode_bytes(self, data: bytes) -> str:
+        data = self.pending + data
+        text, num_consumed = utf_8_decode(data, "replace", False)
+        self.pending = data[num_consumed:]
+        return text
+
+
+class _OffsetWindow:
+    """Generic path: vLLM's prefix/read offsets over any tokenizer's ``decode``."""
+
+    __slots__ = ("num_prefix_ids", "prefix_text", "skip_special_tokens", "token_ids", "tokenizer")
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        #: The window: ids whose text was emitted (the prefix), then ids not yet emitted.
+        self.token_ids = list(prompt_token_ids[-PROMPT_TAIL_TOKENS:])
+        self.num_prefix_ids = len(self.token_ids)
+        self.prefix_text = self._decode()
+
+    def decode(self, token_ids: list[int]) -> str:
+        self.token_ids.extend(token_ids)
+        text = self._decode()
+        if len(text) <= len(self.prefix_text) or text.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character's bytes are still arriving
+        new_text = text[len(self.prefix_text) :]
+        # The ids just emitted become the next window's prefix.
+        del self.token_ids[: self.num_prefix_ids]
+        self.num_prefix_ids = len(self.token_ids)
+        self.prefix_text = self._decode()
+        return new_text
+
+    def flush(self) -> str:
+        return self._decode()[len(self.prefix_text) :]
+
+    def _decode(self) -> str:
+        if not self.token_ids:
+            return ""
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        assert isinstance(text, str)
+        return text
+
+
+class _StopMatcher:
+    """Finds stop strings in window + new text, and how much of it to hold back."""
+
+    __slots__ = ("first_chars", "prefixes", "stops", "window_len")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        #: Every proper prefix of every stop string.
+        self.prefixes = frozenset(s[:i] for s in stops for i in range(1, len(s)))
+        self.first_chars = frozenset(s[0] for s in stops)
+        #: Characters of text a stop string can still reach back into.
+        self.window_len = max(map(len, stops)) - 1
+
+    def find(self, text: str) -> tuple[str, int] | None:
+        """The match ending first (longest on a tie) as (stop string, end), or None."""
+        best: tuple[str, int] | None = None
+        for stop in self.stops:
+            start = text.find(stop)
+            if start < 0:
+                continue
+            end = start + len(stop)
+            if best is None or end < best[1] or (end == best[1] and len(stop) > len(best[0])):
+                best = (stop, end)
+        return best
+
+    def num_held(self, text: str, start: int) -> int:
+        """Length of the longest suffix of text[start:] that is a proper prefix of a stop."""
+        low = max(start, len(text) - self.window_len)
+        best = len(text)
+        for char in self.first_chars:
+            i = text.find(char, low)
+            while 0 <= i < best:
+                if text[i:] in self.prefixes:
+                    best = i
+                    break
+                i = text.find(char, i + 1)
+        return len(text) - best
+
+
+@functools.lru_cache(maxsize=1024)
+def _stop_matcher(stops: tuple[str, ...]) -> _StopMatcher | None:
+    return _StopMatcher(stops) if stops else None
+
+
+@dataclass(slots=True, eq=False)
+class DetokenizerState:
+    """One sequence's detokenization; owned by the `Detokenizer` that made it."""
+
+    source: _ByteStream | _OffsetWindow
+    #: None when the request has no stop strings.
+    stop_matcher: _StopMatcher | None
+    include_stop_str: bool
+    #: The last `window_len` characters of text seen; its last `num_held` are not emitted yet.
+    window: str = ""
+    num_held: int = 0
+    #: The stop string that ended the sequence, if one did.
+    stop_string: str | None = None
+    #: A stop string matched or `finish()` ran: later calls emit nothing.
+    is_done: bool = False
+    _emitted: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._emitted) > 1:
+            self._emitted[:] = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
+
+
+class Detokenizer:
+    """Turns each sequence's new token ids into text deltas; one per engine."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        tables = _byte_level_tables(tokenizer)
+        #: Fast-path pieces per skip_special_tokens value, or None on the generic path.
+        self._pieces: dict[bool, list[str | bytes | None]] | None = None
+        self._added: dict[int, str] = {}
+        if tables is not None:
+            pieces, added, special_ids = tables
+            keep = list(pieces)
+            for token_id in added:
+                keep[token_id] = None
+            skip = list(keep)
+            for token_id in special_ids:
+                skip[token_id] = ""  # skipped: the byte run goes on across it
+            self._pieces = {False: keep, True: skip}
+            self._added = added
+
+    @property
+    def is_byte_level(self) -> bool:
+        """Whether the fast path serves this tokenizer."""
+        return self._pieces is not None
+
+    def new_state(self, prompt_token_ids: list[int], config: GenerationConfig) -> DetokenizerState:
+        source: _ByteStream | _OffsetWindow
+        if self._pieces is not None:
+            source = _ByteStream(self._pieces[config.skip_special_tokens], self._added)
+        else:
+            source = _OffsetWindow(self.tokenizer, prompt_token_ids, config.skip_special_tokens)
+        return DetokenizerState(
+            source, _stop_matcher(config.stop), config.include_stop_str_in_output
+        )
+
+    def add_tokens(self, state: DetokenizerState, token_ids: list[int]) -> TextDelta:
+        """The text the newly generated token_ids make safe to stream, and any stop matched."""
+        if state.is_done:
+            return TextDelta("", None)
+        return _release(state, state.source.decode(token_ids), is_final=False)
+
+    def finish(self, state: DetokenizerState) -> str:
+        """The sequence ended other than by a stop string: the text still held back."""
+        if state.is_done:
+            return ""
+        text = _release(state, state.source.flush(), is_final=True).text
+        state.is_done = True
+        return text
+
+
+def _release(state: DetokenizerState, new_text: str, is_final: bool) -> TextDelta:
+    """Emits new_text minus any stop string and what follows it, holding back partial stops."""
+    matcher = state.stop_matcher
+    if matcher is None:
+        if new_text:
+            state._emitted.append(new_text)
+        return TextDelta(new_text, None)
+    text = state.window + new_text
+    start = len(state.window) - state.num_held  # first character not yet emitted
+    match = matcher.find(text)
+    if match is not None:
+        stop, end = match
+        cut = end if state.include_stop_str else end - len(stop)
+        state.stop_string = stop
+        state.is_done = True
+        return _emit(state, text[start:cut], stop)
+    num_held = 0
+    if not (is_final or state.include_stop_str):
+        num_held = matcher.num_held(text, start)
+    state.window = text[max(0, len(text) - matcher.window_len) :]
+    state.num_held = num_held
+    return _emit(state, text[start : len(text) - num_held], None)
+
+
+def _emit(state: DetokenizerState, text: str, stop_string: str | None) -> TextDelta:
+    if text:
+        state._emitted.append(text)
+    return TextDelta(text, stop_string)
+
+
+# --- byte-level vocab -----------------------------------------------------------------------
+
+
+def _byte_level_tables(
+    tokenizer: PreTrainedTokenizerBase,
+) -> tuple[list[str | bytes | None], dict[int, str], list[int]] | None:
+    """Per-id pieces, added tokens' text by id, special ids -- or None unless byte-level.
+
+    Mirrors ``tokenizers``' ``decode``: a model token's characters map back to bytes through
+    the GPT-2 byte-to-unicode table (a token with a character outside it is its own UTF-8);
+    added tokens are written verbatim. Only used where ``tokenizer.decode`` is exactly that:
+    a plain ByteLevel decoder and no clean-up of spaces (transformers 5 skips the clean-up
+    for BPE models unless told to corrupt their output).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(backend, tokenizers.Tokenizer):
+        return None
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)) and (
+        not isinstance(backend.model, models.BPE) or bool(getattr(tokenizer, forced, False))
+    )
+    if cleans_up:
+        return None
+    vocab = backend.get_vocab(with_added_tokens=False)
+    added_tokens = backend.get_added_tokens_decoder()
+    num_ids = max([*vocab.values(), *added_tokens.keys()], default=-1) + 1
+    pieces: list[str | bytes | None] = [""] * num_ids  # ids with no token decode to nothing
+    byte_of = _unicode_to_byte()
+    for token, token_id in vocab.items():
+        try:
+            data = bytes([byte_of[char] for char in token])
+        except KeyError:
+            data = token.encode()
+        try:
+            pieces[token_id] = data.decode()
+        except UnicodeDecodeError:
+            pieces[token_id] = data
+    added = {token_id: token.content for token_id, token in added_tokens.items()}
+    special_ids = [token_id for token_id, token in added_tokens.items() if token.special]
+    return pieces, added, special_ids
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: printable bytes stand for themselves, the rest
+    (controls, space, 0x7F-0xA0, 0xAD) for code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    byte_of = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    byte_of.update({chr(256 + i): b for i, b in enumerate(others)})
+    return byte_of
