@@ -86,10 +86,10 @@ class Engine:
         self.config = config
         self.model_path: Path = resolve_model(config.model)
         self.device = config.torch_device()
-        loaded = load_model(self.model_path, self._dtype_for(self.model_path), self.device)
+        self.dtype = self._dtype_for(self.model_path)
+        loaded = load_model(self.model_path, self.dtype, self.device)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
-        self.dtype = next(iter(loaded.model.parameters())).dtype  # type: ignore[attr-defined]
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self._max_model_len()
@@ -299,8 +299,13 @@ class Engine:
         """Run one engine step; returns the outputs of every request that progressed."""
         step = self.scheduler.schedule()
         self.last_step = step
-        if step.is_empty:
-            return []
+        outputs: dict[str, RequestOutput] = {}
+        for seq in step.out_of_blocks:
+            text = self.detokenizer.finish(seq.detok_state)
+            delta = SampleDelta(seq.sample_index, [], text, [], FinishReason.LENGTH)
+            outputs.setdefault(seq.request_id, RequestOutput(seq.request_id)).samples.append(delta)
+        if not step.chunks:
+            return self._collect(outputs)
         try:
             result = self.runner.execute(step)
             sampled = (
@@ -310,9 +315,9 @@ class Engine:
             )
         except Exception as exc:  # a fault in the step fails its requests, not the engine
             logger.exception("engine step failed")
-            return self._fail_step(step, InternalError(f"engine step failed: {exc!r}"))
+            failed = self._fail_step(step, InternalError(f"engine step failed: {exc!r}"))
+            return self._collect(outputs) + failed
         self.scheduler.update_after_step(step)
-        outputs: dict[str, RequestOutput] = {}
         self._record_prompt_logprobs(result)
         if sampled is not None:
             for chunk, token_id, logprob in zip(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import cast
 
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.config import EngineConfig
@@ -36,14 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
     prompt: str | list[int] = args.prompt
     if not args.raw and engine.tokenizer.chat_template:
-        prompt = list(
-            engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": args.prompt}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
+        ids = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
+        prompt = [int(t) for t in cast(list[int], ids)]
     start = time.perf_counter()
     engine.add_request("cli", prompt, config)
     num_tokens, reason = 0, None

@@ -137,7 +137,7 @@ def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
         and prompts
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
     ):
-        return [list(prompts)]  # one prompt given as token ids
+        return [[int(t) for t in prompts]]  # type: ignore[arg-type]  # one prompt of token ids
     if not isinstance(prompts, list | tuple) or not prompts:
         raise InvalidArgumentError("prompts", "must be a prompt or a non-empty list of prompts")
     return list(prompts)  # type: ignore[arg-type]

@@ -51,10 +51,12 @@ class SchedulerOutput:
     num_batched_tokens: int
     #: Sequences preempted while building this step (already back in the waiting queue).
     preempted: list[Sequence] = field(default_factory=list)
+    #: Sequences that outgrew the whole KV pool: finished with reason LENGTH, blocks freed.
+    out_of_blocks: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.out_of_blocks
 
 
 @dataclass(slots=True)
@@ -64,6 +66,7 @@ class _StepPlan:
     budget: int
     chunks: dict[int, ScheduledChunk] = field(default_factory=dict)  # by seq_id
     preempted: list[Sequence] = field(default_factory=list)
+    out_of_blocks: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         start = seq.num_computed_tokens
@@ -135,7 +138,9 @@ class Scheduler:
         chunks = sorted(plan.chunks.values(), key=lambda c: c.num_new_tokens != 1)
         num_decode_seqs = sum(1 for c in chunks if c.num_new_tokens == 1)
         num_batched_tokens = self.config.max_num_batched_tokens - plan.budget
-        return SchedulerOutput(chunks, num_decode_seqs, num_batched_tokens, plan.preempted)
+        return SchedulerOutput(
+            chunks, num_decode_seqs, num_batched_tokens, plan.preempted, plan.out_of_blocks
+        )
 
     def _chunk_size(self, num_uncomputed: int, budget: int) -> int:
         """Tokens to run this step out of num_uncomputed, or 0 to wait for a bigger budget."""
@@ -153,6 +158,11 @@ class Scheduler:
                 continue
             needed = self.block_manager.num_new_blocks_needed(seq, num_new)
             while not self.block_manager.can_allocate(needed):
+                if len(self.running) == 1:
+                    # Alone and still too big for the pool: recomputing would loop forever.
+                    self.finish(seq, FinishReason.LENGTH)
+                    plan.out_of_blocks.append(seq)
+                    return
                 # The tail is never planned yet: planning walks from the front.
                 victim = self.running[-1]
                 self._preempt(victim, plan)

@@ -19,14 +19,14 @@ from tests.factories import build_checkpoint, hf_greedy
 MAX_TOKENS = 10
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
-# Engine options per batch composition. "preempting" gives the pool 12 blocks of 4 tokens
-# for 6 sequences that need up to 13 each, so preemption must happen.
+# Engine options per batch composition. "preempting" gives the pool 14 blocks of 4 tokens
+# for 6 sequences that need 1 to 13 each (34 in all), so preemption must happen.
 COMPOSITIONS = {
     "chunked-8": dict(max_num_batched_tokens=8),
     "unchunked": dict(enable_chunked_prefill=False, max_num_batched_tokens=512),
     "block-1": dict(block_size=1, max_num_batched_tokens=16),
     "block-16": dict(block_size=16),
-    "preempting": dict(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16),
+    "preempting": dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16),
 }
 
 

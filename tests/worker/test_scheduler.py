@@ -133,3 +133,14 @@ def test_finish_frees_blocks_wherever_the_sequence_is():
     assert scheduler.block_manager.num_free_blocks == 8
     assert not scheduler.has_work()
     assert scheduler.schedule().is_empty
+
+
+def test_sequence_outgrowing_the_whole_pool_finishes_instead_of_preempting_itself_forever():
+    scheduler = make_scheduler(num_blocks=2, block_size=4, max_num_batched_tokens=64)
+    seq = make_seq(8)  # fills both blocks; its first decode needs a third
+    scheduler.add(seq)
+    run_step(scheduler)
+    step = run_step(scheduler)
+    assert step.out_of_blocks == [seq] and step.chunks == [] and step.preempted == []
+    assert seq.finish_reason == FinishReason.LENGTH
+    assert scheduler.block_manager.num_free_blocks == 2 and not scheduler.has_work()
