@@ -31,16 +31,6 @@ from safetensors.torch import load_file
 SPEC = KNOWN_MODELS[DEFAULT_MODEL]
 
 
-@pytest.fixture(scope="module")
-def prepared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache root holding the really prepared default model."""
-    root = tmp_path_factory.mktemp("headrace-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(CACHE_ENV, str(root))
-        prepare_model(progress=False)
-    return root
-
-
 @pytest.fixture
 def prepared(prepared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The prepared default model's folder, with HEADRACE_CACHE pointing at its cache."""
