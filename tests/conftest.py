@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from headrace.worker.model_store import CACHE_ENV, DEFAULT_MODEL, model_dir, prepare_model
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from headrace.sdk import GenerationConfig
 from headrace.worker import LLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [
     "The capital of France is",

@@ -1,0 +1,250 @@
+"""Tiny Hugging Face checkpoints, a tokenizer, and the transformers oracle, for tests.
+
+Everything is built on the fly (no hub): a byte-level BPE tokenizer trained in milliseconds on
+a built-in corpus, random weights for one of the Llama-family model classes, and
+`hf_greedy`, which runs transformers itself on the same checkpoint as the source of truth.
+
+Two ways to get a checkpoint:
+
+- ``build_checkpoint(tmp_path_factory.mktemp("llama"), family="llama")`` in a fixture, or
+- ``cached_checkpoint(family="llama", ...)``: same arguments without the path; each distinct
+  set is built once per test session under a temporary directory removed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+TOKENIZER_VOCAB_SIZE = 512
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the warm afternoon sun, "
+    "and the fox runs back into the forest before the farmer wakes up.",
+    "Once upon a time there was a little town by the sea. Every morning the fishermen went "
+    "out in their boats, and every evening they came home with nets full of silver fish.",
+    "A serving engine batches requests from many users. It schedules prompts and decodes, "
+    "keeps keys and values in a paged cache, and streams tokens back as soon as they exist.",
+    "Numbers and symbols appear too: 0 1 2 3 4 5 6 7 8 9, 42, 3.14, 100%, (a + b) * c = d; "
+    "email me at someone@example.com or visit https://example.org/path?query=1.",
+    "She said, \"I don't think it's going to rain today.\" He replied, 'Let's hope not!' "
+    "They walked to the market, bought bread, cheese, apples and tea, then went home.",
+    "In the café, a naïve poet ordered a crème brûlée and wrote about the façade of the old "
+    "théâtre. Über alles, señor, the piñata was jalapeño flavoured.",
+    "日本語のテキストも少し含めます。東京は大きな都市です。今日は良い天気ですね。",
+    "Emoji make multi-byte tokens: 🙂 😀 🚀 🎉 ❤️ 👍 — and some Greek: αβγ δέλτα, "
+    "and Cyrillic: привет мир, and Arabic: مرحبا.",
+    "def greet(name):\n    return f'Hello, {name}!'\n\nfor i in range(3):\n    print(greet(i))\n",
+]
+
+# (config class, model class); Any because transformers' own annotations do not type-check.
+_HF_CLASSES: dict[str, tuple[Any, Any]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+#: Random-weight scale. Larger than a trained init (0.02) so logits are peaked: greedy
+#: output varies from token to token, and near-ties (where two implementations could
+#: legitimately pick different argmaxes) are rare.
+WEIGHT_STD = 0.15
+
+
+def build_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Train a deterministic byte-level BPE tokenizer on CORPUS and save it into ``path``."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=EOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+    )
+    wrapped.save_pretrained(str(path))
+    return wrapped
+
+
+def build_checkpoint(
+    path: str | Path,
+    family: Family = "llama",
+    *,
+    dtype: torch.dtype = torch.float32,
+    tie_word_embeddings: bool = False,
+    sharded: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """A tiny random checkpoint of ``family`` with a tokenizer, saved into ``path``."""
+    path = Path(path)
+    tokenizer = build_tokenizer(path)
+    config_class, model_class = _HF_CLASSES[family]
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        rope_parameters=_rope_parameters(rope_scaling),
+        **_family_kwargs(family),
+    )
+    torch.manual_seed(seed)
+    model = model_class(config)
+    _randomize(model)
+    model.to(dtype)  # save_pretrained records the dtype in config.json
+    model.save_pretrained(str(path), max_shard_size=_shard_size(model) if sharded else "50GB")
+    _generation_config(tokenizer).save_pretrained(str(path))
+    return path
+
+
+def _family_kwargs(family: Family) -> dict[str, Any]:
+    if family == "mistral":
+        return {"sliding_window": None}  # full attention: headrace has no sliding window
+    if family == "qwen3":
+        return {"attention_bias": False}
+    return {}
+
+
+def _rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """transformers 5 keeps rope_theta inside rope_parameters with the scaling keys."""
+    parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    parameters.update(rope_scaling or {})
+    return parameters
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Overwrite every parameter so each one matters: matrices and biases with noise, norm
+    weights near 1 (so a loader that skipped one would be caught)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif param.dim() == 1:
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, WEIGHT_STD)
+
+
+def _shard_size(model: torch.nn.Module) -> int:
+    """Bytes per shard so the checkpoint splits into several files."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(total // 3, 1)
+
+
+def _generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+_CACHE: dict[str, Path] = {}
+
+
+def cached_checkpoint(family: Family = "llama", **kwargs: Any) -> Path:
+    """``build_checkpoint`` memoised per session: same arguments, same directory."""
+    key = json.dumps({"family": family, **kwargs}, sort_keys=True, default=str)
+    if key not in _CACHE:
+        root = Path(tempfile.mkdtemp(prefix="headrace-ckpt-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _CACHE[key] = build_checkpoint(root, family, **kwargs)
+    return _CACHE[key]
+
+
+def checkpoint_dtype(path: str | Path) -> torch.dtype:
+    dtype = AutoConfig.from_pretrained(str(path)).dtype
+    return getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
+
+
+def load_hf_model(path: str | Path, dtype: torch.dtype | None = None) -> Any:
+    """The checkpoint in transformers, eager attention, in eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype or checkpoint_dtype(path), attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def hf_greedy(
+    path: str | Path,
+    prompts_token_ids: list[list[int]],
+    max_new_tokens: int,
+    *,
+    ignore_eos: bool = True,
+) -> list[list[int]]:
+    """The oracle: transformers' greedy generation, one prompt at a time (no padding).
+
+    Returns only the new tokens. With ``ignore_eos`` every prompt runs the full
+    ``max_new_tokens`` (EOS may still be generated, it just does not stop anything);
+    otherwise generation stops after the checkpoint's EOS, which is included.
+    """
+    model = load_hf_model(path)
+    if ignore_eos:
+        # generate() fills every None in the config it is given from model.generation_config,
+        # so passing eos_token_id=None alone would still stop at the checkpoint's EOS.
+        model.generation_config.eos_token_id = None
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=model.generation_config.eos_token_id,
+        pad_token_id=model.generation_config.pad_token_id,
+    )
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts_token_ids:
+            input_ids = torch.tensor([prompt], dtype=torch.long)
+            generated = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs

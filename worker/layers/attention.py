@@ -1,0 +1,32 @@
+"""The attention op of one layer over the paged KV cache: store the new K/V, then attend.
+
+This layer has no weights: projections and rotary live in the model's attention block, and
+the kernels (Triton on CUDA, torch reference elsewhere) sit behind `headrace.kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+from headrace.kernels import AttentionMetadata, paged_attention, write_kv_cache
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        # Counts are per tensor-parallel rank.
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return paged_attention(query, kv_cache, metadata, self.scale)

@@ -1,0 +1,72 @@
+"""Vocab-parallel token embedding and LM head.
+
+The vocabulary is split into equal contiguous ranges, one per rank (padded at the end so it
+divides evenly; padding rows are zero and never reach a caller). The embedding looks up the
+ids in its range, zeroes the rest, and all-reduces; the LM head computes logits for its range
+and all-gathers them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from headrace.worker.layers.weights import ShardId, new_parameter
+from headrace.worker.parallel import ParallelConfig, all_gather, all_reduce
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        parallel: ParallelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        size = parallel.tensor_parallel_size
+        self.num_embeddings_per_rank = -(-num_embeddings // size)
+        self.vocab_start = parallel.tensor_parallel_rank * self.num_embeddings_per_rank
+        # A trailing rank may hold only padding when the vocab is tiny.
+        self.vocab_end = max(
+            min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings), self.vocab_start
+        )
+        shape = (self.num_embeddings_per_rank, embedding_dim)
+        self.weight = new_parameter(shape, dtype, self.weight_loader)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.parallel.is_single:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
+        return all_reduce(embeddings, self.parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+        """Copy this rank's vocab rows; padding rows past the true vocab stay zero."""
+        assert shard_id is None, f"unexpected shard {shard_id!r}"
+        expected = (self.num_embeddings, self.embedding_dim)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}"
+            )
+        num_rows = self.vocab_end - self.vocab_start
+        param.data.zero_()
+        param.data[:num_rows].copy_(loaded[self.vocab_start : self.vocab_end])
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states to logits over the true vocabulary; its weight may be the embedding's."""
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        logits = F.linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
+        logits = all_gather(logits, self.parallel)  # [N, padded vocab]
+        return logits[:, : self.num_embeddings].float()

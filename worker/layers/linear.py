@@ -1,0 +1,217 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+- `ColumnParallelLinear` splits the output features: each rank computes its slice of y and
+  no communication is needed. `MergedColumnParallelLinear` (gate/up) and `QKVParallelLinear`
+  fuse several column-parallel projections into one matmul.
+- `RowParallelLinear` splits the input features: each rank computes a partial sum of y from
+  its slice of x (a column-parallel output), and an all-reduce adds the partials.
+
+So an attention or MLP block costs one all-reduce, at its row-parallel output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from headrace.worker.layers.weights import ShardId, check_shape, new_parameter, shard_rows
+from headrace.worker.parallel import ParallelConfig, all_reduce, divide
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class RowShard:
+    """Where one checkpoint tensor's slice lands in a column-parallel parameter."""
+
+    #: First row of the parameter this piece fills.
+    offset: int
+    #: Rows this rank holds of the piece.
+    num_rows: int
+    #: Which num_rows-sized block of the checkpoint tensor this rank takes.
+    source_index: int
+    #: Rows of the whole checkpoint tensor, to reject a mismatched checkpoint.
+    full_rows: int
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's output rows split across ranks; y stays split."""
+
+    #: The checkpoint tensors this layer's parameters are assembled from.
+    shard_ids: tuple[ShardId, ...] = (None,)
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        parallel: ParallelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.input_size = input_size
+        self.output_size = output_size
+        size = parallel.tensor_parallel_size
+        self._init_parameters(divide(output_size, size, "output size"), bias, dtype)
+
+    def _init_parameters(
+        self, output_size_per_rank: int, bias: bool, dtype: torch.dtype | None
+    ) -> None:
+        self.output_size_per_rank = output_size_per_rank
+        shape = (output_size_per_rank, self.input_size)
+        self.weight = new_parameter(shape, dtype, self.weight_loader, self.shard_ids)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = new_parameter(shape[:1], dtype, self.weight_loader, self.shard_ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [T, output_size_per_rank]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+        """Copy this rank's rows of a full checkpoint weight or bias into ``param``."""
+        shard = self._row_shard(shard_id)
+        if loaded.shape[0] != shard.full_rows:
+            raise ValueError(
+                f"checkpoint tensor has {loaded.shape[0]} rows, expected {shard.full_rows}"
+            )
+        target = param.data.narrow(0, shard.offset, shard.num_rows)
+        source = shard_rows(loaded, shard.source_index, shard.num_rows)
+        check_shape(target, source)
+        target.copy_(source)
+
+    def _row_shard(self, shard_id: ShardId) -> RowShard:
+        assert shard_id is None, f"unexpected shard {shard_id!r}"
+        return RowShard(
+            0, self.output_size_per_rank, self.parallel.tensor_parallel_rank, self.output_size
+        )
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up).
+
+    Each rank's output is [piece 0 slice | piece 1 slice | ...], so a rank can split it
+    locally; shard id ``i`` names the ``i``-th checkpoint tensor.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool,
+        parallel: ParallelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.output_sizes = output_sizes
+        self.shard_ids = tuple(range(len(output_sizes)))
+        super().__init__(input_size, sum(output_sizes), bias=bias, parallel=parallel, dtype=dtype)
+
+    def _row_shard(self, shard_id: ShardId) -> RowShard:
+        assert isinstance(shard_id, int), f"unexpected shard {shard_id!r}"
+        size = self.parallel.tensor_parallel_size
+        offset = divide(sum(self.output_sizes[:shard_id]), size, "output size")
+        num_rows = divide(self.output_sizes[shard_id], size, "output size")
+        rank = self.parallel.tensor_parallel_rank
+        return RowShard(offset, num_rows, rank, self.output_sizes[shard_id])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one matmul, split across ranks by attention head.
+
+    Each rank's output is [q heads | k heads | v heads] for its heads. When there are fewer
+    KV heads than ranks, each KV head is replicated on tensor_parallel_size / num_kv_heads
+    consecutive ranks (GQA keeps every query head next to its KV head).
+    """
+
+    shard_ids = ("q", "k", "v")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool,
+        parallel: ParallelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        size = parallel.tensor_parallel_size
+        self.parallel = parallel
+        self.input_size = hidden_size
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.num_heads_per_rank = divide(num_heads, size, "num_attention_heads")
+        self.num_kv_heads_per_rank = kv_heads_per_rank(num_kv_heads, parallel)
+        # Which num_kv_heads_per_rank-sized block of KV heads this rank holds.
+        replicas = max(1, size // num_kv_heads)
+        self.kv_head_index = parallel.tensor_parallel_rank // replicas
+        self.q_size = self.num_heads_per_rank * head_dim
+        self.kv_size = self.num_kv_heads_per_rank * head_dim
+        self.output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        self._init_parameters(self.q_size + 2 * self.kv_size, bias, dtype)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, q + 2 kv] -> q [T, q_size], k [T, kv_size], v [T, kv_size] (views)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
+
+    def _row_shard(self, shard_id: ShardId) -> RowShard:
+        rank = self.parallel.tensor_parallel_rank
+        if shard_id == "q":
+            return RowShard(0, self.q_size, rank, self.num_heads * self.head_dim)
+        full_rows = self.num_kv_heads * self.head_dim
+        if shard_id == "k":
+            return RowShard(self.q_size, self.kv_size, self.kv_head_index, full_rows)
+        assert shard_id == "v", f"unexpected shard {shard_id!r}"
+        return RowShard(self.q_size + self.kv_size, self.kv_size, self.kv_head_index, full_rows)
+
+
+def kv_heads_per_rank(num_kv_heads: int, parallel: ParallelConfig) -> int:
+    """KV heads each rank holds: an even split, or one replicated head when ranks outnumber them."""
+    size = parallel.tensor_parallel_size
+    if num_kv_heads >= size:
+        return divide(num_kv_heads, size, "num_key_value_heads")
+    divide(size, num_kv_heads, "tensor_parallel_size over num_key_value_heads")
+    return 1
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W's input columns split across ranks; x arrives split, y is whole."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        parallel: ParallelConfig,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.input_size = input_size
+        self.input_size_per_rank = divide(input_size, parallel.tensor_parallel_size, "input size")
+        shape = (output_size, self.input_size_per_rank)
+        self.weight = new_parameter(shape, dtype, self.weight_loader)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            # The bias is whole on every rank; only rank 0 adds it, before the all-reduce.
+            self.bias = new_parameter((output_size,), dtype, self.weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size_per_rank]
+        bias = self.bias if self.parallel.tensor_parallel_rank == 0 else None
+        return all_reduce(F.linear(x, self.weight, bias), self.parallel)  # [T, output_size]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+        """Copy this rank's input columns of the checkpoint weight (the bias is whole)."""
+        assert shard_id is None, f"unexpected shard {shard_id!r}"
+        if param.dim() == 2 and loaded.dim() == 2 and loaded.shape[1] == self.input_size:
+            start = self.parallel.tensor_parallel_rank * self.input_size_per_rank
+            loaded = loaded.narrow(1, start, self.input_size_per_rank)
+        check_shape(param.data, loaded)
+        param.data.copy_(loaded)

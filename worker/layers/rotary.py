@@ -1,0 +1,108 @@
+"""Rotary position embedding, neox style (rotate halves) as in Hugging Face Llama.
+
+The inverse frequencies are computed exactly as `transformers.modeling_rope_utils` does for
+the supported rope types (same float32 ops in the same order), and cos/sin are precomputed
+once for every position up to max_position_embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+RopeType = Literal["default", "linear", "llama3"]
+SUPPORTED_ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    """The rope parameters of one model, already read out of its HF config."""
+
+    head_dim: int
+    #: Positions [0, max_position) get a precomputed cos/sin row.
+    max_position: int
+    #: The base wavelength (rope_theta).
+    theta: float
+    rope_type: RopeType = "default"
+    #: linear and llama3: how much the context was stretched.
+    factor: float = 1.0
+    #: llama3 only: the wavelength band that is smoothly interpolated.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    #: llama3 only: the pretraining context length.
+    original_max_position: int = 8192
+
+
+def compute_inv_freq(config: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+    inv_freq = 1.0 / (config.theta**exponents)
+    if config.rope_type == "linear":
+        return inv_freq / config.factor
+    if config.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, config)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, config: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths slowed by ``factor``, short ones kept, a smooth
+    blend between (transformers' _compute_llama3_parameters, op for op)."""
+    factor = config.factor
+    low_freq_factor = config.low_freq_factor
+    high_freq_factor = config.high_freq_factor
+    old_context_len = config.original_max_position
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth_factor) * scaled / factor + smooth_factor * scaled
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: RopeConfig) -> None:
+        super().__init__()
+        # Built on the CPU in float32 (as HF builds inv_freq), then moved to the default device;
+        # kept float32 and cast per use, so a bf16 model rotates with the same rounded values.
+        inv_freq = compute_inv_freq(config)
+        positions = torch.arange(config.max_position, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        device = torch.get_default_device()
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", angles.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", angles.sin().to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> cos, sin: [T, 1, head_dim]
+        """cos and sin for each token, looked up once per step and shared by every layer."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, 1, head_dim]
+    sin: torch.Tensor,  # [T, 1, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    query = query * cos + rotate_half(query) * sin
+    key = key * cos + rotate_half(key) * sin
+    return query, key

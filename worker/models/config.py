@@ -1,0 +1,150 @@
+"""One typed description of a Llama-family model, read once from its Hugging Face config.
+
+The families differ only in a few switches (which projections carry a bias, per-head q/k
+norms), and transformers versions differ in where they keep rope parameters (v5:
+``config.rope_parameters`` with ``rope_theta`` inside; v4: ``rope_scaling`` plus
+``config.rope_theta``). Everything model code needs is settled here, so the layers never
+look at an HF config, and anything headrace cannot run exactly fails here, at load time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
+
+
+class UnsupportedModelError(InvalidArgumentError):
+    """The checkpoint is a model (or a variant of one) headrace cannot run."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("model", message)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    #: Attention heads and key/value heads of the whole model (not per rank).
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    #: Bias on the q/k/v projections (Qwen2 always; Llama/Qwen3 when attention_bias).
+    qkv_bias: bool
+    #: Bias on the attention output projection.
+    o_proj_bias: bool
+    #: Bias on gate/up/down (Llama's mlp_bias).
+    mlp_bias: bool
+    #: Qwen3: RMSNorm over each q and k head before rotary.
+    qk_norm: bool
+    #: The LM head reuses the token embedding matrix.
+    tie_word_embeddings: bool
+    rope: RopeConfig
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        model_type = str(hf_config.model_type)
+        _check_activation(hf_config)
+        _check_full_attention(hf_config)
+        num_heads = int(hf_config.num_attention_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(hf_config.vocab_size),
+            hidden_size=int(hf_config.hidden_size),
+            intermediate_size=int(hf_config.intermediate_size),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(hf_config, "num_key_value_heads", None) or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            max_position_embeddings=int(hf_config.max_position_embeddings),
+            # Qwen2 hard-codes biased q/k/v and an unbiased o_proj; its config has no switch.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_proj_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            rope=rope_config_from_hf(hf_config, head_dim),
+        )
+
+
+def rope_config_from_hf(hf_config: Any, head_dim: int) -> RopeConfig:
+    """Rope parameters from either config layout (see the module docstring)."""
+    params: dict[str, Any] = dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+    if any(isinstance(value, dict) for value in params.values()):
+        raise UnsupportedModelError("per-layer-type rope parameters are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        supported = ", ".join(SUPPORTED_ROPE_TYPES)
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported (supported: {supported})"
+        )
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModelError(f"partial rotary (factor {partial}) is not supported")
+    max_position = int(hf_config.max_position_embeddings)
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0))
+    if rope_type == "default":
+        return RopeConfig(head_dim, max_position, theta)
+    factor = float(_rope_param(params, "factor"))
+    if rope_type == "linear":
+        return RopeConfig(head_dim, max_position, theta, "linear", factor)
+    # As transformers does: a top-level original_max_position_embeddings wins over the dict's.
+    original = getattr(hf_config, "original_max_position_embeddings", None) or params.get(
+        "original_max_position_embeddings", max_position
+    )
+    return RopeConfig(
+        head_dim,
+        max_position,
+        theta,
+        "llama3",
+        factor,
+        low_freq_factor=float(_rope_param(params, "low_freq_factor")),
+        high_freq_factor=float(_rope_param(params, "high_freq_factor")),
+        original_max_position=int(original),
+    )
+
+
+def _rope_param(params: dict[str, Any], key: str) -> Any:
+    if key not in params:
+        raise UnsupportedModelError(f"rope parameters lack {key!r}")
+    return params[key]
+
+
+def _check_activation(hf_config: Any) -> None:
+    activation = getattr(hf_config, "hidden_act", "silu")
+    if activation != "silu":
+        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (only 'silu')")
+
+
+def _check_full_attention(hf_config: Any) -> None:
+    """Sliding-window attention is not implemented; a window it can never hit is harmless.
+
+    Mistral sets ``sliding_window`` and applies it to every layer; Qwen2/3 apply it only to
+    layers whose ``layer_types`` entry is "sliding_attention" (and drop it unless
+    ``use_sliding_window``).
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    max_position = int(hf_config.max_position_embeddings)
+    if window is None or window >= max_position:
+        return
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return
+    raise UnsupportedModelError(
+        f"sliding-window attention (window {window} < max_position_embeddings {max_position}) "
+        "is not supported"
+    )

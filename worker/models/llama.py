@@ -1,0 +1,205 @@
+"""The Llama family forward pass: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2, Qwen3.
+
+One implementation; the families differ only in switches `ModelConfig` reads from the HF
+config. Module and parameter names follow the HF checkpoint (``model.layers.N.self_attn``,
+``mlp``, ``input_layernorm``, ...) except where projections are fused, which
+`packed_modules_mapping` records for the loader.
+
+The batch is flat: T tokens from any mix of prefill chunks and decodes, with the KV cache
+and `AttentionMetadata` saying which sequence each token belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from headrace.kernels import AttentionMetadata
+from headrace.worker.layers.attention import Attention
+from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from headrace.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    kv_heads_per_rank,
+)
+from headrace.worker.layers.norm import RMSNorm
+from headrace.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from headrace.worker.layers.weights import ShardId
+from headrace.worker.loader import load_weights
+from headrace.worker.models.config import ModelConfig
+from headrace.worker.parallel import ParallelConfig
+from torch import nn
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.qkv_bias,
+            parallel=parallel,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * head_dim,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            parallel=parallel,
+            dtype=dtype,
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads_per_rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
+        self.head_dim = head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        rotary: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # [T, H, D]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
+        q, k = apply_rotary(q, k, *rotary)
+        out = self.attn(q, k, v, kv_cache, metadata)  # [T, H, D]
+        return self.o_proj(out.flatten(-2))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=config.mlp_bias, parallel=parallel, dtype=dtype
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias=config.mlp_bias, parallel=parallel, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate per rank]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, parallel, dtype)
+        self.mlp = LlamaMLP(config, parallel, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the previous block's output
+        residual: torch.Tensor | None,  # [T, hidden]: the stream it adds to; None at layer 0
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Each norm first adds the pending block output to the residual stream (fused).
+        normed, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(normed, rotary, kv_cache, metadata)
+        normed, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(normed), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, parallel, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        # One cos/sin table for all layers: it is [max_position, head_dim] per copy.
+        self.rotary_emb = RotaryEmbedding(config.rope)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # one per layer
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary_emb(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata)
+        normed, _ = self.norm(hidden, residual)
+        return normed
+
+
+class LlamaForCausalLM(nn.Module):
+    #: Checkpoint module name -> (the fused module holding it, its shard id), for the loader.
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, ShardId]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, parallel, dtype)
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        # The interface the model runner sizes the KV cache and the sampler by.
+        self.num_layers = config.num_layers
+        self.num_kv_heads = kv_heads_per_rank(config.num_kv_heads, parallel)
+        self.head_dim = config.head_dim
+        self.vocab_size = config.vocab_size
+        self.hidden_size = config.hidden_size
+        self.max_position_embeddings = config.max_position_embeddings
+
+    @classmethod
+    def from_hf_config(
+        cls, hf_config: Any, parallel: ParallelConfig, dtype: torch.dtype
+    ) -> LlamaForCausalLM:
+        """A model with uninitialised weights on the current default device."""
+        return cls(ModelConfig.from_hf(hf_config), parallel, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final norm applied
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        """float32 logits over the true vocabulary."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
+        ignored = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        load_weights(self, tensors, self.packed_modules_mapping, ignored)

@@ -1,0 +1,86 @@
+"""Which headrace model runs which Hugging Face ``model_type``, and loading one from disk."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.loader import iter_checkpoint
+from headrace.worker.model_runner import CausalLM
+from headrace.worker.models.config import UnsupportedModelError
+from headrace.worker.models.llama import LlamaForCausalLM
+from headrace.worker.parallel import ParallelConfig
+
+__all__ = ["MODEL_REGISTRY", "LoadedModel", "UnsupportedModelError", "load_model"]
+
+
+class LoadableModel(CausalLM, Protocol):
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def eval(self) -> Any: ...
+
+
+#: Builds a model with uninitialised weights from (HF config, parallel config, dtype).
+ModelFactory = Callable[[Any, ParallelConfig, torch.dtype], LoadableModel]
+
+#: model_type (as in config.json) -> the factory of the model that runs it.
+MODEL_REGISTRY: dict[str, ModelFactory] = {
+    "llama": LlamaForCausalLM.from_hf_config,
+    "mistral": LlamaForCausalLM.from_hf_config,
+    "qwen2": LlamaForCausalLM.from_hf_config,
+    "qwen3": LlamaForCausalLM.from_hf_config,
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    #: The model, weights loaded, in eval mode, on the requested device and dtype.
+    model: CausalLM
+    #: The checkpoint's transformers config (eos ids, max_position_embeddings, ...).
+    hf_config: Any
+
+
+def load_model(
+    model_path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    parallel: ParallelConfig | None = None,
+) -> LoadedModel:
+    """Build the model for a local HF checkpoint directory and load its weights."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    factory = model_factory(read_model_type(path))
+    hf_config = AutoConfig.from_pretrained(path)
+    # Parameters are allocated straight on the target device, in the target dtype.
+    with torch.device(device):
+        model = factory(hf_config, parallel or ParallelConfig(), dtype)
+    model.load_weights(iter_checkpoint(path))
+    model.eval()
+    return LoadedModel(model, hf_config)
+
+
+def model_factory(model_type: str) -> ModelFactory:
+    factory = MODEL_REGISTRY.get(model_type)
+    if factory is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(sorted(MODEL_REGISTRY))})"
+        )
+    return factory
+
+
+def read_model_type(path: Path) -> str:
+    """config.json's model_type, read before transformers sees a type it may not know."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InvalidArgumentError("model", f"no config.json in {path}")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if not isinstance(model_type, str):
+        raise UnsupportedModelError(f"{config_file} names no model_type")
+    return model_type
