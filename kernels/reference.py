@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from headrace.kernels.precision import compute_dtype
 
 
 def write_kv_cache(
@@ -72,7 +73,7 @@ def _decode(
     scale: float,
 ) -> torch.Tensor:
     """All decode sequences at once: gather K/V padded to the longest, mask the padding."""
-    key, value = gather_kv(kv_cache, block_tables, max_seq_len)  # [B, Hkv, L, D]
+    key, value = _widen(*gather_kv(kv_cache, block_tables, max_seq_len))  # [B, Hkv, L, D]
     positions = torch.arange(max_seq_len, device=query.device)
     mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     q = query.unsqueeze(2).to(key.dtype)  # [B, H, 1, D]
@@ -90,7 +91,7 @@ def _extend(
     scale: float,
 ) -> torch.Tensor:
     """One prefill chunk: new tokens attend to the cached prefix and causally to themselves."""
-    key, value = gather_kv(kv_cache, block_table, seq_len)  # [1, Hkv, L, D]
+    key, value = _widen(*gather_kv(kv_cache, block_table, seq_len))  # [1, Hkv, L, D]
     num_queries = query.shape[0]
     q = query.transpose(0, 1).unsqueeze(0).to(key.dtype)  # [1, H, Q, D]
     gqa = _is_gqa(q, key)
@@ -107,6 +108,12 @@ def _extend(
             q, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
     return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _widen(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V in the dtype attention computes in (fp32 where reduced-precision math is emulated)."""
+    dtype = compute_dtype(key.dtype, key.device)
+    return key.to(dtype), value.to(dtype)
 
 
 def _is_gqa(query: torch.Tensor, key: torch.Tensor) -> bool:

@@ -180,8 +180,8 @@ def run_hf_generate_batch(model: Any, workload: Workload) -> Report:
         use_cuda_graph=False,
     )
     start = time.perf_counter()
-    with torch.inference_mode():
-        results = model.generate_batch(inputs=workload.prompts, generation_config=config)
+    # No inference_mode here: generate_batch runs its own thread and updates its cache in place.
+    results = model.generate_batch(inputs=workload.prompts, generation_config=config)
     seconds = time.perf_counter() - start
     num_tokens = sum(len(r.generated_tokens) for r in results.values())
     return Report("hf generate_batch", seconds, num_tokens)
@@ -273,6 +273,9 @@ def _run_baselines(
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
     model.eval()
+    # transformers fills a None eos_token_id back in from the model's own config: clear it
+    # there so both baselines run every request to max_tokens, like ignore_eos does here.
+    model.generation_config.eos_token_id = None
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(engine.eos_token_ids, default=0)
     warm = make_workload(engine.vocab_size, 2, 8, 16, 4, 1)

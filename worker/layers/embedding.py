@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from headrace.kernels.precision import linear
 from headrace.worker.layers.weights import ShardId, new_parameter
 from headrace.worker.parallel import ParallelConfig, all_gather, all_reduce
 from torch import nn
@@ -67,6 +68,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        logits = F.linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
+        logits = linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
         logits = all_gather(logits, self.parallel)  # [N, padded vocab]
         return logits[:, : self.num_embeddings].float()

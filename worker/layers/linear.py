@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from headrace.kernels.precision import linear
 from headrace.worker.layers.weights import ShardId, check_shape, new_parameter, shard_rows
 from headrace.worker.parallel import ParallelConfig, all_reduce, divide
 from torch import nn
@@ -67,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = new_parameter(shape[:1], dtype, self.weight_loader, self.shard_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, output_size_per_rank]
+        return linear(x, self.weight, self.bias)  # [T, output_size_per_rank]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         """Copy this rank's rows of a full checkpoint weight or bias into ``param``."""
@@ -205,7 +205,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size_per_rank]
         bias = self.bias if self.parallel.tensor_parallel_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias), self.parallel)  # [T, output_size]
+        return all_reduce(linear(x, self.weight, bias), self.parallel)  # [T, output_size]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
         """Copy this rank's input columns of the checkpoint weight (the bias is whole)."""
