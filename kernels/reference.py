@@ -25,14 +25,23 @@ def gather_kv(
     block_tables: torch.Tensor,  # [B, max_num_blocks]
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [B, num_kv_heads, num_tokens, head_dim]
-    """Copy the first num_tokens cached tokens of each sequence into contiguous K and V."""
+    """The first num_tokens cached tokens of each sequence as K and V views for SDPA.
+
+    K and V are gathered separately from their planes of the cache, so each gather yields a
+    contiguous [B, nb, bs, Hkv, D] and the reshape / transpose after it copy nothing (the
+    gather is this function's only copy; it dominates decode on CPU).
+    """
     block_size = kv_cache.shape[2]
     num_blocks = -(-num_tokens // block_size)
-    blocks = kv_cache[block_tables[:, :num_blocks].long()]  # [B, nb, 2, bs, Hkv, D]
-    batch, _, _, _, num_kv_heads, head_dim = blocks.shape
-    blocks = blocks.permute(2, 0, 4, 1, 3, 5)  # [2, B, Hkv, nb, bs, D]
-    kv = blocks.reshape(2, batch, num_kv_heads, num_blocks * block_size, head_dim)
-    return kv[0, :, :, :num_tokens], kv[1, :, :, :num_tokens]
+    index = block_tables[:, :num_blocks].long()
+    batch = index.shape[0]
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    planes = []
+    for plane in (0, 1):
+        gathered = kv_cache[:, plane][index]  # [B, nb, bs, Hkv, D], contiguous
+        flat = gathered.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+        planes.append(flat[:, :num_tokens].transpose(1, 2))  # [B, Hkv, L, D] view
+    return planes[0], planes[1]
 
 
 def paged_attention(
