@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +72,6 @@ class _Request:
     seqs: list[Sequence]
     #: Samples 1..n-1 wait here until sample 0 has computed the shared prompt.
     pending_siblings: list[Sequence]
-    arrival_time: float
     prompt_logprobs_sent: bool = False
 
     @property
@@ -291,7 +289,7 @@ class Engine:
         ]
         for seq in seqs:
             seq.detok_state = self.detokenizer.new_state(prompt_token_ids, config)
-        return _Request(request_id, config, prompt_token_ids, seqs, seqs[1:], time.monotonic())
+        return _Request(request_id, config, prompt_token_ids, seqs, seqs[1:])
 
     # --- stepping -----------------------------------------------------------------------
 

@@ -86,8 +86,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status >= SequenceStatus.FINISHED
-
-    @property
-    def is_prefill_done(self) -> bool:
-        """True once every token up to the newest has its K/V computed (decode phase)."""
-        return self.num_computed_tokens >= self.num_tokens - 1 and self.num_output_tokens > 0

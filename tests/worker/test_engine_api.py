@@ -49,8 +49,7 @@ def test_min_tokens_holds_back_a_stop_token(llm, expected):
 
 def test_eos_ends_the_sample_unless_ignored(llm, expected):
     eos = min(llm.engine.eos_token_ids)
-    prompt_ending_in_eos_context = PROMPT
-    result = llm.generate([prompt_ending_in_eos_context], greedy(ignore_eos=True))[0]
+    result = llm.generate([PROMPT], greedy(ignore_eos=True))[0]
     assert len(result.token_ids) == 12
     # Make the oracle's 3rd token an EOS for this engine: the sample must stop there.
     llm.engine.eos_token_ids = frozenset({expected[2]})
