@@ -2,6 +2,8 @@
 
     headrace models list              known model names, whether prepared, and where
     headrace models prepare [NAME]    convert a known model into the cache (once)
+    headrace worker --model M         serve a model over gRPC (needs headrace[worker])
+    headrace generate "prompt"        stream a generation from a server to the terminal
 
 Each command group is one ``_add_*`` function in `COMMAND_GROUPS` that adds its subparser
 and sets ``handler`` on its leaf commands; `worker`, `router`, `generate` and `up` are added
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from headrace.sdk.errors import HeadraceError
+from headrace.sdk.generate import add_generate_command
 
 Handler = Callable[[argparse.Namespace], int]
 # argparse's subparsers object; its class is private, so it is named once here.
@@ -54,8 +57,75 @@ def _add_models(subparsers: SubParsers) -> None:
     prepare.set_defaults(handler=_models_prepare)
 
 
-#: One entry per top-level command; later issues append `worker`, `router`, `generate`, `up`.
-COMMAND_GROUPS: tuple[Callable[[SubParsers], None], ...] = (_add_models,)
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from headrace.worker.config import EngineConfig
+    from headrace.worker.server import ServerOptions, run
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine_config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        grace_period_s=args.grace_period,
+        max_message_mib=args.max_message_mib,
+    )
+    return run(engine_config, options)
+
+
+def _add_worker(subparsers: SubParsers) -> None:
+    from headrace.worker.model_store import DEFAULT_MODEL
+
+    worker = subparsers.add_parser(
+        "worker",
+        help="serve a model over gRPC",
+        description="Load a model and serve the Generation and WorkerControl services.",
+    )
+    add = worker.add_argument
+    add("--model", default=DEFAULT_MODEL, help="a local HF checkpoint folder or a known name")
+    add("--served-model-name", help="the name clients use (default: --model as given)")
+    add("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add("--host", default="0.0.0.0", help="address to listen on")
+    add("--port", type=int, default=50051, help="port to listen on; 0 picks a free one")
+    add("--max-model-len", type=int, help="longest sequence (default: the model's context)")
+    add("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    add("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    add("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    add("--num-kv-blocks", type=int, help="KV-cache blocks (default: from the memory budget)")
+    add("--kv-cache-gib", type=float, default=2.0, help="on CPU: GiB for the KV cache")
+    add("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA: fraction for KV")
+    add("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    add("--seed", type=int, default=0, help="seed for requests that set none")
+    add("--grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    worker.set_defaults(handler=_worker)
+
+
+#: One entry per top-level command; the router issue appends `router` and `up`.
+COMMAND_GROUPS: tuple[Callable[[SubParsers], None], ...] = (
+    _add_models,
+    _add_worker,
+    add_generate_command,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ class InvalidArgumentError(HeadraceError, ValueError):
     grpc_code = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        super().__init__(f"{field}: {message}" if field else message)
         self.field = field
 
 
@@ -61,3 +61,36 @@ class InternalError(HeadraceError):
     """A bug or a fault inside headrace; the message says what failed."""
 
     grpc_code = "INTERNAL"
+
+
+_BY_CODE: dict[str, type[HeadraceError]] = {
+    cls.grpc_code: cls
+    for cls in (
+        NotFoundError,
+        UnavailableError,
+        DeadlineExceededError,
+        CancelledError,
+        InternalError,
+    )
+}
+
+
+def error_for_code(
+    code: str, message: str, field: str = "", retry_after_s: float | None = None
+) -> HeadraceError:
+    """The typed error for a status code name ("INVALID_ARGUMENT", ...) and its message.
+
+    A code without a class of its own gives a plain `HeadraceError` whose ``grpc_code`` is
+    that name, so nothing is lost.
+    """
+    if code == InvalidArgumentError.grpc_code:
+        prefix = f"{field}: "
+        return InvalidArgumentError(field, message.removeprefix(prefix) if field else message)
+    if code == ResourceExhaustedError.grpc_code:
+        return ResourceExhaustedError(message, retry_after_s)
+    cls = _BY_CODE.get(code)
+    if cls is not None:
+        return cls(message)
+    error = HeadraceError(message)
+    error.grpc_code = code
+    return error

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine import Engine, Prompt, RequestOutput, SampleDelta
+from headrace.worker.engine import Engine, EngineLoad, Prompt, RequestOutput, SampleDelta
 from headrace.worker.sequence import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    error: HeadraceError | None
 
 
 _STOP = object()
@@ -64,6 +65,9 @@ class AsyncEngine:
         self.engine = Engine(config)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # owned by the engine thread
+        #: Replaced (never mutated) by the engine thread after every step, so any thread may
+        #: read it.
+        self.load: EngineLoad = self.engine.load()
         self._thread = threading.Thread(target=self._loop, name="headrace-engine", daemon=True)
         self._thread.start()
 
@@ -79,8 +83,9 @@ class AsyncEngine:
     ) -> None:
         self._commands.put(_Add(request_id, prompt, config, priority, stream))
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, error: HeadraceError | None = None) -> None:
+        """Stop a request within one step; with ``error`` it ends failed, else cancelled."""
+        self._commands.put(_Abort(request_id, error))
 
     async def generate(
         self,
@@ -123,6 +128,7 @@ class AsyncEngine:
                 self._fail_everything()
                 continue
             self._deliver(outputs)
+            self.load = self.engine.load()
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if block); False once told to stop."""
@@ -150,7 +156,7 @@ class AsyncEngine:
                 return
             self._streams[command.request_id] = command.stream
         elif isinstance(command, _Abort):
-            output = self.engine.abort_request(command.request_id)
+            output = self.engine.abort_request(command.request_id, command.error)
             if output is not None:
                 self._deliver([output])
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
+from headrace.sdk.outputs import TokenLogprob, Usage
 from headrace.worker.block_manager import BlockManager
 from headrace.worker.config import EngineConfig
 from headrace.worker.detokenizer import Detokenizer
 from headrace.worker.model_runner import ModelRunner, StepResult, kv_block_bytes
 from headrace.worker.model_store import resolve_model
 from headrace.worker.models.registry import load_model
-from headrace.worker.outputs import TokenLogprob, Usage
 from headrace.worker.sampler import Sampler, compute_prompt_logprobs
 from headrace.worker.scheduler import Scheduler, SchedulerOutput
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
@@ -62,6 +62,22 @@ class RequestOutput:
     usage: Usage | None = None
     #: Why the request failed (finish_reason "error"), on the last output.
     error: HeadraceError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A snapshot of how busy the engine is (for load reports and routing)."""
+
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    #: Requests with a sequence scheduled to run (prefilling or decoding).
+    num_running_requests: int
+    #: Requests none of whose sequences is running (new, or all preempted).
+    num_waiting_requests: int
+    #: Prompt tokens of waiting requests not yet computed.
+    num_queued_tokens: int
+    num_prefix_hit_blocks: int
 
 
 @dataclass(slots=True, eq=False)
@@ -195,13 +211,23 @@ class Engine:
         self._requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its last output (None if unknown)."""
+    def abort_request(
+        self, request_id: str, error: HeadraceError | None = None
+    ) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its last output (None if unknown).
+
+        Without ``error`` the request ends as cancelled (finish reason "abort"); with one
+        (a timeout, say) it ends as failed with that error.
+        """
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
         output = RequestOutput(request_id)
-        self._finish_all(request, FinishReason.ABORT, output)
+        if error is not None:
+            request.seqs[0].error = error
+        self._finish_all(
+            request, FinishReason.ABORT if error is None else FinishReason.ERROR, output
+        )
         self._finalize(request, output)
         return output
 
@@ -225,6 +251,24 @@ class Engine:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def load(self) -> EngineLoad:
+        num_running = num_queued_tokens = 0
+        for request in self._requests.values():
+            if any(seq.status == SequenceStatus.RUNNING for seq in request.seqs):
+                num_running += 1
+            else:
+                leader = request.seqs[0]
+                num_queued_tokens += max(0, leader.num_tokens - leader.num_computed_tokens)
+        return EngineLoad(
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+            num_running_requests=num_running,
+            num_waiting_requests=len(self._requests) - num_running,
+            num_queued_tokens=num_queued_tokens,
+            num_prefix_hit_blocks=self.block_manager.num_prefix_hit_blocks,
+        )
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -8,72 +8,15 @@ print(results[0].text)
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.errors import HeadraceError, InvalidArgumentError
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.outputs import Completion, GenerationResult
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine import Engine, Prompt, RequestOutput
-from headrace.worker.outputs import TokenLogprob, Usage
-from headrace.worker.sequence import FinishReason
 
-
-@dataclass(slots=True)
-class Completion:
-    """One sample's whole output."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    #: Per generated token, when config.logprobs was set.
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    """One prompt's result; token_ids / text / finish_reason / logprobs are sample 0's."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[Completion]
-    usage: Usage = field(default_factory=Usage)
-    prompt_logprobs: list[TokenLogprob] | None = None
-    error: HeadraceError | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        return self.outputs[0].logprobs
-
-    def apply(self, output: RequestOutput) -> None:
-        """Fold one streaming delta into the result."""
-        for delta in output.samples:
-            completion = self.outputs[delta.index]
-            completion.token_ids.extend(delta.token_ids)
-            completion.text += delta.text
-            if completion.logprobs is not None:
-                completion.logprobs.extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                completion.finish_reason = delta.finish_reason
-        if output.prompt_logprobs is not None:
-            self.prompt_logprobs = output.prompt_logprobs
-        if output.usage is not None:
-            self.usage = output.usage
-        if output.error is not None:
-            self.error = output.error
+__all__ = ["LLM", "Completion", "GenerationResult", "apply_output"]
 
 
 class LLM:
@@ -99,12 +42,12 @@ class LLM:
             for i, (prompt, prompt_config) in enumerate(zip(batch, configs, strict=True)):
                 request_id = f"offline-{next(self._request_ids)}"
                 self._add(i, request_id, prompt, prompt_config, priority)
-                prompt_token_ids = self.engine.prompt_token_ids(request_id)
-                completions = [
-                    Completion(k, logprobs=[] if prompt_config.logprobs is not None else None)
-                    for k in range(prompt_config.n)
-                ]
-                results[request_id] = GenerationResult(request_id, prompt_token_ids, completions)
+                results[request_id] = GenerationResult.empty(
+                    request_id,
+                    prompt_config.n,
+                    with_logprobs=prompt_config.logprobs is not None,
+                    prompt_token_ids=self.engine.prompt_token_ids(request_id),
+                )
             self._run(results)
         except BaseException:
             for request_id in results:
@@ -124,9 +67,21 @@ class LLM:
         unfinished = set(results)
         while unfinished:
             for output in self.engine.step():
-                results[output.request_id].apply(output)
+                apply_output(results[output.request_id], output)
                 if output.finished:
                     unfinished.discard(output.request_id)
+
+
+def apply_output(result: GenerationResult, output: RequestOutput) -> None:
+    """Fold one engine step's output for a request into its result."""
+    for delta in output.samples:
+        result.extend(delta.index, delta.token_ids, delta.text, delta.logprobs, delta.finish_reason)
+    if output.prompt_logprobs is not None:
+        result.prompt_logprobs = output.prompt_logprobs
+    if output.usage is not None:
+        result.usage = output.usage
+    if output.error is not None:
+        result.error = output.error
 
 
 def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:

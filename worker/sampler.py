@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from headrace.sdk.config import GenerationConfig
-from headrace.worker.outputs import TokenLogprob
+from headrace.sdk.outputs import TokenLogprob
 from headrace.worker.sequence import Sequence
 
 _MASK32 = (1 << 32) - 1

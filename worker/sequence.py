@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.outputs import FinishReason
 
 if TYPE_CHECKING:
-    from headrace.worker.outputs import TokenLogprob
+    from headrace.sdk.outputs import TokenLogprob
 
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens reached, or the model's context is full
-    ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # failed inside the engine; the request's error says why
+__all__ = ["FinishReason", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(IntEnum):

@@ -1,0 +1,280 @@
+"""`AsyncClient` and `Client`: talk to a headrace router or worker over gRPC.
+
+    async with AsyncClient("localhost:50051") as client:
+        result = await client.generate("The capital of France is", GenerationConfig(max_tokens=8))
+        async for chunk in client.stream("Once upon a time", GenerationConfig(max_tokens=64)):
+            print(chunk.text, end="", flush=True)
+
+Design note. Every call of one client shares ONE long-lived bidirectional `Generate` stream
+(`_Multiplexer`): a request is a `Request` message on it and its chunks come back tagged with
+its id, so a thousand concurrent calls cost one HTTP/2 stream, not a thousand. A call that is
+left early (a `break` out of `stream`, a cancelled task) sends `Cancel`, which frees the
+request's KV cache on the server. If the stream breaks, every call on it fails with the
+stream's status and the next call opens a new one. `Client` is the blocking twin: it runs an
+`AsyncClient` on an event loop thread of its own, so threads may share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from headrace.protos import generation_pb2 as pb
+from headrace.protos import generation_pb2_grpc
+from headrace.sdk import status, wire
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import HeadraceError, UnavailableError
+from headrace.sdk.outputs import GenerationResult, StreamChunk
+
+Prompt = wire.Prompt
+T = TypeVar("T")
+
+#: Channel settings of the SDK; each one's reason beside it.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    # One response carries a step's chunks for every request on the stream; with logprobs
+    # that outgrows the 4 MiB default well before the server's own limit.
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 16 * 2**20),
+    # Ping every 30 s (the server permits 5 s) so a dead server is noticed during a long
+    # prefill that sends nothing, and idle NATs keep the connection.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class _Multiplexer:
+    """One `Generate` stream shared by many requests; routes chunks to their callers."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+        self._outgoing: asyncio.Queue[pb.GenerateRequest | None] = asyncio.Queue()
+        self._pending: dict[str, asyncio.Queue[pb.Chunk | HeadraceError]] = {}
+        self.error: HeadraceError | None = None
+        self._call = stub.Generate(self._messages())
+        self._reader = asyncio.create_task(self._read())
+
+    async def _messages(self) -> AsyncIterator[pb.GenerateRequest]:
+        while (message := await self._outgoing.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        try:
+            async for response in self._call:
+                for chunk in response.chunks:
+                    inbox = self._pending.get(chunk.request_id)
+                    if inbox is not None:
+                        inbox.put_nowait(chunk)
+            error: HeadraceError = UnavailableError("the server ended the stream")
+        except grpc.RpcError as rpc_error:
+            error = status.from_rpc_error(rpc_error)
+        except asyncio.CancelledError:
+            error = UnavailableError("the client was closed")
+        self.error = error
+        for inbox in self._pending.values():
+            inbox.put_nowait(error)
+
+    def open(self, request: pb.Request) -> asyncio.Queue[pb.Chunk | HeadraceError]:
+        inbox: asyncio.Queue[pb.Chunk | HeadraceError] = asyncio.Queue()
+        self._pending[request.request_id] = inbox
+        self._outgoing.put_nowait(pb.GenerateRequest(request=request))
+        return inbox
+
+    def close(self, request_id: str, cancel: bool) -> None:
+        self._pending.pop(request_id, None)
+        if cancel and self.error is None:
+            self._outgoing.put_nowait(pb.GenerateRequest(cancel=pb.Cancel(request_id=request_id)))
+
+    async def aclose(self) -> None:
+        self._outgoing.put_nowait(None)
+        self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class AsyncClient:
+    """A client of one server (router or worker); use it from one event loop."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        model: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+        options: list[tuple[str, Any]] | None = None,
+    ) -> None:
+        """``target`` is HOST:PORT; ``model`` goes into every request (empty: the server's)."""
+        channel_options = CHANNEL_OPTIONS + list(options or [])
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self.model = model
+        self._mux: _Multiplexer | None = None
+        self._request_numbers = itertools.count()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._mux is not None:
+            await self._mux.aclose()
+            self._mux = None
+        await self._channel.close()
+
+    def _multiplexer(self) -> _Multiplexer:
+        if self._mux is None or self._mux.error is not None:
+            self._mux = _Multiplexer(self._stub)
+        return self._mux
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Yield the request's chunks as they arrive; the last has ``finished`` set.
+
+        ``prompt`` is text or token ids; ``timeout`` (seconds) fails the request with
+        `DeadlineExceededError` on the server. Leaving the loop early cancels the request.
+        A failed request raises its typed error (`InvalidArgumentError`, ...).
+        """
+        request_id = str(next(self._request_numbers))
+        request = wire.request_to_wire(
+            request_id, prompt, config or GenerationConfig(), priority, timeout, self.model
+        )
+        mux = self._multiplexer()
+        inbox = mux.open(request)
+        finished = False
+        try:
+            while not finished:
+                item = await inbox.get()
+                if isinstance(item, HeadraceError):
+                    finished = True
+                    raise item
+                if item.HasField("error"):
+                    finished = True
+                    raise status.from_wire(item.error)
+                chunk = wire.chunk_from_wire(item)
+                finished = chunk.finished
+                yield chunk
+        finally:
+            mux.close(request_id, cancel=not finished)
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> GenerationResult:
+        """Run one request to the end; the result has every sample's tokens and text."""
+        config = config or GenerationConfig()
+        result: GenerationResult | None = None
+        async for chunk in self.stream(prompt, config, priority=priority, timeout=timeout):
+            if result is None:
+                result = GenerationResult.empty(
+                    chunk.request_id, config.n, with_logprobs=config.logprobs is not None
+                )
+            result.add_chunk(chunk)
+        assert result is not None  # a stream ends with a finished chunk or raises
+        return result
+
+    async def model_info(self, timeout: float | None = 30.0) -> pb.ModelInfo:
+        try:
+            info: pb.ModelInfo = await self._stub.GetModelInfo(
+                pb.GetModelInfoRequest(), timeout=timeout
+            )
+        except grpc.RpcError as rpc_error:
+            raise status.from_rpc_error(rpc_error) from None
+        return info
+
+
+class Client:
+    """The blocking client: same methods as `AsyncClient`; safe to share across threads."""
+
+    def __init__(self, target: str, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="headrace-client", daemon=True
+        )
+        self._thread.start()
+        self._async = self._run(_make_async_client(target, options))
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._async.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def generate(
+        self,
+        prompt: Prompt,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> GenerationResult:
+        """See `AsyncClient.generate`."""
+        return self._run(self._async.generate(prompt, config, priority=priority, timeout=timeout))
+
+    def stream(
+        self,
+        prompt: Prompt,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> Iterator[StreamChunk]:
+        """See `AsyncClient.stream`; closing the generator early cancels the request."""
+        items: queue.SimpleQueue[StreamChunk | BaseException | None] = queue.SimpleQueue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self._async.stream(
+                    prompt, config, priority=priority, timeout=timeout
+                ):
+                    items.put(chunk)
+            except Exception as error:
+                items.put(error)
+            else:
+                items.put(None)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := items.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    def model_info(self, timeout: float | None = 30.0) -> pb.ModelInfo:
+        return self._run(self._async.model_info(timeout))
+
+
+async def _make_async_client(target: str, options: dict[str, Any]) -> AsyncClient:
+    """AsyncClient's channel binds to the loop it is made on, so it is made on the thread's."""
+    return AsyncClient(target, **options)

@@ -1,0 +1,86 @@
+"""``headrace generate``: stream one generation from a server to the terminal.
+
+    headrace generate --target localhost:50051 "The three primary colors are" --max-tokens 32
+    headrace generate --json "Hello" | jq .text     # one JSON object per chunk
+
+Text goes to stdout as it arrives; a summary line (tokens, tok/s, finish reason) to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from headrace.sdk.client import Client
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.outputs import StreamChunk
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="stream a generation from a server", description=__doc__
+    )
+    add = parser.add_argument
+    add("prompt", help="the prompt text")
+    add("--target", default=DEFAULT_TARGET, help=f"HOST:PORT of a server ({DEFAULT_TARGET})")
+    add("--model", default="", help="model name to ask for (default: the server's)")
+    add("--max-tokens", type=int, default=64, help="most tokens to generate")
+    add("--min-tokens", type=int, default=0, help="fewest tokens before EOS may end it")
+    add("--temperature", type=float, default=0.0, help="0 is greedy (the default here)")
+    add("--top-k", type=int, default=0, help="sample among the k most likely; 0 disables")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    add("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one")
+    add("--repetition-penalty", type=float, default=1.0)
+    add("--seed", type=int, help="make sampling reproducible")
+    add("--stop", action="append", default=[], help="a stop string (repeatable)")
+    add("--ignore-eos", action="store_true", help="keep generating past EOS")
+    add("--priority", type=int, default=0, help="higher runs sooner")
+    add("--timeout", type=float, help="seconds before the server gives up on the request")
+    add("--json", action="store_true", help="print each chunk as one JSON line")
+    parser.set_defaults(handler=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    config = GenerationConfig(
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    start = time.perf_counter()
+    num_tokens, last = 0, None
+    with Client(args.target, model=args.model) as client:
+        for chunk in client.stream(
+            args.prompt, config, priority=args.priority, timeout=args.timeout
+        ):
+            num_tokens += len(chunk.token_ids)
+            last = chunk
+            sys.stdout.write(_as_json(chunk) + "\n" if args.json else chunk.text)
+            sys.stdout.flush()
+    seconds = time.perf_counter() - start
+    if not args.json:
+        reason = last.finish_reason if last is not None else None
+        print(
+            f"\n[{num_tokens} tokens in {seconds:.2f} s, {num_tokens / seconds:.1f} tok/s, "
+            f"finish: {reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _as_json(chunk: StreamChunk) -> str:
+    record = dataclasses.asdict(chunk)
+    if chunk.finish_reason is not None:
+        record["finish_reason"] = str(chunk.finish_reason)
+    return json.dumps(record, ensure_ascii=False)

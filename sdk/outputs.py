@@ -1,0 +1,132 @@
+"""What a generation produces, as the SDK and the offline API both hand it to users.
+
+`StreamChunk` is one step of one sample (what `stream()` yields); `GenerationResult` folds
+chunks into whole samples (what `generate()` returns, offline and over gRPC alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from headrace.sdk.errors import HeadraceError
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed; the request's error says why
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The logprob of one token, and the top-N alternatives at that position."""
+
+    token_id: int
+    #: log-softmax of the model's raw logits (before temperature and penalties).
+    logprob: float
+    #: The N most likely (token_id, logprob) at this position, most likely first.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Usage:
+    num_prompt_tokens: int = 0
+    #: Summed over samples.
+    num_generated_tokens: int = 0
+    #: Prompt tokens served from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """What one sample of a request gained in one step, as `stream()` yields it."""
+
+    request_id: str
+    #: Which sample (0 .. n-1).
+    index: int
+    token_ids: list[int]
+    text: str
+    #: One per token, when config.logprobs was set.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Set on the sample's last chunk.
+    finish_reason: FinishReason | None = None
+    #: True on the request's last chunk.
+    finished: bool = False
+    #: On the request's last chunk.
+    usage: Usage | None = None
+    #: Once, when config.prompt_logprobs was set.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sample's whole output."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    #: Per generated token, when config.logprobs was set.
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """One prompt's result; token_ids / text / finish_reason / logprobs are sample 0's."""
+
+    request_id: str
+    #: The prompt as tokens (empty where the server did not say, as over gRPC).
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    usage: Usage = field(default_factory=Usage)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    error: HeadraceError | None = None
+
+    @classmethod
+    def empty(
+        cls, request_id: str, n: int, with_logprobs: bool, prompt_token_ids: list[int] | None = None
+    ) -> GenerationResult:
+        completions = [Completion(k, logprobs=[] if with_logprobs else None) for k in range(n)]
+        return cls(request_id, prompt_token_ids or [], completions)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
+
+    def extend(
+        self,
+        index: int,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob],
+        finish_reason: FinishReason | None,
+    ) -> None:
+        """Append one step's progress of sample ``index``."""
+        completion = self.outputs[index]
+        completion.token_ids.extend(token_ids)
+        completion.text += text
+        if completion.logprobs is not None:
+            completion.logprobs.extend(logprobs)
+        if finish_reason is not None:
+            completion.finish_reason = finish_reason
+
+    def add_chunk(self, chunk: StreamChunk) -> None:
+        self.extend(chunk.index, chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.usage is not None:
+            self.usage = chunk.usage

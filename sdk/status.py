@@ -1,0 +1,73 @@
+"""Typed errors ↔ gRPC status codes, in one place for the SDK, the router and the worker.
+
+An error that belongs to one request travels in-band as a `headrace.v1.Error` on its last
+chunk (`to_wire` / `from_wire`); an error that ends a whole RPC travels as the RPC's status
+(`abort` on the server, `from_rpc_error` in the client).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+import grpc.aio
+from google.protobuf import duration_pb2
+from headrace.protos import generation_pb2 as pb
+from headrace.sdk.errors import (
+    HeadraceError,
+    InternalError,
+    InvalidArgumentError,
+    error_for_code,
+)
+
+logger = logging.getLogger(__name__)
+
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(error: HeadraceError) -> grpc.StatusCode:
+    return grpc.StatusCode.__members__.get(error.grpc_code, grpc.StatusCode.UNKNOWN)
+
+
+def to_wire(error: HeadraceError) -> pb.Error:
+    wire = pb.Error(code=status_code(error).value[0], message=str(error))
+    if isinstance(error, InvalidArgumentError):
+        wire.field = error.field
+    retry_after_s = getattr(error, "retry_after_s", None)
+    if retry_after_s is not None:
+        wire.retry_delay.CopyFrom(duration(retry_after_s))
+    return wire
+
+
+def from_wire(wire: pb.Error) -> HeadraceError:
+    code = _BY_NUMBER.get(wire.code, grpc.StatusCode.UNKNOWN)
+    retry_after_s = (
+        wire.retry_delay.ToTimedelta().total_seconds() if wire.HasField("retry_delay") else None
+    )
+    return error_for_code(code.name, wire.message, wire.field, retry_after_s)
+
+
+def from_rpc_error(error: grpc.RpcError) -> HeadraceError:
+    """The typed error for a failed RPC (a `grpc.RpcError` that is also a `grpc.Call`)."""
+    code: grpc.StatusCode = error.code()
+    details: str = error.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, rest = details.partition(": ")
+        return error_for_code(code.name, details, field if rest else "")
+    return error_for_code(code.name, details)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
+    """End the RPC with the status that ``error`` maps to (INTERNAL for anything untyped)."""
+    if not isinstance(error, HeadraceError):
+        logger.exception("unexpected error in an RPC handler", exc_info=error)
+        error = InternalError(f"internal error: {type(error).__name__}: {error}")
+    await context.abort(status_code(error), str(error))
+    raise AssertionError("ServicerContext.abort always raises")
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    wire = duration_pb2.Duration()
+    wire.FromNanoseconds(round(seconds * 1e9))
+    return wire

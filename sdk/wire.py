@@ -1,0 +1,171 @@
+"""Conversions between the SDK's types and the `headrace.v1` messages.
+
+One module serves both directions, so the client, the router and the worker cannot disagree
+on what a field means. `GenerationConfig`'s dataclass fields and the proto message's fields
+share their names (a test holds them equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from headrace.protos import generation_pb2 as pb
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.outputs import FinishReason, StreamChunk, TokenLogprob, Usage
+from headrace.sdk.status import duration
+
+Prompt = str | list[int]
+
+_DEFAULT_CONFIG = GenerationConfig()
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
+_REPEATED_FIELDS = frozenset({"stop", "stop_token_ids"})
+
+FINISH_REASONS: dict[FinishReason, pb.FinishReason] = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+_FINISH_REASONS_BACK = {wire: reason for reason, wire in FINISH_REASONS.items()}
+
+
+def finish_reason_to_wire(reason: FinishReason | None) -> pb.FinishReason:
+    return pb.FINISH_REASON_UNSPECIFIED if reason is None else FINISH_REASONS[reason]
+
+
+# --- GenerationConfig ------------------------------------------------------------------
+
+
+def config_to_wire(config: GenerationConfig) -> pb.GenerationConfig:
+    """Only the fields that differ from the defaults are set: unset means default."""
+    wire = pb.GenerationConfig()
+    for name in _CONFIG_FIELDS:
+        value = getattr(config, name)
+        if value == getattr(_DEFAULT_CONFIG, name):
+            continue
+        if name in _REPEATED_FIELDS:
+            getattr(wire, name).extend(value)
+        else:
+            setattr(wire, name, value)
+    return wire
+
+
+def config_from_wire(wire: pb.GenerationConfig) -> GenerationConfig:
+    """Validated; a bad value raises InvalidArgumentError naming ``config.<field>``."""
+    options: dict[str, object] = {}
+    for name in _CONFIG_FIELDS:
+        if name in _REPEATED_FIELDS:
+            options[name] = tuple(getattr(wire, name))
+        elif wire.HasField(name):
+            options[name] = getattr(wire, name)
+    try:
+        return GenerationConfig(**options)  # type: ignore[arg-type]
+    except InvalidArgumentError as error:
+        message = str(error).removeprefix(f"{error.field}: ")
+        raise InvalidArgumentError(f"config.{error.field}", message) from None
+
+
+# --- Request ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A `headrace.v1.Request`, checked and in SDK types."""
+
+    request_id: str
+    prompt: Prompt
+    config: GenerationConfig
+    priority: int
+    #: Seconds from arrival; None = no limit.
+    timeout_s: float | None
+    #: Empty = the server's model.
+    model: str
+
+
+def request_to_wire(
+    request_id: str,
+    prompt: Prompt,
+    config: GenerationConfig,
+    priority: int = 0,
+    timeout_s: float | None = None,
+    model: str = "",
+) -> pb.Request:
+    wire = pb.Request(
+        request_id=request_id, config=config_to_wire(config), priority=priority, model=model
+    )
+    if isinstance(prompt, str):
+        wire.text = prompt
+    else:
+        wire.token_ids.ids.extend(prompt)
+    if timeout_s is not None:
+        wire.timeout.CopyFrom(duration(timeout_s))
+    return wire
+
+
+def request_from_wire(wire: pb.Request) -> ParsedRequest:
+    """Raises InvalidArgumentError naming the field for anything malformed."""
+    if not wire.request_id:
+        raise InvalidArgumentError("request_id", "must be a non-empty string")
+    kind = wire.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgumentError("prompt", "set either text or token_ids")
+    prompt: Prompt = wire.text if kind == "text" else list(wire.token_ids.ids)
+    timeout_s = None
+    if wire.HasField("timeout"):
+        timeout_s = wire.timeout.ToNanoseconds() / 1e9
+        if timeout_s <= 0:
+            raise InvalidArgumentError("timeout", f"must be positive, got {timeout_s:g} s")
+    config = config_from_wire(wire.config)
+    return ParsedRequest(wire.request_id, prompt, config, wire.priority, timeout_s, wire.model)
+
+
+# --- chunks -----------------------------------------------------------------------------
+
+
+def logprobs_to_wire(logprobs: Iterable[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=entry.token_id,
+            logprob=entry.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top],
+        )
+        for entry in logprobs
+    ]
+
+
+def logprobs_from_wire(wire: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(entry.token_id, entry.logprob, [(t.token_id, t.logprob) for t in entry.top])
+        for entry in wire
+    ]
+
+
+def usage_to_wire(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.num_prompt_tokens,
+        generated_tokens=usage.num_generated_tokens,
+        cached_tokens=usage.num_cached_tokens,
+    )
+
+
+def chunk_from_wire(wire: pb.Chunk) -> StreamChunk:
+    """The chunk in SDK types (its in-band error, if any, is read by the caller)."""
+    usage = None
+    if wire.HasField("usage"):
+        usage = Usage(
+            wire.usage.prompt_tokens, wire.usage.generated_tokens, wire.usage.cached_tokens
+        )
+    return StreamChunk(
+        request_id=wire.request_id,
+        index=wire.index,
+        token_ids=list(wire.token_ids),
+        text=wire.text,
+        logprobs=logprobs_from_wire(wire.logprobs),
+        finish_reason=_FINISH_REASONS_BACK.get(wire.finish_reason),
+        finished=wire.finished,
+        usage=usage,
+        prompt_logprobs=logprobs_from_wire(wire.prompt_logprobs) if wire.prompt_logprobs else None,
+    )

@@ -1,0 +1,331 @@
+"""The worker's gRPC services: `Generation` (clients, the router) and `WorkerControl`.
+
+Design note. Each `Generate` stream is one `_Session`: a reader task turns incoming
+`Request` / `Cancel` messages into engine commands, and the handler's own loop turns the
+engine's per-step output batches into one `GenerateResponse` per step. Request ids are the
+client's, so two streams may both use "1": the engine sees them prefixed with the stream's
+number. A request that fails before reaching the engine (bad field, unknown model, draining)
+is answered in-band on the same stream; nothing a single request does can end the stream.
+Leaving the handler for any reason (the client cancelled, disconnected, or the server is
+stopping) aborts whatever is still running on the stream, which frees its KV blocks within
+one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+from headrace.protos import generation_pb2 as pb
+from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from headrace.sdk import status, wire
+from headrace.sdk.errors import (
+    DeadlineExceededError,
+    HeadraceError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+from headrace.worker.async_engine import AsyncEngine, OutputStream
+from headrace.worker.engine import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOAD_INTERVAL_S = 1.0
+MIN_LOAD_INTERVAL_S = 0.01
+DEFAULT_DRAIN_GRACE_S = 30.0
+
+
+class ServingState:
+    """What the services share: whether the worker drains, and how many requests are live."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def started(self) -> None:
+        self.num_in_flight += 1
+        self._idle.clear()
+
+    def ended(self) -> None:
+        self.num_in_flight -= 1
+        if self.num_in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is in flight; False if timeout_s passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request of a session that reached the engine and has not finished."""
+
+    engine_id: str
+    timer: asyncio.TimerHandle | None
+
+
+@dataclass(slots=True)
+class _Session:
+    """The requests of one stream (one `Generate` RPC, or one `GenerateOne`)."""
+
+    service: GenerationService
+    prefix: str
+    stream: OutputStream
+    live: dict[str, _Live] = field(default_factory=dict)
+    #: In-band answers to requests that never reached the engine, sent with the next response.
+    rejected: list[pb.Chunk] = field(default_factory=list)
+    input_done: bool = False
+
+    @property
+    def is_done(self) -> bool:
+        return self.input_done and not self.live
+
+    def submit(self, request: pb.Request) -> None:
+        try:
+            parsed = self.service.admit(request)
+            if parsed.request_id in self.live:
+                raise InvalidArgumentError(
+                    "request_id", f"{parsed.request_id!r} is already in flight on this stream"
+                )
+        except HeadraceError as error:
+            self.reject(request.request_id, error)
+            return
+        engine_id = self.prefix + parsed.request_id
+        engine = self.service.engine
+        timer = None
+        if parsed.timeout_s is not None:
+            expired = DeadlineExceededError(f"timeout of {parsed.timeout_s:g} s passed")
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(parsed.timeout_s, engine.abort, engine_id, expired)
+        self.live[parsed.request_id] = _Live(engine_id, timer)
+        self.service.state.started()
+        engine.add_request(engine_id, parsed.prompt, parsed.config, self.stream, parsed.priority)
+
+    def cancel(self, request_id: str) -> None:
+        live = self.live.get(request_id)
+        if live is not None:
+            self.service.engine.abort(live.engine_id)
+
+    def reject(self, request_id: str, error: HeadraceError) -> None:
+        self.rejected.append(
+            pb.Chunk(
+                request_id=request_id,
+                finish_reason=pb.FINISH_REASON_ERROR,
+                finished=True,
+                error=status.to_wire(error),
+            )
+        )
+        self.stream.put([])  # wake the writer
+
+    async def read(self, messages: AsyncIterator[pb.GenerateRequest]) -> None:
+        try:
+            async for message in messages:
+                kind = message.WhichOneof("kind")
+                if kind == "request":
+                    self.submit(message.request)
+                elif kind == "cancel":
+                    self.cancel(message.cancel.request_id)
+        finally:
+            self.input_done = True
+            self.stream.put([])
+
+    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        """One response per engine step that touched this session, until it is done."""
+        while not self.is_done:
+            outputs = await self.stream.get()
+            response = pb.GenerateResponse()
+            response.chunks.extend(self.rejected)
+            self.rejected.clear()
+            for output in outputs:
+                response.chunks.extend(self._chunks(output))
+            if response.chunks:
+                yield response
+
+    def _chunks(self, output: RequestOutput) -> list[pb.Chunk]:
+        request_id = output.request_id.removeprefix(self.prefix)
+        chunks = [
+            pb.Chunk(
+                request_id=request_id,
+                index=delta.index,
+                token_ids=delta.token_ids,
+                text=delta.text,
+                logprobs=wire.logprobs_to_wire(delta.logprobs),
+                finish_reason=wire.finish_reason_to_wire(delta.finish_reason),
+            )
+            for delta in output.samples
+        ] or [pb.Chunk(request_id=request_id)]
+        if output.prompt_logprobs is not None:
+            chunks[0].prompt_logprobs.extend(wire.logprobs_to_wire(output.prompt_logprobs))
+        if output.finished:
+            last = chunks[-1]
+            last.finished = True
+            if output.usage is not None:
+                last.usage.CopyFrom(wire.usage_to_wire(output.usage))
+            if output.error is not None:
+                last.error.CopyFrom(status.to_wire(output.error))
+            self._forget(request_id)
+        return chunks
+
+    def _forget(self, request_id: str) -> None:
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return
+        if live.timer is not None:
+            live.timer.cancel()
+        self.service.state.ended()
+
+    def abort_all(self) -> None:
+        """The stream is gone: stop its live requests (their outputs are dropped)."""
+        for request_id in list(self.live):
+            self.service.engine.abort(self.live[request_id].engine_id)
+            self._forget(request_id)
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: AsyncEngine, model_info: pb.ModelInfo, state: ServingState) -> None:
+        self.engine = engine
+        self.model_info = model_info
+        self.state = state
+        self._stream_numbers = itertools.count()
+
+    def admit(self, request: pb.Request) -> wire.ParsedRequest:
+        """Check a request against this server; raises the typed error that refuses it."""
+        if self.state.draining:
+            raise UnavailableError("the worker is draining and takes no new requests")
+        parsed = wire.request_from_wire(request)
+        if parsed.model and parsed.model != self.model_info.name:
+            raise NotFoundError(
+                f"model: {parsed.model!r} is not served here (this worker serves "
+                f"{self.model_info.name!r})"
+            )
+        return parsed
+
+    def _session(self) -> _Session:
+        return _Session(self, f"s{next(self._stream_numbers)}/", OutputStream())
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[pb.GenerateRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        session = self._session()
+        reader = asyncio.create_task(session.read(request_iterator))
+        try:
+            async for response in session.responses():
+                yield response
+        finally:
+            reader.cancel()
+            session.abort_all()
+
+    async def GenerateOne(
+        self, request: pb.Request, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        session = self._session()
+        session.input_done = True
+        try:
+            session.submit(_with_deadline(request, context.time_remaining()))
+            async for response in session.responses():
+                failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
+                if failed:
+                    await status.abort(context, status.from_wire(failed[0].error))
+                yield response
+        finally:
+            session.abort_all()
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        return self.model_info
+
+
+def _with_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:
+    """The request with its timeout cut to the RPC's deadline, if that comes sooner."""
+    if time_remaining_s is None:
+        return request
+    current = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else None
+    if current is not None and current <= time_remaining_s:
+        return request
+    bounded = pb.Request()
+    bounded.CopyFrom(request)
+    bounded.timeout.CopyFrom(status.duration(max(time_remaining_s, 1e-3)))
+    return bounded
+
+
+class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        state: ServingState,
+        drain: Callable[[float], Awaitable[object]],
+        max_model_len: int,
+    ) -> None:
+        self.engine = engine
+        self.state = state
+        self._drain = drain
+        self.max_model_len = max_model_len
+
+    def report(self) -> worker_pb2.LoadReport:
+        load = self.engine.load
+        return worker_pb2.LoadReport(
+            free_kv_blocks=load.num_free_blocks,
+            total_kv_blocks=load.num_total_blocks,
+            block_size=load.block_size,
+            running_requests=load.num_running_requests,
+            waiting_requests=load.num_waiting_requests,
+            queued_tokens=load.num_queued_tokens,
+            prefix_cache_hit_blocks=load.num_prefix_hit_blocks,
+            draining=self.state.draining,
+            max_model_len=self.max_model_len,
+        )
+
+    async def WatchLoad(
+        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.LoadReport]:
+        interval_s = DEFAULT_LOAD_INTERVAL_S
+        if request.HasField("interval") and request.interval.ToNanoseconds() > 0:
+            interval_s = max(MIN_LOAD_INTERVAL_S, request.interval.ToNanoseconds() / 1e9)
+        while True:
+            yield self.report()
+            await asyncio.sleep(interval_s)
+
+    async def Drain(
+        self, request: worker_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DrainResponse:
+        grace_s = DEFAULT_DRAIN_GRACE_S
+        if request.HasField("grace"):
+            grace_s = max(0.0, request.grace.ToNanoseconds() / 1e9)
+        await self._drain(grace_s)
+        return worker_pb2.DrainResponse(remaining_requests=self.state.num_in_flight)
+
+
+def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
+    """Describe the engine's model for `GetModelInfo`."""
+    core = engine.engine
+    tokenizer = core.tokenizer
+    info = pb.ModelInfo(
+        name=name,
+        model_type=str(getattr(core.hf_config, "model_type", "")),
+        max_model_len=core.max_model_len,
+        dtype=str(core.dtype).removeprefix("torch."),
+        vocab_size=core.vocab_size,
+        eos_token_ids=sorted(core.eos_token_ids),
+    )
+    for role in ("bos", "eos", "pad"):
+        text, token_id = getattr(tokenizer, f"{role}_token"), getattr(tokenizer, f"{role}_token_id")
+        if text is not None and token_id is not None:
+            getattr(info, f"{role}_token").CopyFrom(pb.SpecialToken(text=str(text), id=token_id))
+    for text, token_id in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids, strict=True):
+        info.special_tokens.append(pb.SpecialToken(text=text, id=token_id))
+    return info
