@@ -90,7 +90,7 @@ class _Session:
 
     @property
     def is_done(self) -> bool:
-        return self.input_done and not self.live
+        return self.input_done and not self.live and not self.rejected
 
     def submit(self, request: pb.Request) -> None:
         try:
