@@ -1,0 +1,82 @@
+"""Start headrace servers as child processes and find their ports.
+
+A server started with ``--port 0`` binds a free port and prints one line ending in
+``serving <model> on <host>:<port>``; `ServerProcess` reads it. Used by ``headrace up``,
+the benchmarks and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+_LISTENING = re.compile(r"serving .* on (\S+):(\d+)$")
+START_TIMEOUT_S = 180.0
+
+
+class ServerProcess:
+    """``headrace <args> --host HOST --port 0`` as a child process."""
+
+    def __init__(self, args: list[str], log_path: Path | None = None, host: str = "127.0.0.1"):
+        self.log_path = log_path
+        self._log: IO[bytes] | None = log_path.open("wb") if log_path is not None else None
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "headrace.sdk.cli", *args, "--host", host, "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.port = self._wait_for_port()
+        self.target = f"{host}:{self.port}"
+
+    def _wait_for_port(self) -> int:
+        assert self.proc.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if not selector.select(timeout=0.5):
+                continue
+            match = _LISTENING.search(self.proc.stdout.readline().decode().strip())
+            if match:
+                return int(match.group(2))
+        self.kill()
+        log = self.log_path.read_text()[-4000:] if self.log_path is not None else "(no log kept)"
+        raise RuntimeError(f"server did not start; its log ends with:\n{log}")
+
+    def terminate(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (the server drains), then wait for its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+        self.kill()
+
+
+def start_worker(model: Path | str, *args: str, log_path: Path | None = None) -> ServerProcess:
+    """``headrace worker --model MODEL [args]`` on a free loopback port."""
+    return ServerProcess(["worker", "--model", str(model), *args], log_path)

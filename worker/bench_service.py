@@ -1,0 +1,139 @@
+"""What gRPC costs: the same workload through the in-process streaming API and through a
+worker process + the SDK, tokens/s side by side.
+
+    python -m headrace.worker.bench_service            # tiny model, 256 concurrent requests
+    python -m headrace.worker.bench_service --model smollm2-135m-instruct --num-requests 64
+
+The tiny model (2 layers, hidden 64, the default model's tokenizer) makes the engine cheap,
+so the serving path's own overhead shows. Both sides run every request to max_tokens
+(ignore_eos, greedy) and count the tokens they receive; each side runs `--rounds` times,
+alternating, and the best round counts (the machines are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from headrace.sdk.client import AsyncClient
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.launch import start_worker
+from headrace.worker.async_engine import AsyncEngine
+from headrace.worker.bench import Workload, build_tiny_checkpoint, make_workload
+from headrace.worker.config import EngineConfig
+from headrace.worker.model_store import DEFAULT_MODEL, resolve_model
+
+
+@dataclass(slots=True)
+class Round:
+    name: str
+    seconds: float
+    num_tokens: int
+    ttft_s: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+    def describe(self) -> str:
+        ttft = sorted(self.ttft_s)
+        return (
+            f"{self.name:<22} {self.tokens_per_s:9.1f} tok/s  {self.num_tokens} tokens in "
+            f"{self.seconds:.2f} s  TTFT p50 {statistics.median(ttft) * 1e3:.0f} ms "
+            f"p99 {ttft[int(0.99 * (len(ttft) - 1))] * 1e3:.0f} ms"
+        )
+
+
+def _config(workload: Workload) -> GenerationConfig:
+    return GenerationConfig(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int) -> Round:
+    config = _config(workload)
+
+    async def one(i: int, prompt: list[int], start: float) -> tuple[int, float]:
+        num_tokens, first = 0, 0.0
+        async for output in engine.generate(f"r{round_no}-{i}", prompt, config):
+            if num_tokens == 0:
+                first = time.perf_counter() - start
+            num_tokens += sum(len(delta.token_ids) for delta in output.samples)
+        return num_tokens, first
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i, p, start) for i, p in enumerate(workload.prompts)))
+    return _round("in-process AsyncEngine", start, results)
+
+
+async def run_grpc(target: str, workload: Workload) -> Round:
+    config = _config(workload)
+
+    async def one(client: AsyncClient, prompt: list[int], start: float) -> tuple[int, float]:
+        num_tokens, first = 0, 0.0
+        async for chunk in client.stream(prompt, config):
+            if num_tokens == 0:
+                first = time.perf_counter() - start
+            num_tokens += len(chunk.token_ids)
+        return num_tokens, first
+
+    async with AsyncClient(target) as client:
+        await client.generate([100, 101], GenerationConfig(max_tokens=1))  # open the stream
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(client, p, start) for p in workload.prompts))
+    return _round("gRPC worker + SDK", start, results)
+
+
+def _round(name: str, start: float, results: list[tuple[int, float]]) -> Round:
+    seconds = time.perf_counter() - start
+    return Round(name, seconds, sum(n for n, _ in results), [t for _, t in results])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m headrace.worker.bench_service")
+    parser.add_argument("--model", default=None, help="default: a tiny random model")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            model = str(build_tiny_checkpoint(Path(tmp), resolve_model(DEFAULT_MODEL)))
+        else:
+            model = str(resolve_model(args.model))
+        engine_args = ["--dtype", args.dtype, "--max-num-seqs", str(max(256, args.num_requests))]
+        engine = AsyncEngine(
+            EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(256, args.num_requests))
+        )
+        workload = make_workload(
+            engine.engine.vocab_size, args.num_requests, 16, 64, args.max_tokens, seed=0
+        )
+        print(
+            f"workload: {args.num_requests} concurrent requests, prompts 16-64 tokens, "
+            f"{args.max_tokens} new tokens each, model {Path(model).name}, dtype {args.dtype}"
+        )
+        rounds: dict[str, list[Round]] = {}
+        with start_worker(model, *engine_args, log_path=Path(tmp) / "worker.log") as worker:
+            numbers = itertools.count()
+            for _ in range(args.rounds):
+                for result in (
+                    asyncio.run(run_in_process(engine, workload, next(numbers))),
+                    asyncio.run(run_grpc(worker.target, workload)),
+                ):
+                    print(result.describe())
+                    rounds.setdefault(result.name, []).append(result)
+        engine.shutdown()
+    best = {name: max(r.tokens_per_s for r in rs) for name, rs in rounds.items()}
+    ratio = best["gRPC worker + SDK"] / best["in-process AsyncEngine"]
+    print(f"best of {args.rounds}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in best.items()))
+    print(f"gRPC + SDK / in-process: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
