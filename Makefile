@@ -3,9 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m-instruct
+PORT ?= 50051
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench install clean
+.PHONY: run test lint typecheck pytest bench bench-service protos install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,9 +20,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Serve the model on localhost:$(PORT) until Ctrl-C; stream from it with `headrace generate`.
 run: install
 	$(VENV)/bin/headrace models prepare $(MODEL)
-	$(PY) -m headrace.worker.generate --model $(MODEL) "The three primary colors are"
+	$(VENV)/bin/headrace worker --model $(MODEL) --host 127.0.0.1 --port $(PORT)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -40,6 +42,13 @@ test: lint typecheck pytest
 
 bench: install
 	$(PY) -m headrace.worker.bench --baseline hf
+
+bench-service: install
+	$(PY) -m headrace.worker.bench_service
+
+# Regenerate protos/*_pb2*.py from protos/headrace/v1/*.proto (a test fails if they drift).
+protos: install
+	$(PY) -m headrace.protos.codegen
 
 clean:
 	rm -rf $(VENV) .mypy_tree .pytest_cache .ruff_cache .mypy_cache

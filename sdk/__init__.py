@@ -1,5 +1,6 @@
-"""The headrace SDK: generation config, typed errors (clients come with the gRPC issue)."""
+"""The headrace SDK: clients, generation config, results and typed errors."""
 
+from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import (
     CancelledError,
@@ -11,15 +12,31 @@ from headrace.sdk.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from headrace.sdk.outputs import (
+    Completion,
+    FinishReason,
+    GenerationResult,
+    StreamChunk,
+    TokenLogprob,
+    Usage,
+)
 
 __all__ = [
+    "AsyncClient",
     "CancelledError",
+    "Client",
+    "Completion",
     "DeadlineExceededError",
+    "FinishReason",
     "GenerationConfig",
+    "GenerationResult",
     "HeadraceError",
     "InternalError",
     "InvalidArgumentError",
     "NotFoundError",
     "ResourceExhaustedError",
+    "StreamChunk",
+    "TokenLogprob",
     "UnavailableError",
+    "Usage",
 ]

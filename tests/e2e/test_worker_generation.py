@@ -4,6 +4,7 @@ share one stream, cancels and timeouts free KV blocks."""
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import subprocess
 import sys
@@ -229,3 +230,37 @@ def test_model_info(worker: ServerProcess, offline: LLM, tiny_model: object) -> 
     assert info.vocab_size == offline.engine.vocab_size
     assert info.eos_token.id == offline.tokenizer.eos_token_id
     assert set(info.eos_token_ids) == set(offline.engine.eos_token_ids)
+
+
+def _headrace(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "headrace.sdk.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_generate_command_streams_text_and_json(worker: ServerProcess, offline: LLM) -> None:
+    config = GenerationConfig(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = offline.generate(PROMPTS[0], config)[0]
+    flags = ["--target", worker.target, "--max-tokens", "12", "--ignore-eos"]
+
+    text = _headrace("generate", *flags, PROMPTS[0])
+    assert text.returncode == 0, text.stderr
+    assert text.stdout == want.text
+    assert "12 tokens" in text.stderr and "finish: length" in text.stderr
+
+    lines = _headrace("generate", *flags, "--json", PROMPTS[0])
+    assert lines.returncode == 0, lines.stderr
+    chunks = [json.loads(line) for line in lines.stdout.splitlines()]
+    assert [t for c in chunks for t in c["token_ids"]] == want.token_ids
+    assert chunks[-1]["finished"] and chunks[-1]["finish_reason"] == "length"
+
+
+def test_generate_command_reports_errors(worker: ServerProcess) -> None:
+    unknown = _headrace("generate", "--target", worker.target, "--model", "nope", "hi")
+    assert unknown.returncode == 1
+    assert "model: 'nope' is not served here" in unknown.stderr
+    bad = _headrace("generate", "--target", worker.target, "--top-p", "2", "hi")
+    assert bad.returncode == 1 and "top_p" in bad.stderr
