@@ -12,7 +12,8 @@ from typing import NoReturn
 
 import grpc
 import grpc.aio
-from google.protobuf import duration_pb2
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 from headrace.protos import generation_pb2 as pb
 from headrace.sdk.errors import (
     HeadraceError,
@@ -55,7 +56,24 @@ def from_rpc_error(error: grpc.RpcError) -> HeadraceError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, rest = details.partition(": ")
         return error_for_code(code.name, details, field if rest else "")
-    return error_for_code(code.name, details)
+    return error_for_code(code.name, details, retry_after_s=_retry_after_s(error))
+
+
+#: Trailing metadata key of the rich status (`google.rpc.Status`), as gRPC defines it.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def _retry_after_s(error: grpc.RpcError) -> float | None:
+    """The `google.rpc.RetryInfo` delay in a failed RPC's status details, if any."""
+    for key, value in error.trailing_metadata() or ():
+        if key != STATUS_DETAILS_KEY:
+            continue
+        rich = status_pb2.Status.FromString(value)
+        for detail in rich.details:
+            info = error_details_pb2.RetryInfo()
+            if detail.Unpack(info):
+                return info.retry_delay.ToNanoseconds() / 1e9
+    return None
 
 
 async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
@@ -63,7 +81,16 @@ async def abort(context: grpc.aio.ServicerContext, error: BaseException) -> NoRe
     if not isinstance(error, HeadraceError):
         logger.exception("unexpected error in an RPC handler", exc_info=error)
         error = InternalError(f"internal error: {type(error).__name__}: {error}")
-    await context.abort(status_code(error), str(error))
+    code = status_code(error)
+    retry_after_s = getattr(error, "retry_after_s", None)
+    trailing: tuple[tuple[str, bytes], ...] = ()
+    if retry_after_s is not None:
+        # Overload: say when to come back, as google.rpc.RetryInfo in the rich status.
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration(retry_after_s)))
+        rich = status_pb2.Status(code=code.value[0], message=str(error), details=[detail])
+        trailing = ((STATUS_DETAILS_KEY, rich.SerializeToString()),)
+    await context.abort(code, str(error), trailing)
     raise AssertionError("ServicerContext.abort always raises")
 
 

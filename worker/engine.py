@@ -62,6 +62,8 @@ class RequestOutput:
     usage: Usage | None = None
     #: Why the request failed (finish_reason "error"), on the last output.
     error: HeadraceError | None = None
+    #: The prompt as token ids, on the request's first output from a step.
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,7 @@ class _Request:
     #: Samples 1..n-1 wait here until sample 0 has computed the shared prompt.
     pending_siblings: list[Sequence]
     prompt_logprobs_sent: bool = False
+    prompt_token_ids_sent: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -421,6 +424,9 @@ class Engine:
     def _collect(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
         for request_id, output in outputs.items():
             request = self._requests[request_id]
+            if not request.prompt_token_ids_sent:
+                output.prompt_token_ids = request.prompt_token_ids
+                request.prompt_token_ids_sent = True
             self._attach_prompt_logprobs(request, output)
             if request.is_finished:
                 del self._requests[request_id]

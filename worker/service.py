@@ -74,6 +74,7 @@ class _Live:
 
     engine_id: str
     timer: asyncio.TimerHandle | None
+    return_prompt_token_ids: bool
 
 
 @dataclass(slots=True)
@@ -109,7 +110,7 @@ class _Session:
             expired = DeadlineExceededError(f"timeout of {parsed.timeout_s:g} s passed")
             loop = asyncio.get_running_loop()
             timer = loop.call_later(parsed.timeout_s, engine.abort, engine_id, expired)
-        self.live[parsed.request_id] = _Live(engine_id, timer)
+        self.live[parsed.request_id] = _Live(engine_id, timer, request.return_prompt_token_ids)
         self.service.state.started()
         engine.add_request(engine_id, parsed.prompt, parsed.config, self.stream, parsed.priority)
 
@@ -168,6 +169,13 @@ class _Session:
         ] or [pb.Chunk(request_id=request_id)]
         if output.prompt_logprobs is not None:
             chunks[0].prompt_logprobs.extend(wire.logprobs_to_wire(output.prompt_logprobs))
+        live = self.live.get(request_id)
+        if (
+            output.prompt_token_ids is not None
+            and live is not None
+            and live.return_prompt_token_ids
+        ):
+            chunks[0].prompt_token_ids.extend(output.prompt_token_ids)
         if output.finished:
             last = chunks[-1]
             last.finished = True

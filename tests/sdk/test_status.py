@@ -26,6 +26,7 @@ from headrace.sdk.errors import (
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
+    error_for_code,
 )
 
 MAPPING: dict[grpc.StatusCode, type[HeadraceError]] = {
@@ -52,7 +53,12 @@ class _Failing(generation_pb2_grpc.GenerationServicer):
             rpc_level, _, name = request.text.rpartition(":")
             code = grpc.StatusCode[name]
             if rpc_level:
-                await context.abort(code, f"config.top_p: whole stream fails with {name}")
+                retry_after_s = 1.5 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                message = f"config.top_p: whole stream fails with {name}"
+                field = "config.top_p" if code == grpc.StatusCode.INVALID_ARGUMENT else ""
+                await status.abort(
+                    context, error_for_code(name, message, field, retry_after_s=retry_after_s)
+                )
             error = pb.Error(code=code.value[0], message=f"config.top_p: fails with {name}")
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 error.field = "config.top_p"
@@ -88,7 +94,7 @@ def test_status_code_maps_to_exception(code: grpc.StatusCode, level: str) -> Non
         assert error.field == "config.top_p"
         assert str(error).startswith("config.top_p: ")
         assert str(error).count("config.top_p") == 1
-    if isinstance(error, ResourceExhaustedError) and level == "in_band":
+    if isinstance(error, ResourceExhaustedError):  # RetryInfo (rpc) or Error.retry_delay
         assert error.retry_after_s == pytest.approx(1.5)
 
 
