@@ -1,0 +1,102 @@
+"""What every headrace server (router, worker) shares: channel settings, health, reflection,
+and the signal-driven shutdown. Imported by servers only (it needs the `router` or `worker`
+extra for grpcio-health-checking and grpcio-reflection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from headrace.protos import generation_pb2
+
+logger = logging.getLogger(__name__)
+
+MIB = 2**20
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def channel_options(max_message_mib: int) -> list[tuple[str, Any]]:
+    """gRPC settings of headrace's servers; each one's reason beside it."""
+    return [
+        # Prompts can be long token-id lists and one step's response carries every request
+        # of a stream; the 4 MiB default is too tight for either.
+        ("grpc.max_receive_message_length", max_message_mib * MIB),
+        ("grpc.max_send_message_length", max_message_mib * MIB),
+        # Ping idle connections every 20 s and drop them if no answer comes within 10 s:
+        # a client that vanished (host gone, no FIN) must not hold KV blocks for long.
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Clients (the router, the SDK) ping too, to notice a dead server during long
+        # generations with no output yet; accept pings every 5 s even without calls, rather
+        # than answering GOAWAY "too_many_pings".
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class Server:
+    """A grpc.aio server with health and reflection for the given services."""
+
+    def __init__(self, services: list[str], max_message_mib: int) -> None:
+        self.services = services
+        self.server = grpc.aio.server(options=channel_options(max_message_mib))
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (
+            *services,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.server)
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind and serve; returns the port (the picked one when port is 0)."""
+        address = f"{host}:{port}"
+        bound = self.server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"could not bind {address}")
+        await self.server.start()
+        return bound
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health of the server ("") and of each of its services."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", *self.services):
+            await self.health.set(service, status)
+
+
+async def wait_for_signal() -> None:
+    """Return once SIGTERM or SIGINT arrives."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    logger.info("signal received; shutting down")
+
+
+async def serve(
+    start: Callable[[], Awaitable[int]],
+    stop: Callable[[], Awaitable[None]],
+    banner: Callable[[int], str],
+) -> None:
+    """Start, print the banner line (scripts read the port from it), run until a signal,
+    then stop."""
+    port = await start()
+    print(banner(port), flush=True)
+    await wait_for_signal()
+    await stop()
