@@ -3,6 +3,8 @@
     headrace models list              known model names, whether prepared, and where
     headrace models prepare [NAME]    convert a known model into the cache (once)
     headrace worker --model M         serve a model over gRPC (needs headrace[worker])
+    headrace router --workers A,B     schedule requests across workers (headrace[router])
+    headrace up --workers N           a router and N workers on this machine
     headrace generate "prompt"        stream a generation from a server to the terminal
 
 Each command group is one ``_add_*`` function in `COMMAND_GROUPS` that adds its subparser
@@ -120,10 +122,24 @@ def _add_worker(subparsers: SubParsers) -> None:
     worker.set_defaults(handler=_worker)
 
 
-#: One entry per top-level command; the router issue appends `router` and `up`.
+def _add_router(subparsers: SubParsers) -> None:
+    from headrace.router.cli import add_router_command
+
+    add_router_command(subparsers)
+
+
+def _add_up(subparsers: SubParsers) -> None:
+    from headrace.router.cli import add_up_command
+
+    add_up_command(subparsers)
+
+
+#: One entry per top-level command.
 COMMAND_GROUPS: tuple[Callable[[SubParsers], None], ...] = (
     _add_models,
     _add_worker,
+    _add_router,
+    _add_up,
     add_generate_command,
 )
 

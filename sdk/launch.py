@@ -24,11 +24,18 @@ START_TIMEOUT_S = 180.0
 class ServerProcess:
     """``headrace <args> --host HOST --port 0`` as a child process."""
 
-    def __init__(self, args: list[str], log_path: Path | None = None, host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        """Logs go to log_path (default: this process's stderr)."""
         self.log_path = log_path
         self._log: IO[bytes] | None = log_path.open("wb") if log_path is not None else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "headrace.sdk.cli", *args, "--host", host, "--port", "0"],
+            [sys.executable, "-m", "headrace.sdk.cli", *args, "--host", host, "--port", str(port)],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -80,3 +87,14 @@ class ServerProcess:
 def start_worker(model: Path | str, *args: str, log_path: Path | None = None) -> ServerProcess:
     """``headrace worker --model MODEL [args]`` on a free loopback port."""
     return ServerProcess(["worker", "--model", str(model), *args], log_path)
+
+
+def start_router(
+    workers: list[str],
+    *args: str,
+    log_path: Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> ServerProcess:
+    """``headrace router --workers A,B [args]``."""
+    return ServerProcess(["router", "--workers", ",".join(workers), *args], log_path, host, port)

@@ -47,11 +47,13 @@ class ServingState:
     def __init__(self) -> None:
         self.draining = False
         self.num_in_flight = 0
+        self.num_admitted = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
     def started(self) -> None:
         self.num_in_flight += 1
+        self.num_admitted += 1
         self._idle.clear()
 
     def ended(self) -> None:
@@ -296,6 +298,7 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
             prefix_cache_hit_blocks=load.num_prefix_hit_blocks,
             draining=self.state.draining,
             max_model_len=self.max_model_len,
+            admitted_requests=self.state.num_admitted,
         )
 
     async def WatchLoad(

@@ -1,0 +1,125 @@
+"""``headrace router`` and ``headrace up`` (added to the `headrace` command in sdk/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+
+from headrace.router.config import POLICIES, RouterConfig
+
+
+def add_router_command(subparsers: argparse._SubParsersAction) -> None:
+    router = subparsers.add_parser(
+        "router",
+        help="serve Generation in front of workers",
+        description="Schedule requests by priority across workers, with failover.",
+    )
+    workers = router.add_mutually_exclusive_group(required=True)
+    workers.add_argument("--workers", help="comma-separated HOST:PORT of the workers")
+    workers.add_argument("--workers-dns", help="NAME:PORT whose addresses are the workers")
+    add_router_options(router)
+    router.set_defaults(handler=_router)
+
+
+def add_router_options(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--host", default="0.0.0.0", help="address to listen on")
+    add("--port", type=int, default=50051, help="port to listen on; 0 picks a free one")
+    add("--policy", choices=POLICIES, default="least-loaded", help="how to pick a worker")
+    add("--max-inflight-per-worker", type=int, default=256, help="requests a worker holds at once")
+    add("--max-queued-requests", type=int, default=4096, help="then RESOURCE_EXHAUSTED")
+    add("--max-queued-tokens", type=int, default=4_000_000, help="then RESOURCE_EXHAUSTED")
+    add("--aging", type=float, default=1.0, help="priority a waiting request gains per second")
+    add("--grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def router_config(args: argparse.Namespace, workers: list[str] | None = None) -> RouterConfig:
+    if workers is None and args.workers:
+        workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    return RouterConfig(
+        workers=tuple(workers or ()),
+        workers_dns=getattr(args, "workers_dns", None),
+        policy=args.policy,
+        max_inflight_per_worker=args.max_inflight_per_worker,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        aging_per_s=args.aging,
+    )
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _router(args: argparse.Namespace) -> int:
+    from headrace.router.server import RouterOptions, run
+
+    _logging(args.log_level)
+    options = RouterOptions(host=args.host, port=args.port, grace_period_s=args.grace_period)
+    return run(router_config(args), options)
+
+
+def add_up_command(subparsers: argparse._SubParsersAction) -> None:
+    up = subparsers.add_parser(
+        "up",
+        help="start a router and N workers on this machine",
+        description="Start N workers (child processes on loopback ports) and a router in "
+        "front of them; Ctrl-C stops them all.",
+    )
+    up.add_argument("--workers", type=int, default=1, help="how many workers")
+    up.add_argument("--model", default=None, help="a local HF checkpoint folder or known name")
+    up.add_argument("--dtype", default="auto")
+    up.add_argument(
+        "--worker-args", default="", help='more flags for each worker, e.g. "--max-num-seqs 64"'
+    )
+    add_router_options(up)
+    up.set_defaults(handler=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from headrace.sdk.launch import ServerProcess, start_router, start_worker
+    from headrace.worker.model_store import DEFAULT_MODEL
+
+    _logging(args.log_level)
+    model = args.model or DEFAULT_MODEL
+    worker_args = ["--dtype", args.dtype, "--log-level", args.log_level, *args.worker_args.split()]
+    children: list[ServerProcess] = []
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        for _ in range(args.workers):
+            children.append(start_worker(model, *worker_args))
+        targets = [child.target for child in children]
+        router_args = [
+            "--policy",
+            args.policy,
+            "--max-inflight-per-worker",
+            str(args.max_inflight_per_worker),
+            "--grace-period",
+            str(args.grace_period),
+            "--log-level",
+            args.log_level,
+        ]
+        router = start_router(targets, *router_args, host=args.host, port=args.port)
+        children.insert(0, router)
+        print(
+            f"headrace up: router on {args.host}:{router.port}, workers {', '.join(targets)}",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            if any(child.proc.poll() is not None for child in children):
+                print("headrace up: a child process exited; stopping", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        for child in children:  # the router first: it drains while workers still serve
+            with contextlib.suppress(Exception):
+                child.terminate(timeout_s=args.grace_period + 10)

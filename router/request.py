@@ -1,0 +1,97 @@
+"""`RoutedRequest`: one client request as the router tracks it, across failovers.
+
+The router asks every worker for the prompt's token ids on the first chunk and remembers
+every token it streamed to the client. If the worker dies, the request is resumed elsewhere
+as ``prompt_token_ids + streamed tokens`` with the remaining budget and the same seed: a
+seeded sample's draws depend only on (seed, position), so the client sees one unbroken
+stream. Chunks are rewritten on the way back so the client never notices: its own request
+id, its own prompt length in the usage, generated tokens counted across workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from headrace.protos import generation_pb2 as pb
+from headrace.sdk.wire import ParsedRequest
+
+if TYPE_CHECKING:
+    from headrace.router.workers import WorkerLink
+
+
+@dataclass(eq=False, slots=True)
+class RoutedRequest:
+    #: The id the client chose (unique on its stream).
+    client_id: str
+    #: Where the client's chunks go: a session's outbox.
+    outbox: asyncio.Queue[list[pb.Chunk]]
+    #: The request as the client sent it.
+    original: pb.Request
+    parsed: ParsedRequest
+    #: Monotonic arrival time; kept across failovers so a resumed request keeps its place.
+    arrival_s: float
+    #: Queue accounting: prompt tokens (text counts one per 4 characters).
+    num_tokens_estimate: int
+    #: What prefix-affinity hashes.
+    affinity_key: bytes
+    #: The id on the current worker's stream (unique per router).
+    wire_id: str = ""
+    worker: WorkerLink | None = None
+    #: From the first chunk of the first worker.
+    prompt_token_ids: list[int] | None = None
+    #: Sample 0's tokens streamed to the client so far.
+    streamed_token_ids: list[int] = field(default_factory=list)
+    #: Tokens streamed before the current worker took over (for usage).
+    num_tokens_before_dispatch: int = 0
+    prompt_logprobs_sent: bool = False
+    num_failovers: int = 0
+    cancelled: bool = False
+    done: bool = False
+    timer: asyncio.TimerHandle | None = None
+    #: Monotonic times, for the router's TTFT accounting.
+    dispatched_s: float = 0.0
+    first_token_s: float = 0.0
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.parsed.config.max_tokens - len(self.streamed_token_ids)
+
+    def for_worker(self, wire_id: str) -> pb.Request:
+        """The request to send to a worker now: the original, or its resumption."""
+        request = pb.Request()
+        request.CopyFrom(self.original)
+        request.request_id = wire_id
+        request.return_prompt_token_ids = True
+        request.ClearField("timeout")  # the router enforces the client's timeout itself
+        self.num_tokens_before_dispatch = len(self.streamed_token_ids)
+        if self.prompt_token_ids is None or not self.streamed_token_ids:
+            return request
+        request.ClearField("text")
+        request.token_ids.ids[:] = self.prompt_token_ids + self.streamed_token_ids
+        config = request.config
+        config.max_tokens = self.remaining_tokens
+        if config.HasField("min_tokens"):
+            config.min_tokens = max(0, config.min_tokens - len(self.streamed_token_ids))
+        if self.prompt_logprobs_sent:
+            config.ClearField("prompt_logprobs")
+        return request
+
+    def to_client(self, chunk: pb.Chunk) -> pb.Chunk:
+        """Rewrite a worker's chunk for the client, recording what it streams."""
+        if chunk.prompt_token_ids and self.prompt_token_ids is None:
+            self.prompt_token_ids = list(chunk.prompt_token_ids)
+        if not self.original.return_prompt_token_ids or self.num_failovers:
+            chunk.ClearField("prompt_token_ids")
+        if chunk.index == 0:
+            self.streamed_token_ids.extend(chunk.token_ids)
+        if chunk.prompt_logprobs:
+            self.prompt_logprobs_sent = True
+        if chunk.HasField("usage"):
+            usage = chunk.usage
+            if self.prompt_token_ids is not None:
+                usage.prompt_tokens = len(self.prompt_token_ids)
+            usage.generated_tokens += self.num_tokens_before_dispatch
+        chunk.request_id = self.client_id
+        return chunk

@@ -1,0 +1,102 @@
+"""The router process: `headrace router --workers HOST:PORT,... --port 50051`.
+
+It imports no torch: only grpc, protobuf and headrace's protos and SDK. Health is SERVING
+while at least one worker is healthy. SIGTERM / SIGINT drains like a worker: NOT_SERVING,
+new requests refused with UNAVAILABLE, in-flight ones finish within the grace period, then
+the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+from headrace.protos import generation_pb2_grpc
+from headrace.router.config import RouterConfig
+from headrace.router.service import Router, RouterService
+from headrace.sdk import serving
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.serving import GENERATION_SERVICE
+
+logger = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    host: str = "0.0.0.0"
+    #: 0 picks a free port (printed at start).
+    port: int = 50051
+    #: On SIGTERM, how long in-flight requests get to finish.
+    grace_period_s: float = 30.0
+    max_message_mib: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgumentError("port", f"must be in [0, 65535], got {self.port}")
+        if self.grace_period_s < 0:
+            raise InvalidArgumentError("grace_period_s", "must be >= 0")
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig, options: RouterOptions) -> None:
+        self.options = options
+        self.router = Router(config)
+        self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            RouterService(self.router), self.grpc.server
+        )
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        self.router.start()
+        port = await self.grpc.start(self.options.host, self.options.port)
+        await self.grpc.set_serving(False)
+        self._health_task = asyncio.create_task(self._follow_health())
+        return port
+
+    async def _follow_health(self) -> None:
+        """SERVING while some worker is healthy and the router is not draining."""
+        serving_now: bool | None = None
+        while True:
+            wanted = self.router.has_healthy_worker and not self.router.draining
+            if wanted != serving_now:
+                await self.grpc.set_serving(wanted)
+                serving_now = wanted
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def stop(self) -> None:
+        start = time.monotonic()
+        self.router.draining = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.grpc.set_serving(False)
+        if not await self.router.wait_idle(self.options.grace_period_s):
+            logger.warning("grace period over; cancelling %d requests", self.router.num_active)
+        remaining_s = max(0.0, self.options.grace_period_s - (time.monotonic() - start))
+        await self.grpc.server.stop(grace=min(remaining_s, 1.0))
+        await self.router.close()
+
+
+def run(config: RouterConfig, options: RouterOptions) -> int:
+    async def main() -> None:
+        server = RouterServer(config, options)
+        await serving.serve(
+            server.start,
+            server.stop,
+            lambda port: (
+                f"headrace router serving {len(config.workers) or config.workers_dns} "
+                f"workers on {options.host}:{port}"
+            ),
+        )
+
+    asyncio.run(main())
+    print("headrace router stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,274 @@
+"""The router's side of each worker: a load-report stream, one multiplexed `Generate` stream,
+and the requests in flight on it.
+
+Design note. A `WorkerLink` is healthy while its `WatchLoad` stream delivers reports; the
+first report opens the `Generate` stream, and the link is in rotation from then on. Any of
+these ends it: the load stream breaks or falls silent for `unhealthy_after_s`, or the
+`Generate` stream breaks. Then every request in flight on the link is handed back to the
+router (which resumes them elsewhere), and the link retries with backoff until the worker
+answers again. Between two reports the link counts what it sent itself, so a burst of
+dispatches does not all land on the worker that looked idlest a report ago.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import grpc
+import grpc.aio
+from headrace.protos import generation_pb2 as pb
+from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from headrace.router.config import RouterConfig
+from headrace.router.request import RoutedRequest
+from headrace.sdk.client import CHANNEL_OPTIONS
+from headrace.sdk.status import duration
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 2.0
+
+
+class LinkEvents(Protocol):
+    """What a link tells the router."""
+
+    def on_response(self, link: WorkerLink, response: pb.GenerateResponse) -> None: ...
+    def on_down(self, link: WorkerLink, orphans: list[RoutedRequest]) -> None: ...
+    def on_change(self) -> None: ...
+
+
+class WorkerLink:
+    def __init__(self, target: str, config: RouterConfig, events: LinkEvents) -> None:
+        self.target = target
+        self.config = config
+        self.events = events
+        self.channel = grpc.aio.insecure_channel(target, options=_LINK_OPTIONS)
+        self._generation = generation_pb2_grpc.GenerationStub(self.channel)
+        self._control = worker_pb2_grpc.WorkerControlStub(self.channel)
+        self.healthy = False
+        self.report: worker_pb2.LoadReport | None = None
+        self.inflight: dict[str, RoutedRequest] = {}
+        #: Sent since the last report (the report does not know them yet).
+        self._sent_tokens = 0
+        self._sent_blocks = 0
+        self._outgoing: asyncio.Queue[pb.GenerateRequest | None] | None = None
+        self._stream: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._wire_ids = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- capacity, as the policies see it --------------------------------------------
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.inflight)
+
+    @property
+    def queued_tokens(self) -> int:
+        return (self.report.queued_tokens if self.report else 0) + self._sent_tokens
+
+    @property
+    def free_kv_blocks(self) -> int:
+        return (self.report.free_kv_blocks if self.report else 0) - self._sent_blocks
+
+    @property
+    def accepting(self) -> bool:
+        return self.healthy and self.report is not None and not self.report.draining
+
+    def has_room(self, request: RoutedRequest) -> bool:
+        if not self.accepting or self.num_inflight >= self.config.max_inflight_per_worker:
+            return False
+        assert self.report is not None
+        return self.free_kv_blocks >= self._blocks_for(request) or not self.inflight
+
+    def _blocks_for(self, request: RoutedRequest) -> int:
+        block_size = max(1, self.report.block_size if self.report else 16)
+        return -(-(request.num_tokens_estimate + 1) // block_size)
+
+    # --- requests -----------------------------------------------------------------------
+
+    def send(self, request: RoutedRequest) -> None:
+        assert self._outgoing is not None and self.healthy
+        request.wire_id = f"{next(self._wire_ids)}"
+        request.worker = self
+        request.dispatched_s = time.monotonic()
+        self.inflight[request.wire_id] = request
+        self._sent_tokens += request.num_tokens_estimate
+        self._sent_blocks += self._blocks_for(request)
+        self._outgoing.put_nowait(pb.GenerateRequest(request=request.for_worker(request.wire_id)))
+
+    def cancel(self, request: RoutedRequest) -> None:
+        """Ask the worker to stop a request (its last chunk still comes back)."""
+        if self._outgoing is not None and request.wire_id in self.inflight:
+            self._outgoing.put_nowait(
+                pb.GenerateRequest(cancel=pb.Cancel(request_id=request.wire_id))
+            )
+
+    def forget(self, request: RoutedRequest) -> None:
+        """Stop routing the request's chunks (cancel it first if it may still run)."""
+        self.inflight.pop(request.wire_id, None)
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"link {self.target}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._down("closed")
+        await self.channel.close()
+
+    async def _run(self) -> None:
+        backoff_s = 0.1
+        while True:
+            try:
+                await self._watch_load()
+                reason = "load stream ended"
+            except grpc.RpcError as error:
+                reason = f"load stream failed: {error.code().name}"
+            except TimeoutError:
+                reason = f"no load report for {self.config.unhealthy_after_s:g} s"
+            was_healthy = self.healthy
+            self._down(reason)
+            backoff_s = 0.1 if was_healthy else min(MAX_BACKOFF_S, backoff_s * 2)
+            await asyncio.sleep(backoff_s)
+
+    async def _watch_load(self) -> None:
+        interval = duration(self.config.load_interval_s)
+        call = self._control.WatchLoad(worker_pb2.WatchLoadRequest(interval=interval))
+        try:
+            reports = call.__aiter__()
+            while True:
+                report = await asyncio.wait_for(
+                    reports.__anext__(), timeout=self.config.unhealthy_after_s
+                )
+                self._on_report(report)
+        except StopAsyncIteration:
+            return
+        finally:
+            call.cancel()
+
+    def _on_report(self, report: worker_pb2.LoadReport) -> None:
+        self.report = report
+        self._sent_tokens = self._sent_blocks = 0
+        if not self.healthy:
+            self._open_stream()
+            self.healthy = True
+            logger.info("worker %s is up", self.target)
+        self.events.on_change()
+
+    def _open_stream(self) -> None:
+        outgoing: asyncio.Queue[pb.GenerateRequest | None] = asyncio.Queue()
+        self._outgoing = outgoing
+        self._stream = self._generation.Generate(_drain(outgoing))
+        self._reader = asyncio.create_task(self._read(self._stream))
+
+    async def _read(self, stream: Any) -> None:
+        try:
+            async for response in stream:
+                self.events.on_response(self, response)
+            reason = "generate stream ended"
+        except grpc.RpcError as error:
+            reason = f"generate stream failed: {error.code().name}"
+        except asyncio.CancelledError:
+            return
+        if stream is self._stream:
+            self._down(reason)
+
+    def _down(self, reason: str) -> None:
+        """Out of rotation; hand the requests in flight back to the router."""
+        if self.healthy:
+            logger.warning("worker %s is down: %s", self.target, reason)
+        self.healthy = False
+        self.report = None
+        if self._outgoing is not None:
+            self._outgoing.put_nowait(None)
+            self._outgoing = None
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        orphans = list(self.inflight.values())
+        self.inflight.clear()
+        for request in orphans:
+            request.worker = None
+        self.events.on_down(self, orphans)
+        self.events.on_change()
+
+
+async def _drain(outgoing: asyncio.Queue[pb.GenerateRequest | None]) -> AsyncIterator[Any]:
+    while (message := await outgoing.get()) is not None:
+        yield message
+
+
+#: The router's channel to a worker: the SDK's settings, pinging every 10 s so a worker that
+#: vanished without closing its connection is noticed even between load reports.
+_LINK_OPTIONS = [
+    *[(key, value) for key, value in CHANNEL_OPTIONS if key != "grpc.keepalive_time_ms"],
+    ("grpc.keepalive_time_ms", 10_000),
+]
+
+
+class WorkerPool:
+    """The links, from a static list or a DNS name that is resolved again and again."""
+
+    def __init__(self, config: RouterConfig, events: LinkEvents) -> None:
+        self.config = config
+        self.events = events
+        self.links: dict[str, WorkerLink] = {}
+        self._resolver: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.config.workers_dns:
+            self._resolver = asyncio.create_task(self._resolve_forever(self.config.workers_dns))
+        for target in self.config.workers:
+            self._add(target)
+
+    def _add(self, target: str) -> None:
+        link = WorkerLink(target, self.config, self.events)
+        self.links[target] = link
+        link.start()
+
+    async def _resolve_forever(self, name_port: str) -> None:
+        name, _, port = name_port.rpartition(":")
+        while True:
+            try:
+                targets = await _resolve(name, int(port))
+            except OSError as error:
+                logger.warning("cannot resolve %s: %s", name, error)
+                targets = set(self.links)  # keep what we have
+            for target in targets - set(self.links):
+                self._add(target)
+            for target in set(self.links) - targets:
+                await self.links.pop(target).close()
+            await asyncio.sleep(self.config.dns_refresh_s)
+
+    def healthy(self) -> list[WorkerLink]:
+        return [link for link in self.links.values() if link.healthy]
+
+    async def close(self) -> None:
+        if self._resolver is not None:
+            self._resolver.cancel()
+        for link in list(self.links.values()):
+            await link.close()
+
+
+async def _resolve(name: str, port: int) -> set[str]:
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    targets = set()
+    for family, _, _, _, address in infos:
+        host = f"[{address[0]}]" if family == socket.AF_INET6 else str(address[0])
+        targets.add(f"{host}:{port}")
+    return targets
