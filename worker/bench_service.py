@@ -1,5 +1,5 @@
-"""What gRPC costs: the same workload through the in-process streaming API and through a
-worker process + the SDK, tokens/s side by side.
+"""What gRPC and the router cost: the same workload through the in-process streaming API,
+through a worker process + the SDK, and through a router in front of that worker.
 
     python -m headrace.worker.bench_service            # tiny model, 256 concurrent requests
     python -m headrace.worker.bench_service --model smollm2-135m-instruct --num-requests 64
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.launch import start_worker
+from headrace.sdk.launch import start_router, start_worker
 from headrace.worker.async_engine import AsyncEngine
 from headrace.worker.bench import Workload, build_tiny_checkpoint, make_workload
 from headrace.worker.config import EngineConfig
@@ -70,7 +70,7 @@ async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int)
     return _round("in-process AsyncEngine", start, results)
 
 
-async def run_grpc(target: str, workload: Workload) -> Round:
+async def run_grpc(target: str, workload: Workload, name: str) -> Round:
     config = _config(workload)
 
     async def one(client: AsyncClient, prompt: list[int], start: float) -> tuple[int, float]:
@@ -85,7 +85,7 @@ async def run_grpc(target: str, workload: Workload) -> Round:
         await client.generate([100, 101], GenerationConfig(max_tokens=1))  # open the stream
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, p, start) for p in workload.prompts))
-    return _round("gRPC worker + SDK", start, results)
+    return _round(name, start, results)
 
 
 def _round(name: str, start: float, results: list[tuple[int, float]]) -> Round:
@@ -119,20 +119,47 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.max_tokens} new tokens each, model {Path(model).name}, dtype {args.dtype}"
         )
         rounds: dict[str, list[Round]] = {}
-        with start_worker(model, *engine_args, log_path=Path(tmp) / "worker.log") as worker:
+        worker = start_worker(model, *engine_args, log_path=Path(tmp) / "worker.log")
+        router = start_router(
+            [worker.target], "--log-level", "warning", log_path=Path(tmp) / "router.log"
+        )
+        with worker, router:
             numbers = itertools.count()
             for _ in range(args.rounds):
                 for result in (
                     asyncio.run(run_in_process(engine, workload, next(numbers))),
-                    asyncio.run(run_grpc(worker.target, workload)),
+                    asyncio.run(run_grpc(worker.target, workload, DIRECT)),
+                    asyncio.run(run_grpc(router.target, workload, ROUTED)),
                 ):
                     print(result.describe())
                     rounds.setdefault(result.name, []).append(result)
         engine.shutdown()
-    best = {name: max(r.tokens_per_s for r in rs) for name, rs in rounds.items()}
-    ratio = best["gRPC worker + SDK"] / best["in-process AsyncEngine"]
-    print(f"best of {args.rounds}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in best.items()))
-    print(f"gRPC + SDK / in-process: {ratio:.2f}x")
+    _summary(rounds)
+
+
+DIRECT, ROUTED, IN_PROCESS = "gRPC worker + SDK", "router -> worker + SDK", "in-process AsyncEngine"
+
+
+def _summary(rounds: dict[str, list[Round]]) -> None:
+    best = {name: max(rs, key=lambda r: r.tokens_per_s) for name, rs in rounds.items()}
+    print("best rounds: " + ", ".join(f"{n} {r.tokens_per_s:.1f} tok/s" for n, r in best.items()))
+    print(
+        f"gRPC + SDK / in-process: {best[DIRECT].tokens_per_s / best[IN_PROCESS].tokens_per_s:.2f}x"
+    )
+    print(f"router / direct: {best[ROUTED].tokens_per_s / best[DIRECT].tokens_per_s:.2f}x")
+    # TTFT the router adds: per percentile, routed minus direct, over all rounds.
+    for q in (0.5, 0.99):
+        direct = _quantile([t for r in rounds[DIRECT] for t in r.ttft_s], q)
+        routed = _quantile([t for r in rounds[ROUTED] for t in r.ttft_s], q)
+        print(
+            f"TTFT p{round(q * 100)}: direct {direct * 1e3:.0f} ms, via router "
+            f"{routed * 1e3:.0f} ms, added {(routed - direct) * 1e3:+.0f} ms"
+        )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 if __name__ == "__main__":
