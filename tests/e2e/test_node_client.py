@@ -1,18 +1,21 @@
 """A client in another language: Node's @grpc/grpc-js, loading only the `.proto` files,
-streams a generation from a real worker (`make install` installs its packages)."""
+streams a generation from a real worker and through a router (`make install` installs its
+packages)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.launch import start_router
 from headrace.worker.llm import LLM
 
-from tests.e2e.processes import ServerProcess
+from tests.e2e.processes import ServerProcess, wait_serving
 
 NODE_DIR = Path(__file__).parent / "node"
 PROMPT = "a story about the sea"
@@ -35,14 +38,24 @@ def _node_client(target: str, *mode: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in done.stdout.splitlines()]
 
 
+@pytest.fixture(scope="module")
+def router(worker: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("node-router") / "router.log"
+    with start_router([worker.target], log_path=log) as process:
+        wait_serving(process.target)
+        yield process.target
+
+
 @pytest.mark.parametrize("mode", [[], ["--one"]], ids=["Generate", "GenerateOne"])
+@pytest.mark.parametrize("server", ["worker", "router"])
 def test_node_client_streams_the_same_tokens(
-    worker: ServerProcess, offline: LLM, mode: list[str]
+    request: pytest.FixtureRequest, offline: LLM, mode: list[str], server: str
 ) -> None:
-    want = offline.generate(
-        PROMPT, GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    )[0]
-    chunks = _node_client(worker.target, *mode)
+    target = request.getfixturevalue(server)
+    target = target if isinstance(target, str) else target.target
+    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = offline.generate(PROMPT, config)[0]
+    chunks = _node_client(target, *mode)
     assert len(chunks) == MAX_TOKENS  # one message per engine step, one token each
     assert [t for c in chunks for t in c["token_ids"]] == want.token_ids  # type: ignore[attr-defined]
     assert "".join(str(c["text"]) for c in chunks) == want.text

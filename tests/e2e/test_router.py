@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +20,11 @@ from headrace.protos import generation_pb2_grpc
 from headrace.sdk import status, wire
 from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.errors import ResourceExhaustedError, UnavailableError
+from headrace.sdk.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError
 from headrace.sdk.launch import ServerProcess, start_router
 from headrace.worker.llm import LLM
 
-from tests.e2e.processes import load_report, start_worker, wait_all_blocks_free
+from tests.e2e.processes import load_report, start_worker, wait_all_blocks_free, wait_serving
 
 GREEDY = GenerationConfig(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -43,22 +46,8 @@ def _worker(model: Path, logs: Path, name: str, *args: str) -> ServerProcess:
 
 def _router(workers: list[ServerProcess], log_dir: Path, *args: str) -> ServerProcess:
     router = start_router([w.target for w in workers], *args, log_path=log_dir / "router.log")
-    _wait_serving(router.target)
+    wait_serving(router.target)
     return router
-
-
-def _wait_serving(target: str, timeout_s: float = 20.0) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-            if response.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            time.sleep(0.05)
-    raise AssertionError(f"router {target} never became SERVING")
 
 
 def _admitted(workers: list[ServerProcess]) -> list[int]:
@@ -234,3 +223,75 @@ def test_kill_9_of_a_worker_mid_stream_loses_and_repeats_nothing(
     assert got == want
     log = (tmp_path / "router.log").read_text()
     assert log.count("resuming request") >= 5, log[-2000:]  # b's streams really moved to a
+
+
+def test_timeout_through_the_router_frees_worker_blocks(
+    two_workers: list[ServerProcess], tmp_path: Path
+) -> None:
+    long = GenerationConfig(max_tokens=450, temperature=0.0, ignore_eos=True)
+    with _router(two_workers, tmp_path) as router, Client(router.target) as client:
+        with pytest.raises(DeadlineExceededError, match=r"timeout of 0\.2 s"):
+            client.generate("slow", long, timeout=0.2)
+        assert len(client.generate("next", GREEDY).token_ids) == 40  # the stream carries on
+    for worker in two_workers:
+        report = wait_all_blocks_free(worker.target)
+        assert report.free_kv_blocks == report.total_kv_blocks
+
+
+def test_router_sigterm_drains_in_flight_requests(
+    two_workers: list[ServerProcess], tmp_path: Path
+) -> None:
+    long = GenerationConfig(max_tokens=300, temperature=0.0, ignore_eos=True)
+    router = _router(two_workers, tmp_path)
+    with router, Client(router.target) as client:
+        stream = client.stream("drain me", long)
+        first = next(stream)
+        router.proc.send_signal(signal.SIGTERM)
+        rest = list(stream)
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 300
+        assert router.proc.wait(timeout=30) == 0
+
+
+def test_router_imports_no_torch() -> None:
+    code = (
+        "import sys, headrace.router.server, headrace.router.cli, headrace.sdk.cli;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_headrace_up_serves_through_a_router(tiny_model: Path, offline: LLM) -> None:
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "headrace.sdk.cli",
+            "up",
+            "--workers",
+            "2",
+            "--model",
+            str(tiny_model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        line = up.stdout.readline()
+        match = re.search(r"router on (\S+), workers (\S+), (\S+)$", line.strip())
+        assert match, line
+        wait_serving(match.group(1))
+        with Client(match.group(1)) as client:
+            assert client.generate("hello", GREEDY).token_ids == (
+                offline.generate("hello", GREEDY)[0].token_ids
+            )
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
