@@ -26,10 +26,12 @@ $(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package-lock.json
 
 install: $(VENV)/.installed $(NODE_CLIENT)/node_modules/.installed
 
-# Serve the model on localhost:$(PORT) until Ctrl-C; stream from it with `headrace generate`.
+# A router on localhost:$(PORT) in front of $(WORKERS) worker(s) serving the model, until
+# Ctrl-C; stream from it with `headrace generate`.
+WORKERS ?= 1
 run: install
 	$(VENV)/bin/headrace models prepare $(MODEL)
-	$(VENV)/bin/headrace worker --model $(MODEL) --host 127.0.0.1 --port $(PORT)
+	$(VENV)/bin/headrace up --workers $(WORKERS) --model $(MODEL) --host 127.0.0.1 --port $(PORT)
 
 lint: install
 	$(VENV)/bin/ruff check .

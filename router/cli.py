@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 from headrace.router.config import POLICIES, RouterConfig
 
@@ -83,6 +84,21 @@ def add_up_command(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(handler=_up)
 
 
+def _wait_serving(target: str, timeout_s: float = 60.0) -> None:
+    """Until the router reports SERVING (it has a healthy worker), so clients may connect."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            time.sleep(0.05)
+
+
 def _up(args: argparse.Namespace) -> int:
     from headrace.sdk.launch import ServerProcess, start_router, start_worker
     from headrace.worker.model_store import DEFAULT_MODEL
@@ -110,6 +126,8 @@ def _up(args: argparse.Namespace) -> int:
         ]
         router = start_router(targets, *router_args, host=args.host, port=args.port)
         children.insert(0, router)
+        probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host
+        _wait_serving(f"{probe_host}:{router.port}")
         print(
             f"headrace up: router on {args.host}:{router.port}, workers {', '.join(targets)}",
             flush=True,
