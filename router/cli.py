@@ -8,7 +8,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 
 from headrace.router.config import POLICIES, RouterConfig
 
@@ -84,23 +83,9 @@ def add_up_command(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(handler=_up)
 
 
-def _wait_serving(target: str, timeout_s: float = 60.0) -> None:
-    """Until the router reports SERVING (it has a healthy worker), so clients may connect."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-            if response.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            time.sleep(0.05)
-
-
 def _up(args: argparse.Namespace) -> int:
     from headrace.sdk.launch import ServerProcess, start_router, start_worker
+    from headrace.sdk.serving import wait_serving
     from headrace.worker.model_store import DEFAULT_MODEL
 
     _logging(args.log_level)
@@ -127,7 +112,9 @@ def _up(args: argparse.Namespace) -> int:
         router = start_router(targets, *router_args, host=args.host, port=args.port)
         children.insert(0, router)
         probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host
-        _wait_serving(f"{probe_host}:{router.port}")
+        if not wait_serving(f"{probe_host}:{router.port}"):
+            print("headrace up: the router found no healthy worker", file=sys.stderr)
+            return 1
         print(
             f"headrace up: router on {args.host}:{router.port}, workers {', '.join(targets)}",
             flush=True,

@@ -13,13 +13,11 @@ import contextlib
 import logging
 import sys
 import time
-from dataclasses import dataclass
 
 from headrace.protos import generation_pb2_grpc
 from headrace.router.config import RouterConfig
 from headrace.router.service import Router, RouterService
 from headrace.sdk import serving
-from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.serving import GENERATION_SERVICE
 
 logger = logging.getLogger(__name__)
@@ -27,20 +25,8 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 0.1
 
 
-@dataclass(frozen=True, slots=True)
-class RouterOptions:
-    host: str = "0.0.0.0"
-    #: 0 picks a free port (printed at start).
-    port: int = 50051
-    #: On SIGTERM, how long in-flight requests get to finish.
-    grace_period_s: float = 30.0
-    max_message_mib: int = 16
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise InvalidArgumentError("port", f"must be in [0, 65535], got {self.port}")
-        if self.grace_period_s < 0:
-            raise InvalidArgumentError("grace_period_s", "must be >= 0")
+#: Where the router listens and how it stops.
+RouterOptions = serving.ListenOptions
 
 
 class RouterServer:

@@ -29,7 +29,7 @@ from headrace.router.policy import make_policy
 from headrace.router.queue import PriorityQueue
 from headrace.router.request import RoutedRequest
 from headrace.router.workers import WorkerLink, WorkerPool
-from headrace.sdk import status, wire
+from headrace.sdk import serving, status, wire
 from headrace.sdk.errors import (
     DeadlineExceededError,
     HeadraceError,
@@ -204,24 +204,25 @@ class Router:
         elif request.worker is not None:
             request.worker.cancel(request)  # the worker's last chunk comes back
 
-    def abandon(self, request: RoutedRequest) -> None:
-        """The client is gone: stop the request and send nothing more."""
-        if request.done:
-            return
+    def _stop(self, request: RoutedRequest) -> None:
+        """Take the request out of the queue or off its worker; nothing more is routed."""
         self.queue.remove(request)
         if request.worker is not None:
             request.worker.cancel(request)
             request.worker.forget(request)
+
+    def abandon(self, request: RoutedRequest) -> None:
+        """The client is gone: stop the request and send nothing more."""
+        if request.done:
+            return
+        self._stop(request)
         self._end(request)
 
     def fail(self, request: RoutedRequest, error: HeadraceError) -> None:
         """End a request with an in-band error (a timeout, an unresumable failover)."""
         if request.done:
             return
-        self.queue.remove(request)
-        if request.worker is not None:
-            request.worker.cancel(request)
-            request.worker.forget(request)
+        self._stop(request)
         chunk = pb.Chunk(
             request_id=request.client_id,
             finish_reason=pb.FINISH_REASON_ERROR,
@@ -370,20 +371,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self, request: pb.Request, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         session = _Session(self.router, input_done=True)
-        remaining_s = context.time_remaining()
-        if remaining_s is not None and (
-            not request.HasField("timeout") or request.timeout.ToNanoseconds() / 1e9 > remaining_s
-        ):
-            bounded = pb.Request()
-            bounded.CopyFrom(request)
-            bounded.timeout.CopyFrom(status.duration(max(remaining_s, 1e-3)))
-            request = bounded
         try:
-            session.submit(request)
-            async for response in session.responses():
-                failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
-                if failed:
-                    await status.abort(context, status.from_wire(failed[0].error))
+            session.submit(serving.bound_by_deadline(request, context.time_remaining()))
+            async for response in serving.one_request_responses(session.responses(), context):
                 yield response
         finally:
             session.abandon_all()

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -17,11 +19,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from headrace.protos import generation_pb2
+from headrace.protos import generation_pb2 as pb
+from headrace.sdk import status
+from headrace.sdk.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass(frozen=True, slots=True)
+class ListenOptions:
+    """Where and how a server listens, and how it stops."""
+
+    #: Address to listen on; "0.0.0.0" serves every interface (what a pod needs).
+    host: str = "0.0.0.0"
+    #: 0 picks a free port (printed at start).
+    port: int = 50051
+    #: On SIGTERM, how long in-flight requests get to finish before they are cancelled.
+    grace_period_s: float = 30.0
+    #: Largest message accepted or sent. Prompts as token ids are the big ones: 1M tokens
+    #: take about 5 MiB.
+    max_message_mib: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgumentError("port", f"must be in [0, 65535], got {self.port}")
+        if self.grace_period_s < 0:
+            raise InvalidArgumentError("grace_period_s", "must be >= 0")
+        if self.max_message_mib < 1:
+            raise InvalidArgumentError("max_message_mib", "must be >= 1")
 
 
 def channel_options(max_message_mib: int) -> list[tuple[str, Any]]:
@@ -100,3 +128,39 @@ async def serve(
     print(banner(port), flush=True)
     await wait_for_signal()
     await stop()
+
+
+def bound_by_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:
+    """`GenerateOne`: the request with its timeout cut to the RPC's deadline, if sooner."""
+    if time_remaining_s is None:
+        return request
+    if request.HasField("timeout") and request.timeout.ToNanoseconds() / 1e9 <= time_remaining_s:
+        return request
+    bounded = pb.Request()
+    bounded.CopyFrom(request)
+    bounded.timeout.CopyFrom(status.duration(max(time_remaining_s, 1e-3)))
+    return bounded
+
+
+async def one_request_responses(
+    responses: AsyncIterator[pb.GenerateResponse], context: grpc.aio.ServicerContext
+) -> AsyncIterator[pb.GenerateResponse]:
+    """`GenerateOne`: pass responses on; an in-band error ends the RPC with its status."""
+    async for response in responses:
+        failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
+        if failed:
+            await status.abort(context, status.from_wire(failed[0].error))
+        yield response
+
+
+def wait_serving(target: str, timeout_s: float = 60.0) -> bool:
+    """Poll grpc.health.v1 until the server says SERVING; False if timeout_s passed first."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+            time.sleep(0.05)
+    return False

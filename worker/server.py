@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from headrace.sdk import serving
-from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.async_engine import AsyncEngine
 from headrace.worker.config import EngineConfig
@@ -33,26 +32,9 @@ CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_n
 
 
 @dataclass(frozen=True, slots=True)
-class ServerOptions:
-    #: Address to listen on; "0.0.0.0" serves every interface (what a pod needs).
-    host: str = "0.0.0.0"
-    #: 0 picks a free port (printed at start).
-    port: int = 50051
+class ServerOptions(serving.ListenOptions):
     #: The name clients put in `Request.model`; None means the --model argument as given.
     served_model_name: str | None = None
-    #: On SIGTERM, how long in-flight requests get to finish before they are cancelled.
-    grace_period_s: float = 30.0
-    #: Largest message accepted or sent. Prompts as token ids are the big ones: 1M tokens
-    #: take about 5 MiB.
-    max_message_mib: int = 16
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise InvalidArgumentError("port", f"must be in [0, 65535], got {self.port}")
-        if self.grace_period_s < 0:
-            raise InvalidArgumentError("grace_period_s", "must be >= 0")
-        if self.max_message_mib < 1:
-            raise InvalidArgumentError("max_message_mib", "must be >= 1")
 
 
 class WorkerServer:

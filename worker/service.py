@@ -23,7 +23,7 @@ import grpc
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from headrace.sdk import status, wire
+from headrace.sdk import serving, status, wire
 from headrace.sdk.errors import (
     DeadlineExceededError,
     HeadraceError,
@@ -245,11 +245,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         session = self._session()
         session.input_done = True
         try:
-            session.submit(_with_deadline(request, context.time_remaining()))
-            async for response in session.responses():
-                failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
-                if failed:
-                    await status.abort(context, status.from_wire(failed[0].error))
+            session.submit(serving.bound_by_deadline(request, context.time_remaining()))
+            async for response in serving.one_request_responses(session.responses(), context):
                 yield response
         finally:
             session.abort_all()
@@ -258,19 +255,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         return self.model_info
-
-
-def _with_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:
-    """The request with its timeout cut to the RPC's deadline, if that comes sooner."""
-    if time_remaining_s is None:
-        return request
-    current = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else None
-    if current is not None and current <= time_remaining_s:
-        return request
-    bounded = pb.Request()
-    bounded.CopyFrom(request)
-    bounded.timeout.CopyFrom(status.duration(max(time_remaining_s, 1e-3)))
-    return bounded
 
 
 class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):

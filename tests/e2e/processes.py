@@ -6,10 +6,10 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from headrace.protos import worker_pb2, worker_pb2_grpc
 from headrace.sdk import launch
 from headrace.sdk.launch import ServerProcess
+from headrace.sdk.serving import wait_serving
 
 __all__ = ["ServerProcess", "load_report", "start_worker", "wait_all_blocks_free", "wait_serving"]
 
@@ -38,16 +38,3 @@ def wait_all_blocks_free(target: str, timeout_s: float = 10.0) -> worker_pb2.Loa
         ):
             return report
         time.sleep(0.05)
-
-
-def wait_serving(target: str, timeout_s: float = 20.0) -> None:
-    """Poll grpc.health.v1 until the server says SERVING (a router: once a worker is up)."""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-            if response.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            time.sleep(0.05)
-    raise AssertionError(f"{target} never became SERVING")

@@ -42,7 +42,7 @@ def _node_client(target: str, *mode: str) -> list[dict[str, object]]:
 def router(worker: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("node-router") / "router.log"
     with start_router([worker.target], log_path=log) as process:
-        wait_serving(process.target)
+        assert wait_serving(process.target)
         yield process.target
 
 

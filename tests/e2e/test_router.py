@@ -46,7 +46,7 @@ def _worker(model: Path, logs: Path, name: str, *args: str) -> ServerProcess:
 
 def _router(workers: list[ServerProcess], log_dir: Path, *args: str) -> ServerProcess:
     router = start_router([w.target for w in workers], *args, log_path=log_dir / "router.log")
-    wait_serving(router.target)
+    assert wait_serving(router.target)
     return router
 
 
@@ -287,7 +287,7 @@ def test_headrace_up_serves_through_a_router(tiny_model: Path, offline: LLM) -> 
         line = up.stdout.readline()
         match = re.search(r"router on (\S+), workers (\S+), (\S+)$", line.strip())
         assert match, line
-        wait_serving(match.group(1))
+        assert wait_serving(match.group(1))
         with Client(match.group(1)) as client:
             assert client.generate("hello", GREEDY).token_ids == (
                 offline.generate("hello", GREEDY)[0].token_ids
