@@ -17,7 +17,7 @@ import grpc
 import pytest
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
-from headrace.sdk import status, wire
+from headrace.sdk import launch, status, wire
 from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError
@@ -295,3 +295,14 @@ def test_headrace_up_serves_through_a_router(tiny_model: Path, offline: LLM) -> 
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
+
+
+def test_workers_found_through_dns(two_workers: list[ServerProcess], tmp_path: Path) -> None:
+    """`--workers-dns localhost:PORT` resolves to the worker on that port."""
+    port = two_workers[0].port
+    with launch.ServerProcess(
+        ["router", "--workers-dns", f"localhost:{port}"], tmp_path / "router.log"
+    ) as router:
+        assert wait_serving(router.target)
+        with Client(router.target) as client:
+            assert len(client.generate("hello", GREEDY).token_ids) == 40
