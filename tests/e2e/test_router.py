@@ -7,6 +7,7 @@ import asyncio
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -306,3 +307,37 @@ def test_workers_found_through_dns(two_workers: list[ServerProcess], tmp_path: P
         assert wait_serving(router.target)
         with Client(router.target) as client:
             assert len(client.generate("hello", GREEDY).token_ids) == 40
+
+
+def test_a_worker_that_comes_back_returns_to_rotation(tiny_model: Path, tmp_path: Path) -> None:
+    """The only worker dies: requests get UNAVAILABLE; it restarts on the same port: the
+    router serves again without being restarted."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = ["worker", "--model", str(tiny_model)]
+
+    def worker() -> ServerProcess:
+        return launch.ServerProcess(args, tmp_path / "worker.log", port=port)
+
+    first = worker()
+    with start_router([first.target], log_path=tmp_path / "router.log") as router:
+        assert wait_serving(router.target)
+        with Client(router.target) as client:
+            assert len(client.generate("hello", GREEDY).token_ids) == 40
+        first.proc.send_signal(signal.SIGKILL)
+        first.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with Client(router.target) as client:
+                try:
+                    client.generate("hello", GREEDY)
+                except UnavailableError:
+                    break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the router kept serving with its only worker dead")
+        with worker():
+            assert wait_serving(router.target)
+            with Client(router.target) as client:
+                assert len(client.generate("hello again", GREEDY).token_ids) == 40
