@@ -223,12 +223,7 @@ class Router:
         if request.done:
             return
         self._stop(request)
-        chunk = pb.Chunk(
-            request_id=request.client_id,
-            finish_reason=pb.FINISH_REASON_ERROR,
-            finished=True,
-            error=status.to_wire(error),
-        )
+        chunk = status.error_chunk(request.client_id, error)
         self._end(request)
         request.outbox.put_nowait([chunk])
         self._dispatch()
@@ -304,23 +299,17 @@ class _Session:
                 )
             request = self.router.admit(wire_request, self.outbox)
         except HeadraceError as error:
-            self.outbox.put_nowait([_error_chunk(wire_request.request_id, error)])
+            self.outbox.put_nowait([status.error_chunk(wire_request.request_id, error)])
             return
         self.requests[request.client_id] = request
 
-    async def read(self, messages: AsyncIterator[pb.GenerateRequest]) -> None:
-        try:
-            async for message in messages:
-                kind = message.WhichOneof("kind")
-                if kind == "request":
-                    self.submit(message.request)
-                elif kind == "cancel":
-                    request = self.requests.get(message.cancel.request_id)
-                    if request is not None:
-                        self.router.cancel(request)
-        finally:
-            self.input_done = True
-            self.outbox.put_nowait([])  # wake the writer
+    def cancel(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.router.cancel(request)
+
+    def wake(self) -> None:
+        self.outbox.put_nowait([])
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         while not (self.input_done and not self.requests and self.outbox.empty()):
@@ -331,19 +320,10 @@ class _Session:
             if chunks:
                 yield pb.GenerateResponse(chunks=chunks)
 
-    def abandon_all(self) -> None:
+    def close(self) -> None:
         for request in self.requests.values():
             self.router.abandon(request)
         self.requests.clear()
-
-
-def _error_chunk(request_id: str, error: HeadraceError) -> pb.Chunk:
-    return pb.Chunk(
-        request_id=request_id,
-        finish_reason=pb.FINISH_REASON_ERROR,
-        finished=True,
-        error=status.to_wire(error),
-    )
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
@@ -353,30 +333,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.router = router
         self._sessions = itertools.count()
 
+    # grpc.aio needs the handlers themselves to be async generators, hence the loops.
     async def Generate(
         self,
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        session = _Session(self.router)
-        reader = asyncio.create_task(session.read(request_iterator))
-        try:
-            async for response in session.responses():
-                yield response
-        finally:
-            reader.cancel()
-            session.abandon_all()
+        async for response in serving.serve_stream(_Session(self.router), request_iterator):
+            yield response
 
     async def GenerateOne(
         self, request: pb.Request, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        session = _Session(self.router, input_done=True)
-        try:
-            session.submit(serving.bound_by_deadline(request, context.time_remaining()))
-            async for response in serving.one_request_responses(session.responses(), context):
-                yield response
-        finally:
-            session.abandon_all()
+        async for response in serving.serve_one(_Session(self.router), request, context):
+            yield response
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -11,7 +11,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import grpc.aio
@@ -130,7 +130,7 @@ async def serve(
     await stop()
 
 
-def bound_by_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:
+def _bound_by_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:
     """`GenerateOne`: the request with its timeout cut to the RPC's deadline, if sooner."""
     if time_remaining_s is None:
         return request
@@ -142,15 +142,73 @@ def bound_by_deadline(request: pb.Request, time_remaining_s: float | None) -> pb
     return bounded
 
 
-async def one_request_responses(
-    responses: AsyncIterator[pb.GenerateResponse], context: grpc.aio.ServicerContext
+class StreamSession(Protocol):
+    """The requests of one `Generate` (or `GenerateOne`) call, as a server tracks them."""
+
+    #: No more client messages will come (half-closed, or GenerateOne).
+    input_done: bool
+
+    def submit(self, request: pb.Request) -> None:
+        """Admit a request, or answer it in-band with the error that refuses it."""
+
+    def cancel(self, request_id: str) -> None:
+        """The client's Cancel; unknown ids are ignored."""
+
+    def wake(self) -> None:
+        """Make `responses` look at the session's state again."""
+
+    def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The messages to send, until input is done and every request has finished."""
+
+    def close(self) -> None:
+        """The call is over: stop what still runs and route nothing more."""
+
+
+async def serve_stream(
+    session: StreamSession, messages: AsyncIterator[pb.GenerateRequest]
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """`GenerateOne`: pass responses on; an in-band error ends the RPC with its status."""
-    async for response in responses:
-        failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
-        if failed:
-            await status.abort(context, status.from_wire(failed[0].error))
-        yield response
+    """`Generate`: read client messages into the session while sending its responses.
+
+    Leaving for any reason (the client cancelled, disconnected, or the server stops) closes
+    the session, which stops its requests.
+    """
+    reader = asyncio.create_task(_read(session, messages))
+    try:
+        async for response in session.responses():
+            yield response
+    finally:
+        reader.cancel()
+        session.close()
+
+
+async def _read(session: StreamSession, messages: AsyncIterator[pb.GenerateRequest]) -> None:
+    try:
+        async for message in messages:
+            kind = message.WhichOneof("kind")
+            if kind == "request":
+                session.submit(message.request)
+            elif kind == "cancel":
+                session.cancel(message.cancel.request_id)
+    finally:
+        session.input_done = True
+        session.wake()
+
+
+async def serve_one(
+    session: StreamSession, request: pb.Request, context: grpc.aio.ServicerContext
+) -> AsyncIterator[pb.GenerateResponse]:
+    """`GenerateOne`: one request, bounded by the RPC's deadline; an in-band error ends the
+    RPC with its status instead."""
+    session.input_done = True
+    try:
+        session.submit(_bound_by_deadline(request, context.time_remaining()))
+        async for response in session.responses():
+            failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
+            if failed:
+                await status.abort(context, status.from_wire(failed[0].error))
+            yield response
+    finally:
+        session.close()
 
 
 def wait_serving(target: str, timeout_s: float = 60.0) -> bool:

@@ -41,6 +41,16 @@ def to_wire(error: HeadraceError) -> pb.Error:
     return wire
 
 
+def error_chunk(request_id: str, error: HeadraceError) -> pb.Chunk:
+    """The last chunk of a request that failed with ``error``."""
+    return pb.Chunk(
+        request_id=request_id,
+        finish_reason=pb.FINISH_REASON_ERROR,
+        finished=True,
+        error=to_wire(error),
+    )
+
+
 def from_wire(wire: pb.Error) -> HeadraceError:
     code = _BY_NUMBER.get(wire.code, grpc.StatusCode.UNKNOWN)
     retry_after_s = (

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -58,6 +59,9 @@ class _Abort:
 
 
 _STOP = object()
+#: How stale `AsyncEngine.load` may get while the engine is busy (load reports go out every
+#: 50 ms by default).
+LOAD_PERIOD_S = 0.01
 
 
 class AsyncEngine:
@@ -65,9 +69,10 @@ class AsyncEngine:
         self.engine = Engine(config)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # owned by the engine thread
-        #: Replaced (never mutated) by the engine thread after every step, so any thread may
-        #: read it.
+        #: Replaced (never mutated) by the engine thread, so any thread may read it: at most
+        #: every LOAD_PERIOD_S while busy (it walks every request), and whenever it goes idle.
         self.load: EngineLoad = self.engine.load()
+        self._load_time_s = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="headrace-engine", daemon=True)
         self._thread.start()
 
@@ -128,7 +133,13 @@ class AsyncEngine:
                 self._fail_everything()
                 continue
             self._deliver(outputs)
+            self._publish_load()
+
+    def _publish_load(self) -> None:
+        now = time.monotonic()
+        if now - self._load_time_s >= LOAD_PERIOD_S or not self.engine.has_unfinished_requests():
             self.load = self.engine.load()
+            self._load_time_s = now
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if block); False once told to stop."""

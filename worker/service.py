@@ -122,27 +122,11 @@ class _Session:
             self.service.engine.abort(live.engine_id)
 
     def reject(self, request_id: str, error: HeadraceError) -> None:
-        self.rejected.append(
-            pb.Chunk(
-                request_id=request_id,
-                finish_reason=pb.FINISH_REASON_ERROR,
-                finished=True,
-                error=status.to_wire(error),
-            )
-        )
-        self.stream.put([])  # wake the writer
+        self.rejected.append(status.error_chunk(request_id, error))
+        self.wake()
 
-    async def read(self, messages: AsyncIterator[pb.GenerateRequest]) -> None:
-        try:
-            async for message in messages:
-                kind = message.WhichOneof("kind")
-                if kind == "request":
-                    self.submit(message.request)
-                elif kind == "cancel":
-                    self.cancel(message.cancel.request_id)
-        finally:
-            self.input_done = True
-            self.stream.put([])
+    def wake(self) -> None:
+        self.stream.put([])
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         """One response per engine step that touched this session, until it is done."""
@@ -196,7 +180,7 @@ class _Session:
             live.timer.cancel()
         self.service.state.ended()
 
-    def abort_all(self) -> None:
+    def close(self) -> None:
         """The stream is gone: stop its live requests (their outputs are dropped)."""
         for request_id in list(self.live):
             self.service.engine.abort(self.live[request_id].engine_id)
@@ -225,31 +209,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _session(self) -> _Session:
         return _Session(self, f"s{next(self._stream_numbers)}/", OutputStream())
 
+    # grpc.aio needs the handlers themselves to be async generators, hence the loops.
     async def Generate(
         self,
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        session = self._session()
-        reader = asyncio.create_task(session.read(request_iterator))
-        try:
-            async for response in session.responses():
-                yield response
-        finally:
-            reader.cancel()
-            session.abort_all()
+        async for response in serving.serve_stream(self._session(), request_iterator):
+            yield response
 
     async def GenerateOne(
         self, request: pb.Request, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        session = self._session()
-        session.input_done = True
-        try:
-            session.submit(serving.bound_by_deadline(request, context.time_remaining()))
-            async for response in serving.one_request_responses(session.responses(), context):
-                yield response
-        finally:
-            session.abort_all()
+        async for response in serving.serve_one(self._session(), request, context):
+            yield response
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
