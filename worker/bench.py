@@ -53,9 +53,8 @@ class Report:
     def describe(self) -> str:
         parts = [f"{self.name:<24} {self.tokens_per_s:8.1f} tok/s  ({self.seconds:.1f} s)"]
         if self.ttft_s:
-            parts.append(
-                f"TTFT p50 {_ms(statistics.median(self.ttft_s))} p99 {_ms(_p99(self.ttft_s))}"
-            )
+            p50, p99 = statistics.median(self.ttft_s), quantile(self.ttft_s, 0.99)
+            parts.append(f"TTFT p50 {_ms(p50)} p99 {_ms(p99)}")
         if self.decode_step_s:
             parts.append(f"decode step p50 {_ms(statistics.median(self.decode_step_s))}")
         if self.host_overhead_s:
@@ -67,9 +66,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
-def _p99(values: list[float]) -> float:
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of values, nearest rank."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def make_workload(

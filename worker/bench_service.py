@@ -15,46 +15,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import start_router, start_worker
 from headrace.worker.async_engine import AsyncEngine
-from headrace.worker.bench import Workload, build_tiny_checkpoint, make_workload
+from headrace.worker.bench import (
+    Report,
+    Workload,
+    build_tiny_checkpoint,
+    make_workload,
+    quantile,
+)
 from headrace.worker.config import EngineConfig
 from headrace.worker.model_store import DEFAULT_MODEL, resolve_model
-
-
-@dataclass(slots=True)
-class Round:
-    name: str
-    seconds: float
-    num_tokens: int
-    ttft_s: list[float]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds
-
-    def describe(self) -> str:
-        ttft = sorted(self.ttft_s)
-        return (
-            f"{self.name:<22} {self.tokens_per_s:9.1f} tok/s  {self.num_tokens} tokens in "
-            f"{self.seconds:.2f} s  TTFT p50 {statistics.median(ttft) * 1e3:.0f} ms "
-            f"p99 {ttft[int(0.99 * (len(ttft) - 1))] * 1e3:.0f} ms"
-        )
 
 
 def _config(workload: Workload) -> GenerationConfig:
     return GenerationConfig(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
 
 
-async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int) -> Round:
+async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int) -> Report:
     config = _config(workload)
 
     async def one(i: int, prompt: list[int], start: float) -> tuple[int, float]:
@@ -70,7 +54,7 @@ async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int)
     return _round("in-process AsyncEngine", start, results)
 
 
-async def run_grpc(target: str, workload: Workload, name: str) -> Round:
+async def run_grpc(target: str, workload: Workload, name: str) -> Report:
     config = _config(workload)
 
     async def one(client: AsyncClient, prompt: list[int], start: float) -> tuple[int, float]:
@@ -88,9 +72,9 @@ async def run_grpc(target: str, workload: Workload, name: str) -> Round:
     return _round(name, start, results)
 
 
-def _round(name: str, start: float, results: list[tuple[int, float]]) -> Round:
+def _round(name: str, start: float, results: list[tuple[int, float]]) -> Report:
     seconds = time.perf_counter() - start
-    return Round(name, seconds, sum(n for n, _ in results), [t for _, t in results])
+    return Report(name, seconds, sum(n for n, _ in results), [t for _, t in results])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             f"workload: {args.num_requests} concurrent requests, prompts 16-64 tokens, "
             f"{args.max_tokens} new tokens each, model {Path(model).name}, dtype {args.dtype}"
         )
-        rounds: dict[str, list[Round]] = {}
+        rounds: dict[str, list[Report]] = {}
         worker = start_worker(model, *engine_args, log_path=Path(tmp) / "worker.log")
         router = start_router(
             [worker.target], "--log-level", "warning", log_path=Path(tmp) / "router.log"
@@ -140,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 DIRECT, ROUTED, IN_PROCESS = "gRPC worker + SDK", "router -> worker + SDK", "in-process AsyncEngine"
 
 
-def _summary(rounds: dict[str, list[Round]]) -> None:
+def _summary(rounds: dict[str, list[Report]]) -> None:
     best = {name: max(rs, key=lambda r: r.tokens_per_s) for name, rs in rounds.items()}
     print("best rounds: " + ", ".join(f"{n} {r.tokens_per_s:.1f} tok/s" for n, r in best.items()))
     print(
@@ -149,17 +133,12 @@ def _summary(rounds: dict[str, list[Round]]) -> None:
     print(f"router / direct: {best[ROUTED].tokens_per_s / best[DIRECT].tokens_per_s:.2f}x")
     # TTFT the router adds: per percentile, routed minus direct, over all rounds.
     for q in (0.5, 0.99):
-        direct = _quantile([t for r in rounds[DIRECT] for t in r.ttft_s], q)
-        routed = _quantile([t for r in rounds[ROUTED] for t in r.ttft_s], q)
+        direct = quantile([t for r in rounds[DIRECT] for t in r.ttft_s], q)
+        routed = quantile([t for r in rounds[ROUTED] for t in r.ttft_s], q)
         print(
             f"TTFT p{round(q * 100)}: direct {direct * 1e3:.0f} ms, via router "
             f"{routed * 1e3:.0f} ms, added {(routed - direct) * 1e3:+.0f} ms"
         )
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 if __name__ == "__main__":
