@@ -43,6 +43,8 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         #: Prompt blocks served from the cache instead of computed, over the engine's life.
         self.num_prefix_hit_blocks = 0
+        #: Full prompt blocks looked up in the cache at admission (hits / this = hit rate).
+        self.num_prefix_queried_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,6 +103,8 @@ class BlockManager:
         seq.block_ids = list(cached_block_ids)
         seq.num_computed_tokens = len(cached_block_ids) * self.block_size
         self.num_prefix_hit_blocks += len(cached_block_ids)
+        if self.enable_prefix_caching and not seq.wants_prompt_logprobs:
+            self.num_prefix_queried_blocks += (seq.num_tokens - 1) // self.block_size
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append enough fresh blocks to hold num_new_tokens more computed tokens."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,18 @@ class SampleDelta:
 
 
 @dataclass(slots=True)
+class RequestTimes:
+    """When a request reached each phase, in `time.monotonic()` seconds (metrics, traces)."""
+
+    arrival_s: float
+    #: Its first step began: the end of its time in the queue.
+    first_scheduled_s: float | None = None
+    #: Its first token was sampled: the end of prefill.
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """One request's progress in one step (a streaming delta)."""
 
@@ -64,6 +77,8 @@ class RequestOutput:
     error: HeadraceError | None = None
     #: The prompt as token ids, on the request's first output from a step.
     prompt_token_ids: list[int] | None = None
+    #: On the last output.
+    times: RequestTimes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +95,10 @@ class EngineLoad:
     #: Prompt tokens of waiting requests not yet computed.
     num_queued_tokens: int
     num_prefix_hit_blocks: int
+    #: Full prompt blocks looked up in the prefix cache (the hit rate's denominator).
+    num_prefix_queried_blocks: int
+    #: Sequences preempted (blocks freed, recomputed later) over the engine's life.
+    num_preemptions: int
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +109,7 @@ class _Request:
     seqs: list[Sequence]
     #: Samples 1..n-1 wait here until sample 0 has computed the shared prompt.
     pending_siblings: list[Sequence]
+    times: RequestTimes
     prompt_logprobs_sent: bool = False
     prompt_token_ids_sent: bool = False
 
@@ -271,6 +291,8 @@ class Engine:
             num_waiting_requests=len(self._requests) - num_running,
             num_queued_tokens=num_queued_tokens,
             num_prefix_hit_blocks=self.block_manager.num_prefix_hit_blocks,
+            num_prefix_queried_blocks=self.block_manager.num_prefix_queried_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
@@ -336,7 +358,8 @@ class Engine:
         ]
         for seq in seqs:
             seq.detok_state = self.detokenizer.new_state(prompt_token_ids, config)
-        return _Request(request_id, config, prompt_token_ids, seqs, seqs[1:])
+        times = RequestTimes(arrival_s=time.monotonic())
+        return _Request(request_id, config, prompt_token_ids, seqs, seqs[1:], times)
 
     # --- stepping -----------------------------------------------------------------------
 
@@ -351,6 +374,7 @@ class Engine:
             outputs.setdefault(seq.request_id, RequestOutput(seq.request_id)).samples.append(delta)
         if not step.chunks:
             return self._collect(outputs)
+        self._mark_scheduled(step)
         try:
             result = self.runner.execute(step)
             sampled = (
@@ -371,6 +395,14 @@ class Engine:
                 self._append_token(chunk.seq, token_id, logprob, outputs)
         return self._collect(outputs)
 
+    def _mark_scheduled(self, step: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for chunk in step.chunks:
+            if chunk.seq.num_output_tokens == 0:  # decoding sequences were scheduled before
+                times = self._requests[chunk.seq.request_id].times
+                if times.first_scheduled_s is None:
+                    times.first_scheduled_s = now
+
     def _record_prompt_logprobs(self, result: StepResult) -> None:
         for span in result.prompt_spans:
             num_top = span.seq.config.prompt_logprobs or 0
@@ -386,6 +418,8 @@ class Engine:
         outputs: dict[str, RequestOutput],
     ) -> None:
         request = self._requests[seq.request_id]
+        if request.times.first_token_s is None:
+            request.times.first_token_s = time.monotonic()
         if seq.num_output_tokens == 0 and request.pending_siblings:
             # The prompt's full blocks are now in the prefix cache: siblings reuse them.
             for sibling in request.pending_siblings:
@@ -443,6 +477,8 @@ class Engine:
 
     def _finalize(self, request: _Request, output: RequestOutput) -> None:
         output.finished = True
+        request.times.finished_s = time.monotonic()
+        output.times = request.times
         output.usage = Usage(
             num_prompt_tokens=len(request.prompt_token_ids),
             num_generated_tokens=sum(seq.num_output_tokens for seq in request.seqs),
