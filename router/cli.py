@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import signal
 import sys
 import threading
 
 from headrace.router.config import POLICIES, RouterConfig
+from headrace.sdk.cli import add_server_arguments, setup_logging
 
 
 def add_router_command(subparsers: argparse._SubParsersAction) -> None:
@@ -26,16 +26,13 @@ def add_router_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_router_options(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser)
     add = parser.add_argument
-    add("--host", default="0.0.0.0", help="address to listen on")
-    add("--port", type=int, default=50051, help="port to listen on; 0 picks a free one")
     add("--policy", choices=POLICIES, default="least-loaded", help="how to pick a worker")
     add("--max-inflight-per-worker", type=int, default=256, help="requests a worker holds at once")
     add("--max-queued-requests", type=int, default=4096, help="then RESOURCE_EXHAUSTED")
     add("--max-queued-tokens", type=int, default=4_000_000, help="then RESOURCE_EXHAUSTED")
     add("--aging", type=float, default=1.0, help="priority a waiting request gains per second")
-    add("--grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def router_config(args: argparse.Namespace, workers: list[str] | None = None) -> RouterConfig:
@@ -52,17 +49,16 @@ def router_config(args: argparse.Namespace, workers: list[str] | None = None) ->
     )
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-
-
 def _router(args: argparse.Namespace) -> int:
     from headrace.router.server import RouterOptions, run
 
-    _logging(args.log_level)
-    options = RouterOptions(host=args.host, port=args.port, grace_period_s=args.grace_period)
+    setup_logging(args.log_level)
+    options = RouterOptions(
+        host=args.host,
+        port=args.port,
+        grace_period_s=args.grace_period,
+        metrics_port=args.metrics_port,
+    )
     return run(router_config(args), options)
 
 
@@ -88,7 +84,7 @@ def _up(args: argparse.Namespace) -> int:
     from headrace.sdk.serving import wait_serving
     from headrace.worker.model_store import DEFAULT_MODEL
 
-    _logging(args.log_level)
+    setup_logging(args.log_level)
     model = args.model or DEFAULT_MODEL
     worker_args = ["--dtype", args.dtype, "--log-level", args.log_level, *args.worker_args.split()]
     children: list[ServerProcess] = []
@@ -109,6 +105,8 @@ def _up(args: argparse.Namespace) -> int:
             "--log-level",
             args.log_level,
         ]
+        if args.metrics_port is not None:  # the router's; workers report through it
+            router_args += ["--metrics-port", str(args.metrics_port)]
         router = start_router(targets, *router_args, host=args.host, port=args.port)
         children.insert(0, router)
         probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host

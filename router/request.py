@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
+from headrace.sdk import tracing
+from headrace.sdk.telemetry import RequestTelemetry
 from headrace.sdk.wire import ParsedRequest
 
 if TYPE_CHECKING:
@@ -36,6 +38,8 @@ class RoutedRequest:
     num_tokens_estimate: int
     #: What prefix-affinity hashes.
     affinity_key: bytes
+    #: Its span (the parent of each worker's), latency clock and log line.
+    telemetry: RequestTelemetry
     #: The id on the current worker's stream (unique per router).
     wire_id: str = ""
     worker: WorkerLink | None = None
@@ -50,9 +54,8 @@ class RoutedRequest:
     cancelled: bool = False
     done: bool = False
     timer: asyncio.TimerHandle | None = None
-    #: Monotonic times, for the router's TTFT accounting.
-    dispatched_s: float = 0.0
-    first_token_s: float = 0.0
+    #: When it first went to a worker (monotonic); 0 while it has not.
+    first_dispatch_s: float = 0.0
 
     @property
     def remaining_tokens(self) -> int:
@@ -65,6 +68,8 @@ class RoutedRequest:
         request.request_id = wire_id
         request.return_prompt_token_ids = True
         request.ClearField("timeout")  # the router enforces the client's timeout itself
+        request.trace_context.clear()
+        request.trace_context.update(tracing.carrier(self.telemetry.span))
         self.num_tokens_before_dispatch = len(self.streamed_token_ids)
         if self.prompt_token_ids is None or not self.streamed_token_ids:
             return request

@@ -41,6 +41,9 @@ class RouterServer:
 
     async def start(self) -> int:
         self.router.start()
+        if self.options.metrics_port is not None:
+            registry = self.router.metrics.registry
+            self.grpc.serve_metrics(registry, self.options.host, self.options.metrics_port)
         port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(False)
         self._health_task = asyncio.create_task(self._follow_health())
@@ -67,7 +70,7 @@ class RouterServer:
         if not await self.router.wait_idle(self.options.grace_period_s):
             logger.warning("grace period over; cancelling %d requests", self.router.num_active)
         remaining_s = max(0.0, self.options.grace_period_s - (time.monotonic() - start))
-        await self.grpc.server.stop(grace=min(remaining_s, 1.0))
+        await self.grpc.stop(min(remaining_s, 1.0))
         await self.router.close()
 
 
@@ -75,6 +78,7 @@ def run(config: RouterConfig, options: RouterOptions) -> int:
     async def main() -> None:
         server = RouterServer(config, options)
         await serving.serve(
+            "headrace-router",
             server.start,
             server.stop,
             lambda port: (

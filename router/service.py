@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,11 +25,12 @@ import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
 from headrace.router.config import RouterConfig
+from headrace.router.metrics import RouterMetrics
 from headrace.router.policy import make_policy
 from headrace.router.queue import PriorityQueue
 from headrace.router.request import RoutedRequest
 from headrace.router.workers import WorkerLink, WorkerPool
-from headrace.sdk import serving, status, wire
+from headrace.sdk import serving, status, tracing, wire
 from headrace.sdk.errors import (
     DeadlineExceededError,
     HeadraceError,
@@ -37,19 +38,14 @@ from headrace.sdk.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from headrace.sdk.outputs import FinishReason
+from headrace.sdk.telemetry import RequestTelemetry
 
 logger = logging.getLogger(__name__)
+#: One line per finished request (level INFO).
+request_logger = logging.getLogger("headrace.router.requests")
 
 CHARS_PER_TOKEN = 4
-
-
-@dataclass(slots=True)
-class RouterStats:
-    """Counters for benchmarks and tests (metrics come with the observability issue)."""
-
-    num_failovers: int = 0
-    #: Seconds from arrival to the first token, per finished request.
-    ttft_s: list[float] = field(default_factory=list)
 
 
 class Router:
@@ -58,7 +54,8 @@ class Router:
         self.queue: PriorityQueue[RoutedRequest] = PriorityQueue(config.aging_per_s)
         self.pool = WorkerPool(config, self)
         self.policy = make_policy(config)
-        self.stats = RouterStats()
+        self.metrics = RouterMetrics()
+        self.metrics.watch(self)
         self.draining = False
         self.num_active = 0  # admitted and not finished (queued or in flight)
         self._idle = asyncio.Event()
@@ -82,9 +79,13 @@ class Router:
     # --- admission ------------------------------------------------------------------------
 
     def admit(
-        self, wire_request: pb.Request, outbox: asyncio.Queue[list[pb.Chunk]]
+        self,
+        wire_request: pb.Request,
+        outbox: asyncio.Queue[list[pb.Chunk]],
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> RoutedRequest:
-        """Queue a request; raises the typed error that refuses it."""
+        """Queue a request; raises the typed error that refuses it. ``metadata`` is the
+        call's: a request without a trace context of its own joins the call's trace."""
         if self.draining:
             raise UnavailableError("the router is draining and takes no new requests")
         parsed = wire.request_from_wire(wire_request)
@@ -100,14 +101,17 @@ class Router:
                 f"{self.queue.num_tokens} tokens)",
                 retry_after_s=self.config.retry_after_s,
             )
+        parent = tracing.parent_context(wire_request.trace_context, metadata)
+        telemetry = RequestTelemetry.start("router.generate", parsed.request_id, parent)
         request = RoutedRequest(
             client_id=parsed.request_id,
             outbox=outbox,
             original=wire_request,
             parsed=parsed,
-            arrival_s=time.monotonic(),
+            arrival_s=telemetry.clock.arrival_s,
             num_tokens_estimate=num_tokens,
             affinity_key=self._affinity_key(parsed.prompt),
+            telemetry=telemetry,
         )
         if parsed.timeout_s is not None:
             expired = DeadlineExceededError(f"timeout of {parsed.timeout_s:g} s passed")
@@ -133,23 +137,37 @@ class Router:
             if not candidates:
                 return
             self.queue.pop()
-            self.policy.choose(request, candidates).send(request)
+            link = self.policy.choose(request, candidates)
+            self._record_dispatch(request, link)
+            link.send(request)
+
+    def _record_dispatch(self, request: RoutedRequest, link: WorkerLink) -> None:
+        span = request.telemetry.span
+        if not request.first_dispatch_s:
+            request.first_dispatch_s = now_s = time.monotonic()
+            self.metrics.requests.queue_time.observe(now_s - request.arrival_s)
+            if span.is_recording():
+                tracing.child_span(span, "queue", request.arrival_s, now_s)
+        span.add_event(
+            "dispatched",
+            {"headrace.worker": link.target, "headrace.failovers": request.num_failovers},
+        )
 
     # --- events from worker links (LinkEvents) --------------------------------------------
 
     def on_response(self, link: WorkerLink, response: pb.GenerateResponse) -> None:
         by_outbox: dict[int, tuple[asyncio.Queue[list[pb.Chunk]], list[pb.Chunk]]] = {}
         finished = False
+        now_s = time.monotonic()
         for chunk in response.chunks:
             request = link.inflight.get(chunk.request_id)
             if request is None:
                 continue  # cancelled or timed out here already
-            if not request.first_token_s and chunk.token_ids:
-                request.first_token_s = time.monotonic()
+            request.telemetry.clock.tokens(now_s, len(chunk.token_ids), self.metrics.requests)
             out = request.to_client(chunk)
             if out.finished:
                 link.forget(request)
-                self._end(request)
+                self._end(request, out)
                 finished = True
             if not request.cancelled or out.finished:
                 by_outbox.setdefault(id(request.outbox), (request.outbox, []))[1].append(out)
@@ -186,7 +204,8 @@ class Router:
             self._finish_locally(request, pb.FINISH_REASON_LENGTH)
             return
         request.num_failovers += 1
-        self.stats.num_failovers += 1
+        self.metrics.failovers.inc()
+        request.telemetry.span.add_event("failover", {"headrace.worker": link.target})
         logger.info("resuming request %s elsewhere", request.client_id)
         self.queue.push(
             request, request.parsed.priority, request.arrival_s, request.num_tokens_estimate
@@ -216,7 +235,7 @@ class Router:
         if request.done:
             return
         self._stop(request)
-        self._end(request)
+        self._end(request, None)
 
     def fail(self, request: RoutedRequest, error: HeadraceError) -> None:
         """End a request with an in-band error (a timeout, an unresumable failover)."""
@@ -224,7 +243,7 @@ class Router:
             return
         self._stop(request)
         chunk = status.error_chunk(request.client_id, error)
-        self._end(request)
+        self._end(request, chunk)
         request.outbox.put_nowait([chunk])
         self._dispatch()
 
@@ -235,18 +254,38 @@ class Router:
         chunk = pb.Chunk(
             request_id=request.client_id, finish_reason=reason, finished=True, usage=usage
         )
-        self._end(request)
+        self._end(request, chunk)
         request.outbox.put_nowait([chunk])
 
-    def _end(self, request: RoutedRequest) -> None:
+    def _end(self, request: RoutedRequest, last: pb.Chunk | None) -> None:
+        """The request is over; ``last`` is its last chunk to the client (None: the client
+        is gone)."""
         request.done = True
         if request.timer is not None:
             request.timer.cancel()
-        if request.first_token_s:
-            self.stats.ttft_s.append(request.first_token_s - request.arrival_s)
+        self._record_end(request, last)
         self.num_active -= 1
         if self.num_active == 0:
             self._idle.set()
+
+    def _record_end(self, request: RoutedRequest, last: pb.Chunk | None) -> None:
+        reason, usage, error = FinishReason.ABORT, None, None
+        if last is not None:
+            reason = wire.finish_reason_from_wire(last.finish_reason) or FinishReason.STOP
+            usage = wire.usage_from_wire(last.usage) if last.HasField("usage") else None
+            error = status.from_wire(last.error) if last.HasField("error") else None
+        queue_s = request.first_dispatch_s - request.arrival_s if request.first_dispatch_s else None
+        request.telemetry.finish(
+            reason,
+            usage,
+            error,
+            self.metrics.requests,
+            request_logger,
+            queue_s=queue_s,
+            worker=request.worker.target if request.worker is not None else None,
+            worker_request_id=request.wire_id or None,
+            failovers=request.num_failovers or None,
+        )
 
     async def _fail_queued_without_workers(self) -> None:
         """Queued requests do not wait forever for workers that never come back."""
@@ -287,6 +326,8 @@ class _Session:
     """The requests of one client stream."""
 
     router: Router
+    #: The call's metadata (W3C trace context for requests that carry none).
+    metadata: Sequence[tuple[str, str | bytes]]
     outbox: asyncio.Queue[list[pb.Chunk]] = field(default_factory=asyncio.Queue)
     requests: dict[str, RoutedRequest] = field(default_factory=dict)
     input_done: bool = False
@@ -297,8 +338,9 @@ class _Session:
                 raise InvalidArgumentError(
                     "request_id", f"{wire_request.request_id!r} is already in flight on this stream"
                 )
-            request = self.router.admit(wire_request, self.outbox)
+            request = self.router.admit(wire_request, self.outbox, self.metadata)
         except HeadraceError as error:
+            self.router.metrics.rejected(status.status_code(error).name)
             self.outbox.put_nowait([status.error_chunk(wire_request.request_id, error)])
             return
         self.requests[request.client_id] = request
@@ -339,13 +381,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in serving.serve_stream(_Session(self.router), request_iterator):
+        session = _Session(self.router, tuple(context.invocation_metadata() or ()))
+        async for response in serving.serve_stream(session, request_iterator):
             yield response
 
     async def GenerateOne(
         self, request: pb.Request, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in serving.serve_one(_Session(self.router), request, context):
+        session = _Session(self.router, tuple(context.invocation_metadata() or ()))
+        async for response in serving.serve_one(session, request, context):
             yield response
 
     async def GetModelInfo(

@@ -17,7 +17,6 @@ import contextlib
 import itertools
 import logging
 import socket
-import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -97,7 +96,6 @@ class WorkerLink:
         assert self._outgoing is not None and self.healthy
         request.wire_id = f"{next(self._wire_ids)}"
         request.worker = self
-        request.dispatched_s = time.monotonic()
         self.inflight[request.wire_id] = request
         self._sent_tokens += request.num_tokens_estimate
         self._sent_blocks += self._blocks_for(request)

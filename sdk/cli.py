@@ -16,6 +16,7 @@ the same way. Handlers import worker or router modules themselves, so importing 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,28 @@ from headrace.sdk.generate import add_generate_command
 Handler = Callable[[argparse.Namespace], int]
 # argparse's subparsers object; its class is private, so it is named once here.
 SubParsers = argparse._SubParsersAction
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of every server (worker, router): where it listens, how it stops, and
+    what it reports."""
+    add = parser.add_argument
+    add("--host", default="0.0.0.0", help="address to listen on")
+    add("--port", type=int, default=50051, help="port to listen on; 0 picks a free one")
+    add("--grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    add("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: a free one)")
+    add(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="info logs one line per finished request",
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def _models_list(args: argparse.Namespace) -> int:
@@ -60,14 +83,10 @@ def _add_models(subparsers: SubParsers) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import logging
-
     from headrace.worker.config import EngineConfig
     from headrace.worker.server import ServerOptions, run
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     engine_config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -88,6 +107,7 @@ def _worker(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         grace_period_s=args.grace_period,
         max_message_mib=args.max_message_mib,
+        metrics_port=args.metrics_port,
     )
     return run(engine_config, options)
 
@@ -105,8 +125,7 @@ def _add_worker(subparsers: SubParsers) -> None:
     add("--served-model-name", help="the name clients use (default: --model as given)")
     add("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    add("--host", default="0.0.0.0", help="address to listen on")
-    add("--port", type=int, default=50051, help="port to listen on; 0 picks a free one")
+    add_server_arguments(worker)
     add("--max-model-len", type=int, help="longest sequence (default: the model's context)")
     add("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
@@ -116,9 +135,7 @@ def _add_worker(subparsers: SubParsers) -> None:
     add("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA: fraction for KV")
     add("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     add("--seed", type=int, default=0, help="seed for requests that set none")
-    add("--grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     worker.set_defaults(handler=_worker)
 
 

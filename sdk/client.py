@@ -12,11 +12,17 @@ left early (a `break` out of `stream`, a cancelled task) sends `Cancel`, which f
 request's KV cache on the server. If the stream breaks, every call on it fails with the
 stream's status and the next call opens a new one. `Client` is the blocking twin: it runs an
 `AsyncClient` on an event loop thread of its own, so threads may share it.
+
+Each call is a client span ("headrace.generate", a child of the caller's current span) whose
+W3C trace context travels in `Request.trace_context`, so the router's and worker's spans of
+the request join the caller's trace. Without an OpenTelemetry SDK installed, spans cost
+next to nothing and are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -27,10 +33,12 @@ import grpc
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
-from headrace.sdk import status, wire
+from headrace.sdk import status, tracing, wire
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, UnavailableError
 from headrace.sdk.outputs import GenerationResult, StreamChunk
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 Prompt = wire.Prompt
 T = TypeVar("T")
@@ -153,6 +161,13 @@ class AsyncClient:
         request = wire.request_to_wire(
             request_id, prompt, config or GenerationConfig(), priority, timeout, self.model
         )
+        # Not the current span: an async generator must not leave its context behind.
+        span = tracing.tracer().start_span(
+            "headrace.generate",
+            kind=trace.SpanKind.CLIENT,
+            attributes={tracing.REQUEST_ID: request_id},
+        )
+        request.trace_context.update(tracing.carrier(span))
         mux = self._multiplexer()
         inbox = mux.open(request)
         finished = False
@@ -168,8 +183,12 @@ class AsyncClient:
                 chunk = wire.chunk_from_wire(item)
                 finished = chunk.finished
                 yield chunk
+        except HeadraceError as error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+            raise
         finally:
             mux.close(request_id, cancel=not finished)
+            span.end()
 
     async def generate(
         self,
@@ -213,7 +232,14 @@ class Client:
         self._async = self._run(_make_async_client(target, options))
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return self._submit(coroutine).result()
+
+    def _submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run on the client's loop, in the caller's trace context (its current span is the
+        parent of the request's span)."""
+        return asyncio.run_coroutine_threadsafe(
+            _in_context(otel_context.get_current(), coroutine), self._loop
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -262,7 +288,7 @@ class Client:
             else:
                 items.put(None)
 
-        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        future = self._submit(pump())
         try:
             while (item := items.get()) is not None:
                 if isinstance(item, BaseException):
@@ -273,6 +299,14 @@ class Client:
 
     def model_info(self, timeout: float | None = 30.0) -> pb.ModelInfo:
         return self._run(self._async.model_info(timeout))
+
+
+async def _in_context(context: otel_context.Context, coroutine: Coroutine[Any, Any, T]) -> T:
+    token = otel_context.attach(context)
+    try:
+        return await coroutine
+    finally:
+        otel_context.detach(token)
 
 
 async def _make_async_client(target: str, options: dict[str, Any]) -> AsyncClient:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 _LISTENING = re.compile(r"serving .* on (\S+):(\d+)$")
+_METRICS = re.compile(r"^metrics on http://\S+:(\d+)/metrics$")
 START_TIMEOUT_S = 180.0
 
 
@@ -40,6 +41,8 @@ class ServerProcess:
             stderr=self._log,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+        #: The /metrics port, if the server was started with --metrics-port.
+        self.metrics_port: int | None = None
         self.port = self._wait_for_port()
         self.target = f"{host}:{self.port}"
 
@@ -51,8 +54,10 @@ class ServerProcess:
         while time.monotonic() < deadline and self.proc.poll() is None:
             if not selector.select(timeout=0.5):
                 continue
-            match = _LISTENING.search(self.proc.stdout.readline().decode().strip())
-            if match:
+            line = self.proc.stdout.readline().decode().strip()
+            if metrics := _METRICS.search(line):
+                self.metrics_port = int(metrics.group(1))
+            if match := _LISTENING.search(line):
                 return int(match.group(2))
         self.kill()
         log = self.log_path.read_text()[-4000:] if self.log_path is not None else "(no log kept)"

@@ -20,8 +20,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from headrace.protos import generation_pb2
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk import status
+from headrace.sdk import status, tracing
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.telemetry import MetricsServer
+from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +44,15 @@ class ListenOptions:
     #: Largest message accepted or sent. Prompts as token ids are the big ones: 1M tokens
     #: take about 5 MiB.
     max_message_mib: int = 16
+    #: Port of the Prometheus ``/metrics`` endpoint (same host); None: no endpoint, 0: a
+    #: free port (printed at start).
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise InvalidArgumentError("port", f"must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port <= 65535:
+                raise InvalidArgumentError(name, f"must be in [0, 65535], got {port}")
         if self.grace_period_s < 0:
             raise InvalidArgumentError("grace_period_s", "must be >= 0")
         if self.max_message_mib < 1:
@@ -73,11 +80,13 @@ def channel_options(max_message_mib: int) -> list[tuple[str, Any]]:
 
 
 class Server:
-    """A grpc.aio server with health and reflection for the given services."""
+    """A grpc.aio server with health and reflection for the given services, and optionally
+    a Prometheus ``/metrics`` endpoint beside it."""
 
     def __init__(self, services: list[str], max_message_mib: int) -> None:
         self.services = services
         self.server = grpc.aio.server(options=channel_options(max_message_mib))
+        self.metrics_server: MetricsServer | None = None
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
@@ -95,6 +104,18 @@ class Server:
             raise OSError(f"could not bind {address}")
         await self.server.start()
         return bound
+
+    def serve_metrics(self, registry: CollectorRegistry, host: str, port: int) -> int:
+        """Serve ``registry`` at http://host:port/metrics; returns the port (picked if 0)."""
+        self.metrics_server = MetricsServer(registry, host, port)
+        # Scripts (and tests) started with port 0 read the port from this line.
+        print(f"metrics on http://{host}:{self.metrics_server.port}/metrics", flush=True)
+        return self.metrics_server.port
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace=grace_s)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
 
     async def set_serving(self, serving: bool) -> None:
         """Health of the server ("") and of each of its services."""
@@ -118,16 +139,22 @@ async def wait_for_signal() -> None:
 
 
 async def serve(
+    service_name: str,
     start: Callable[[], Awaitable[int]],
     stop: Callable[[], Awaitable[None]],
     banner: Callable[[int], str],
 ) -> None:
-    """Start, print the banner line (scripts read the port from it), run until a signal,
-    then stop."""
-    port = await start()
-    print(banner(port), flush=True)
-    await wait_for_signal()
-    await stop()
+    """Set up tracing (`OTEL_*`), start, print the banner line (scripts read the port from
+    it), run until a signal, stop, and flush the spans."""
+    provider = tracing.configure_tracing(service_name)
+    try:
+        port = await start()
+        print(banner(port), flush=True)
+        await wait_for_signal()
+        await stop()
+    finally:
+        if provider is not None:
+            provider.shutdown()
 
 
 def _bound_by_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:

@@ -36,6 +36,10 @@ def finish_reason_to_wire(reason: FinishReason | None) -> pb.FinishReason:
     return pb.FINISH_REASON_UNSPECIFIED if reason is None else FINISH_REASONS[reason]
 
 
+def finish_reason_from_wire(reason: pb.FinishReason) -> FinishReason | None:
+    return _FINISH_REASONS_BACK.get(reason)
+
+
 # --- GenerationConfig ------------------------------------------------------------------
 
 
@@ -151,20 +155,20 @@ def usage_to_wire(usage: Usage) -> pb.Usage:
     )
 
 
+def usage_from_wire(wire: pb.Usage) -> Usage:
+    return Usage(wire.prompt_tokens, wire.generated_tokens, wire.cached_tokens)
+
+
 def chunk_from_wire(wire: pb.Chunk) -> StreamChunk:
     """The chunk in SDK types (its in-band error, if any, is read by the caller)."""
-    usage = None
-    if wire.HasField("usage"):
-        usage = Usage(
-            wire.usage.prompt_tokens, wire.usage.generated_tokens, wire.usage.cached_tokens
-        )
+    usage = usage_from_wire(wire.usage) if wire.HasField("usage") else None
     return StreamChunk(
         request_id=wire.request_id,
         index=wire.index,
         token_ids=list(wire.token_ids),
         text=wire.text,
         logprobs=logprobs_from_wire(wire.logprobs),
-        finish_reason=_FINISH_REASONS_BACK.get(wire.finish_reason),
+        finish_reason=finish_reason_from_wire(wire.finish_reason),
         finished=wire.finished,
         usage=usage,
         prompt_logprobs=logprobs_from_wire(wire.prompt_logprobs) if wire.prompt_logprobs else None,

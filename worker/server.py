@@ -19,6 +19,7 @@ from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.async_engine import AsyncEngine
 from headrace.worker.config import EngineConfig
+from headrace.worker.metrics import WorkerMetrics
 from headrace.worker.service import (
     GenerationService,
     ServingState,
@@ -44,8 +45,9 @@ class WorkerServer:
         self.state = ServingState()
         self.grpc = serving.Server([GENERATION_SERVICE, CONTROL_SERVICE], options.max_message_mib)
         info = model_info(engine, model_name)
+        self.metrics = WorkerMetrics(engine, model_name, self.state)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(engine, info, self.state), self.grpc.server
+            GenerationService(engine, info, self.state, self.metrics), self.grpc.server
         )
         worker_pb2_grpc.add_WorkerControlServicer_to_server(
             WorkerControlService(engine, self.state, self.drain, info.max_model_len),
@@ -55,6 +57,10 @@ class WorkerServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the port (the picked one when options.port is 0)."""
+        if self.options.metrics_port is not None:
+            self.grpc.serve_metrics(
+                self.metrics.registry, self.options.host, self.options.metrics_port
+            )
         self.port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(True)
         return self.port
@@ -74,7 +80,7 @@ class WorkerServer:
         if not drained:
             logger.warning("grace period over; cancelling %d requests", self.state.num_in_flight)
         remaining_s = max(0.0, self.options.grace_period_s - (time.monotonic() - start))
-        await self.grpc.server.stop(grace=min(remaining_s, 1.0))
+        await self.grpc.stop(min(remaining_s, 1.0))
         await asyncio.to_thread(self.engine.shutdown)
 
 
@@ -86,6 +92,7 @@ def run(engine_config: EngineConfig, options: ServerOptions) -> int:
     async def main() -> None:
         server = WorkerServer(engine, options, model_name)
         await serving.serve(
+            "headrace-worker",
             server.start,
             server.stop,
             lambda port: f"headrace worker serving {model_name} on {options.host}:{port}",

@@ -16,14 +16,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from headrace.sdk import serving, status, wire
+from headrace.sdk import serving, status, tracing, wire
 from headrace.sdk.errors import (
     DeadlineExceededError,
     HeadraceError,
@@ -31,10 +32,15 @@ from headrace.sdk.errors import (
     NotFoundError,
     UnavailableError,
 )
+from headrace.sdk.outputs import FinishReason
+from headrace.sdk.telemetry import RequestTelemetry
 from headrace.worker.async_engine import AsyncEngine, OutputStream
-from headrace.worker.engine import RequestOutput
+from headrace.worker.engine import RequestOutput, RequestTimes
+from headrace.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
+#: One line per finished request (level INFO).
+request_logger = logging.getLogger("headrace.worker.requests")
 
 DEFAULT_LOAD_INTERVAL_S = 1.0
 MIN_LOAD_INTERVAL_S = 0.01
@@ -77,6 +83,7 @@ class _Live:
     engine_id: str
     timer: asyncio.TimerHandle | None
     return_prompt_token_ids: bool
+    telemetry: RequestTelemetry
 
 
 @dataclass(slots=True)
@@ -86,6 +93,8 @@ class _Session:
     service: GenerationService
     prefix: str
     stream: OutputStream
+    #: The call's metadata: a request without a trace context of its own joins its trace.
+    metadata: Sequence[tuple[str, str | bytes]]
     live: dict[str, _Live] = field(default_factory=dict)
     #: In-band answers to requests that never reached the engine, sent with the next response.
     rejected: list[pb.Chunk] = field(default_factory=list)
@@ -96,6 +105,8 @@ class _Session:
         return self.input_done and not self.live and not self.rejected
 
     def submit(self, request: pb.Request) -> None:
+        parent = tracing.parent_context(request.trace_context, self.metadata)
+        telemetry = RequestTelemetry.start("worker.generate", request.request_id, parent)
         try:
             parsed = self.service.admit(request)
             if parsed.request_id in self.live:
@@ -103,6 +114,7 @@ class _Session:
                     "request_id", f"{parsed.request_id!r} is already in flight on this stream"
                 )
         except HeadraceError as error:
+            self.service.finish(telemetry, FinishReason.ERROR, None, error)
             self.reject(request.request_id, error)
             return
         engine_id = self.prefix + parsed.request_id
@@ -112,7 +124,9 @@ class _Session:
             expired = DeadlineExceededError(f"timeout of {parsed.timeout_s:g} s passed")
             loop = asyncio.get_running_loop()
             timer = loop.call_later(parsed.timeout_s, engine.abort, engine_id, expired)
-        self.live[parsed.request_id] = _Live(engine_id, timer, request.return_prompt_token_ids)
+        self.live[parsed.request_id] = _Live(
+            engine_id, timer, request.return_prompt_token_ids, telemetry
+        )
         self.service.state.started()
         engine.add_request(engine_id, parsed.prompt, parsed.config, self.stream, parsed.priority)
 
@@ -135,12 +149,13 @@ class _Session:
             response = pb.GenerateResponse()
             response.chunks.extend(self.rejected)
             self.rejected.clear()
+            now_s = time.monotonic()
             for output in outputs:
-                response.chunks.extend(self._chunks(output))
+                response.chunks.extend(self._chunks(output, now_s))
             if response.chunks:
                 yield response
 
-    def _chunks(self, output: RequestOutput) -> list[pb.Chunk]:
+    def _chunks(self, output: RequestOutput, now_s: float) -> list[pb.Chunk]:
         request_id = output.request_id.removeprefix(self.prefix)
         chunks = [
             pb.Chunk(
@@ -156,11 +171,11 @@ class _Session:
         if output.prompt_logprobs is not None:
             chunks[0].prompt_logprobs.extend(wire.logprobs_to_wire(output.prompt_logprobs))
         live = self.live.get(request_id)
-        if (
-            output.prompt_token_ids is not None
-            and live is not None
-            and live.return_prompt_token_ids
-        ):
+        if live is None:
+            return chunks
+        num_tokens = sum(len(delta.token_ids) for delta in output.samples)
+        live.telemetry.clock.tokens(now_s, num_tokens, self.service.metrics.requests)
+        if output.prompt_token_ids is not None and live.return_prompt_token_ids:
             chunks[0].prompt_token_ids.extend(output.prompt_token_ids)
         if output.finished:
             last = chunks[-1]
@@ -169,29 +184,42 @@ class _Session:
                 last.usage.CopyFrom(wire.usage_to_wire(output.usage))
             if output.error is not None:
                 last.error.CopyFrom(status.to_wire(output.error))
-            self._forget(request_id)
+            self._forget(request_id, output)
         return chunks
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str, output: RequestOutput | None) -> None:
         live = self.live.pop(request_id, None)
         if live is None:
             return
         if live.timer is not None:
             live.timer.cancel()
         self.service.state.ended()
+        if output is None:  # the stream went away
+            self.service.finish(live.telemetry, FinishReason.ABORT, None, None)
+            return
+        reasons = [delta.finish_reason for delta in output.samples if delta.finish_reason]
+        reason = FinishReason.ERROR if output.error is not None else reasons[-1]
+        self.service.finish(live.telemetry, reason, output, output.error)
 
     def close(self) -> None:
         """The stream is gone: stop its live requests (their outputs are dropped)."""
         for request_id in list(self.live):
             self.service.engine.abort(self.live[request_id].engine_id)
-            self._forget(request_id)
+            self._forget(request_id, None)
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, model_info: pb.ModelInfo, state: ServingState) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_info: pb.ModelInfo,
+        state: ServingState,
+        metrics: WorkerMetrics,
+    ) -> None:
         self.engine = engine
         self.model_info = model_info
         self.state = state
+        self.metrics = metrics
         self._stream_numbers = itertools.count()
 
     def admit(self, request: pb.Request) -> wire.ParsedRequest:
@@ -206,8 +234,30 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         return parsed
 
-    def _session(self) -> _Session:
-        return _Session(self, f"s{next(self._stream_numbers)}/", OutputStream())
+    def finish(
+        self,
+        telemetry: RequestTelemetry,
+        reason: FinishReason,
+        output: RequestOutput | None,
+        error: HeadraceError | None,
+    ) -> None:
+        """A request ended: its metrics, its span (with queue, prefill and decode as child
+        spans, from the engine's times) and its log line."""
+        times = output.times if output is not None else None
+        queue_s = None
+        if times is not None and times.first_scheduled_s is not None:
+            queue_s = times.first_scheduled_s - times.arrival_s
+            self.metrics.requests.queue_time.observe(queue_s)
+            if telemetry.span.is_recording():
+                _phase_spans(telemetry, times)
+        usage = output.usage if output is not None else None
+        telemetry.finish(
+            reason, usage, error, self.metrics.requests, request_logger, queue_s=queue_s
+        )
+
+    def _session(self, context: grpc.aio.ServicerContext) -> _Session:
+        metadata = tuple(context.invocation_metadata() or ())
+        return _Session(self, f"s{next(self._stream_numbers)}/", OutputStream(), metadata)
 
     # grpc.aio needs the handlers themselves to be async generators, hence the loops.
     async def Generate(
@@ -215,13 +265,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in serving.serve_stream(self._session(), request_iterator):
+        async for response in serving.serve_stream(self._session(context), request_iterator):
             yield response
 
     async def GenerateOne(
         self, request: pb.Request, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in serving.serve_one(self._session(), request, context):
+        async for response in serving.serve_one(self._session(context), request, context):
             yield response
 
     async def GetModelInfo(
@@ -276,6 +326,16 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
             grace_s = max(0.0, request.grace.ToNanoseconds() / 1e9)
         await self._drain(grace_s)
         return worker_pb2.DrainResponse(remaining_requests=self.state.num_in_flight)
+
+
+def _phase_spans(telemetry: RequestTelemetry, times: RequestTimes) -> None:
+    """queue → prefill → decode under the request's span, as far as the request got."""
+    assert times.first_scheduled_s is not None and times.finished_s is not None
+    tracing.child_span(telemetry.span, "queue", times.arrival_s, times.first_scheduled_s)
+    prefill_end_s = times.first_token_s or times.finished_s
+    tracing.child_span(telemetry.span, "prefill", times.first_scheduled_s, prefill_end_s)
+    if times.first_token_s is not None:
+        tracing.child_span(telemetry.span, "decode", times.first_token_s, times.finished_s)
 
 
 def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
