@@ -9,7 +9,7 @@ import sys
 import threading
 
 from headrace.router.config import POLICIES, RouterConfig
-from headrace.sdk.cli import add_server_arguments, setup_logging
+from headrace.sdk.cli import add_server_arguments, listen_options, setup_logging
 
 
 def add_router_command(subparsers: argparse._SubParsersAction) -> None:
@@ -53,13 +53,7 @@ def _router(args: argparse.Namespace) -> int:
     from headrace.router.server import RouterOptions, run
 
     setup_logging(args.log_level)
-    options = RouterOptions(
-        host=args.host,
-        port=args.port,
-        grace_period_s=args.grace_period,
-        metrics_port=args.metrics_port,
-    )
-    return run(router_config(args), options)
+    return run(router_config(args), RouterOptions(**listen_options(args)))
 
 
 def add_up_command(subparsers: argparse._SubParsersAction) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
 from headrace.sdk import tracing
+from headrace.sdk.outputs import Usage
 from headrace.sdk.telemetry import RequestTelemetry
 from headrace.sdk.wire import ParsedRequest
 
@@ -47,6 +48,8 @@ class RoutedRequest:
     prompt_token_ids: list[int] | None = None
     #: Sample 0's tokens streamed to the client so far.
     streamed_token_ids: list[int] = field(default_factory=list)
+    #: Tokens of all samples streamed to the client so far.
+    num_streamed_tokens: int = 0
     #: Tokens streamed before the current worker took over (for usage).
     num_tokens_before_dispatch: int = 0
     prompt_logprobs_sent: bool = False
@@ -56,6 +59,11 @@ class RoutedRequest:
     timer: asyncio.TimerHandle | None = None
     #: When it first went to a worker (monotonic); 0 while it has not.
     first_dispatch_s: float = 0.0
+
+    def usage(self) -> Usage:
+        """What the client got so far, as the router saw it."""
+        num_prompt_tokens = len(self.prompt_token_ids) if self.prompt_token_ids else 0
+        return Usage(num_prompt_tokens, self.num_streamed_tokens)
 
     @property
     def remaining_tokens(self) -> int:
@@ -91,6 +99,7 @@ class RoutedRequest:
             chunk.ClearField("prompt_token_ids")
         if chunk.index == 0:
             self.streamed_token_ids.extend(chunk.token_ids)
+        self.num_streamed_tokens += len(chunk.token_ids)
         if chunk.prompt_logprobs:
             self.prompt_logprobs_sent = True
         if chunk.HasField("usage"):

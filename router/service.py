@@ -248,9 +248,7 @@ class Router:
         self._dispatch()
 
     def _finish_locally(self, request: RoutedRequest, reason: pb.FinishReason) -> None:
-        usage = pb.Usage(generated_tokens=len(request.streamed_token_ids))
-        if request.prompt_token_ids is not None:
-            usage.prompt_tokens = len(request.prompt_token_ids)
+        usage = wire.usage_to_wire(request.usage())
         chunk = pb.Chunk(
             request_id=request.client_id, finish_reason=reason, finished=True, usage=usage
         )
@@ -269,10 +267,11 @@ class Router:
             self._idle.set()
 
     def _record_end(self, request: RoutedRequest, last: pb.Chunk | None) -> None:
-        reason, usage, error = FinishReason.ABORT, None, None
+        reason, usage, error = FinishReason.ABORT, request.usage(), None
         if last is not None:
             reason = wire.finish_reason_from_wire(last.finish_reason) or FinishReason.STOP
-            usage = wire.usage_from_wire(last.usage) if last.HasField("usage") else None
+            if last.HasField("usage"):
+                usage = wire.usage_from_wire(last.usage)
             error = status.from_wire(last.error) if last.HasField("error") else None
         queue_s = request.first_dispatch_s - request.arrival_s if request.first_dispatch_s else None
         request.telemetry.finish(

@@ -19,6 +19,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.generate import add_generate_command
@@ -42,6 +43,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error"],
         help="info logs one line per finished request",
     )
+
+
+def listen_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `ListenOptions` fields that `add_server_arguments`' flags set."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "grace_period_s": args.grace_period,
+        "metrics_port": args.metrics_port,
+    }
 
 
 def setup_logging(level: str) -> None:
@@ -102,12 +113,9 @@ def _worker(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     options = ServerOptions(
-        host=args.host,
-        port=args.port,
         served_model_name=args.served_model_name,
-        grace_period_s=args.grace_period,
         max_message_mib=args.max_message_mib,
-        metrics_port=args.metrics_port,
+        **listen_options(args),
     )
     return run(engine_config, options)
 

@@ -4,6 +4,8 @@
     headrace generate --json "Hello" | jq .text     # one JSON object per chunk
 
 Text goes to stdout as it arrives; a summary line (tokens, tok/s, finish reason) to stderr.
+With `OTEL_EXPORTER_OTLP_ENDPOINT` set (and the OpenTelemetry SDK installed, as the router
+and worker extras do), the request's client span is exported, the root of its trace.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import sys
 import time
 
+from headrace.sdk import tracing
 from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.outputs import StreamChunk
@@ -58,6 +61,15 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
+    provider = tracing.configure_tracing("headrace-generate")
+    try:
+        return _stream(args, config)
+    finally:
+        if provider is not None:
+            provider.shutdown()  # export the span before exiting
+
+
+def _stream(args: argparse.Namespace, config: GenerationConfig) -> int:
     start = time.perf_counter()
     num_tokens, last = 0, None
     with Client(args.target, model=args.model) as client:

@@ -239,13 +239,21 @@ async def serve_one(
 
 
 def wait_serving(target: str, timeout_s: float = 60.0) -> bool:
-    """Poll grpc.health.v1 until the server says SERVING; False if timeout_s passed first."""
+    """Poll grpc.health.v1 until the server says SERVING; False if timeout_s passed first.
+
+    UNAVAILABLE (nothing listening yet, or a proxy with no healthy upstream yet) is retried.
+    """
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
-            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-            if response.status == health_pb2.HealthCheckResponse.SERVING:
-                return True
+            try:
+                response = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+            else:
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
             time.sleep(0.05)
     return False

