@@ -15,5 +15,7 @@ RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin headrace
 USER 10001
 # gRPC (Generation, grpc.health.v1) and Prometheus /metrics.
 EXPOSE 50051 9400
-ENTRYPOINT ["headrace", "router", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400"]
-CMD ["--workers-dns", "headrace-worker:50051"]
+# The flags are CMD, so `docker run IMAGE --workers HOST:PORT ...` and the Kubernetes args
+# (deploy/k8s/base/router.yaml) each give the whole set.
+ENTRYPOINT ["headrace", "router"]
+CMD ["--workers-dns", "headrace-worker:50051", "--port", "50051", "--metrics-port", "9400"]

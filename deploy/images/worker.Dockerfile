@@ -11,8 +11,11 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv \
     && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/headrace
+# HOME=/tmp: the user below has no home, and Triton and Hugging Face write caches under it
+# (a writable emptyDir in Kubernetes, where the root filesystem is read-only).
 ENV PATH=/opt/headrace/bin:$PATH \
     HEADRACE_CACHE=/models \
+    HOME=/tmp \
     PYTHONUNBUFFERED=1
 
 # torch first, from the CUDA index: headrace[worker] pins the same version and keeps it.
@@ -30,5 +33,7 @@ RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin headrace \
 USER 10001
 # gRPC (Generation, WorkerControl, grpc.health.v1) and Prometheus /metrics.
 EXPOSE 50051 9400
-ENTRYPOINT ["headrace", "worker", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400"]
-CMD ["--model", "smollm2-135m-instruct"]
+# The flags are CMD, so `docker run IMAGE --model ...` and the Kubernetes args
+# (deploy/k8s/base/worker.yaml) each give the whole set.
+ENTRYPOINT ["headrace", "worker"]
+CMD ["--model", "smollm2-135m-instruct", "--port", "50051", "--metrics-port", "9400"]

@@ -11,6 +11,9 @@ import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if p.is_dir())
+#: Retry conditions under which no generation can have reached the client: the connection
+#: failed, the stream was refused, or UNAVAILABLE came in the response headers.
+SAFE_RETRY_ON = {"connect-failure", "refused-stream", "unavailable"}
 
 
 def kubectl() -> str:

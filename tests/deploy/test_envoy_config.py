@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.deploy.manifests import DEPLOY, envoy_binary, envoy_config
+from tests.deploy.manifests import DEPLOY, SAFE_RETRY_ON, envoy_binary, envoy_config
 
 
 def _validate(path: Path) -> subprocess.CompletedProcess[str]:
@@ -35,15 +35,22 @@ def test_envoy_rejects_a_broken_config(tmp_path: Path) -> None:
     assert _validate(broken).returncode != 0
 
 
-def test_routes_have_no_timeout_and_retry_only_connection_failures() -> None:
+def test_deadlines_stay_the_clients_and_retries_cannot_run_a_generation_twice() -> None:
     config = envoy_config(18080, 50051, 19901)
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (manager,) = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    assert manager["typed_config"]["codec_type"] == "HTTP2"
     (route,) = manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
-    assert route["route"]["timeout"] == "0s"
-    assert "max_stream_duration" not in route["route"]  # the client's grpc-timeout rules
-    assert set(route["route"]["retry_policy"]["retry_on"].split(",")) <= {
-        "connect-failure",
-        "refused-stream",
-    }
-    cluster = config["static_resources"]["clusters"][0]
+    assert route["route"]["timeout"] == "0s"  # not Envoy's 15 s default
+    # Envoy does not run the client's grpc-timeout as its own timer: mid-stream it could only
+    # reset the stream (INTERNAL), so the client and the router keep the deadline.
+    assert "max_stream_duration" not in route["route"]
+    assert "max_grpc_timeout" not in route["route"]
+    assert set(route["route"]["retry_policy"]["retry_on"].split(",")) <= SAFE_RETRY_ON
+    # Idle multiplexed streams survive Envoy's 5-minute default.
+    idle_s = float(manager["typed_config"]["stream_idle_timeout"].removesuffix("s"))
+    assert idle_s == 0 or idle_s >= 1800
+    (cluster,) = config["static_resources"]["clusters"]
     assert cluster["health_checks"][0]["grpc_health_check"] == {}
+    options = cluster["typed_extension_protocol_options"]
+    http = options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in http["explicit_http_config"]

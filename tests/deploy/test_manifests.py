@@ -7,13 +7,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.deploy.manifests import DEPLOY, OVERLAYS, objects, render
+from tests.deploy.manifests import DEPLOY, OVERLAYS, SAFE_RETRY_ON, objects, render
 
 #: The newest Kubernetes whose schemas kubernetes-validate ships.
 KUBERNETES_VERSION = "1.37.0"
@@ -76,7 +78,26 @@ def test_workers_probe_grpc_health_and_outlive_their_drain(overlay: str) -> None
     router = manifests[("Deployment", "headrace-router")]
     router_drain_s = float(_flag(_container(router), "--grace-period") or 30)
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > router_drain_s
-    assert _container(router)["readinessProbe"]["grpc"]["port"] == 50051
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("deployment", ["headrace-router", "headrace-worker"])
+def test_ports_probes_and_scrape_annotations_agree_with_the_flags(
+    overlay: str, deployment: str
+) -> None:
+    pod = objects(render(DEPLOY / "k8s" / "overlays" / overlay))[("Deployment", deployment)][
+        "spec"
+    ]["template"]
+    (container,) = pod["spec"]["containers"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert ports["grpc"] == int(_flag(container, "--port") or 0)
+    assert ports["metrics"] == int(_flag(container, "--metrics-port") or 0) == 9400
+    assert container["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+    env = {variable["name"]: variable.get("value") for variable in container["env"]}
+    assert env["OTEL_SERVICE_NAME"] == deployment
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -89,10 +110,15 @@ def test_router_discovers_workers_through_the_headless_service(overlay: str) -> 
     service = manifests[("Service", name.split(".")[0])]
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"].get("publishNotReadyAddresses", False) is False
-    assert int(port) in [p["port"] for p in service["spec"]["ports"]]
     worker = manifests[("Deployment", "headrace-worker")]
     labels = worker["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
+    # A headless Service's DNS answers pod IPs: the port in --workers-dns is dialled on the
+    # pod directly, so it must be the worker container's gRPC port.
+    worker_ports = {p["name"]: p["containerPort"] for p in _container(worker)["ports"]}
+    (service_port,) = (p for p in service["spec"]["ports"] if p["port"] == int(port))
+    assert worker_ports["grpc"] == int(port)
+    assert service_port["targetPort"] in ("grpc", worker_ports["grpc"])
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -142,27 +168,59 @@ def test_router_image_installs_the_router_extra_only() -> None:
     assert installs and all("[router]" in line for line in installs), installs
     assert "worker" not in " ".join(installs) and "torch" not in " ".join(installs)
     assert "import torch" in dockerfile  # the build's own check that torch is absent
+    # ... and the router extra itself brings no torch.
+    extras = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    heavy = ("torch", "triton", "transformers", "headrace[worker]")
+    assert not [req for req in extras["router"] if req.lower().startswith(heavy)]
 
 
-@pytest.mark.parametrize("name", ["destination-rule.yaml", "virtual-service.yaml"])
-def test_istio_resources_target_the_router_service(name: str) -> None:
-    """kubernetes-validate has no Istio schemas; check the shape that matters."""
-    resource = yaml.safe_load((DEPLOY / "istio" / name).read_text())
+ISTIO = sorted((DEPLOY / "istio").glob("*.yaml"))
+
+
+def _durations(node: Any) -> Iterator[tuple[str, str]]:
+    """(key, value) of every string that looks like a duration ("30s", "0s", "10ms")."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if isinstance(value, str) and re.fullmatch(r"\d+(\.\d+)?(ms|s|m|h)", value):
+                yield key, value
+            else:
+                yield from _durations(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _durations(item)
+
+
+@pytest.mark.parametrize("path", ISTIO, ids=lambda path: path.name)
+def test_istio_resources_are_networking_v1_with_durations_istio_accepts(path: Path) -> None:
+    """kubernetes-validate has no Istio schemas: check the kind, and that no duration is
+    below Istio's 1 ms minimum (a zero timeout is refused; leaving it out means none)."""
+    resource = yaml.safe_load(path.read_text())
     assert resource["apiVersion"] == "networking.istio.io/v1"
+    assert resource["kind"] in ("DestinationRule", "VirtualService")
+    for key, value in _durations(resource["spec"]):
+        number = float(re.sub(r"[a-z]+$", "", value))
+        assert number > 0, (key, value)
+
+
+def test_istio_resources_target_the_router_service() -> None:
     router_service = objects(render(DEPLOY / "k8s" / "base"))[("Service", "headrace-router")]
     host = router_service["metadata"]["name"]
-    if resource["kind"] == "DestinationRule":
-        assert resource["spec"]["host"] == host
-        assert resource["spec"]["trafficPolicy"]["connectionPool"]["http"]
-    else:
-        assert resource["kind"] == "VirtualService"
-        assert resource["spec"]["hosts"] == [host]
-        for route in resource["spec"]["http"]:
-            assert all(d["destination"]["host"] == host for d in route["route"])
-        generation = resource["spec"]["http"][0]
-        assert generation["timeout"] == "0s"
-        # Never on 5xx / unavailable: that could run a started generation twice.
-        assert set(generation["retries"]["retryOn"].split(",")) <= {
-            "connect-failure",
-            "refused-stream",
-        }
+    grpc_port = next(p["port"] for p in router_service["spec"]["ports"] if p["name"] == "grpc")
+    resources = {res["kind"]: res for res in (yaml.safe_load(p.read_text()) for p in ISTIO)}
+    assert resources.keys() == {"DestinationRule", "VirtualService"}
+    rule = resources["DestinationRule"]["spec"]
+    assert rule["host"] == host
+    assert "consistentHash" not in rule["trafficPolicy"]["loadBalancer"]  # the router schedules
+    # A replica is ejected for its connection's failures, not for the gRPC codes it answers.
+    assert rule["trafficPolicy"]["outlierDetection"]["consecutive5xxErrors"] == 0
+    service = resources["VirtualService"]["spec"]
+    assert service["hosts"] == [host]
+    for route in service["http"]:
+        assert "timeout" not in route  # none: generations stream for minutes
+        for destination in route["route"]:
+            assert destination["destination"] == {"host": host, "port": {"number": grpc_port}}
+        # Never on 5xx / cancelled / deadline: that could run a started generation twice.
+        retry_on = route.get("retries", {}).get("retryOn", "")
+        assert set(filter(None, retry_on.split(","))) <= SAFE_RETRY_ON

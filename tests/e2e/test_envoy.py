@@ -4,10 +4,16 @@ the SDK streams through it, cancels and deadlines keep their meaning, health ans
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -46,31 +52,59 @@ def router(
         yield process
 
 
+@dataclass(frozen=True, slots=True)
+class Envoy:
+    target: str  # the listener, HOST:PORT
+    admin_url: str
+
+    def stat(self, name: str) -> int:
+        """One counter from the admin interface's /stats."""
+        url = f"{self.admin_url}/stats?filter=^{name}$"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        return int(text.split(":")[1]) if ":" in text else 0
+
+
+def _connection_manager(config: dict[str, Any]) -> dict[str, Any]:
+    (manager,) = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    typed_config: dict[str, Any] = manager["typed_config"]
+    return typed_config
+
+
+@contextlib.contextmanager
+def _run_envoy(config: dict[str, Any], folder: Path) -> Iterator[Envoy]:
+    """Envoy with ``config``, once it routes health checks to the router; stopped after."""
+    (folder / "envoy.yaml").write_text(yaml.safe_dump(config))
+    log_path = folder / "envoy.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [envoy_binary(), "-c", str(folder / "envoy.yaml"), "--use-dynamic-base-id",
+             "--concurrency", "1", "-l", "warning"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+            admin = config["admin"]["address"]["socket_address"]
+            envoy = Envoy(
+                f"127.0.0.1:{listener['port_value']}", f"http://127.0.0.1:{admin['port_value']}"
+            )
+            assert wait_serving(envoy.target, timeout_s=60), log_path.read_text()[-3000:]
+            yield envoy
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 @pytest.fixture(scope="module")
 def envoy(router: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Envoy's listener address, once it routes health checks to the router."""
-    folder = tmp_path_factory.mktemp("envoy")
-    port, admin_port = _free_port(), _free_port()
-    config = folder / "envoy.yaml"
-    config.write_text(yaml.safe_dump(envoy_config(port, router.port, admin_port)))
-    log = (folder / "envoy.log").open("wb")
-    process = subprocess.Popen(
-        [envoy_binary(), "-c", str(config), "--use-dynamic-base-id", "--concurrency", "1",
-         "-l", "warning"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    target = f"127.0.0.1:{port}"
-    try:
-        assert wait_serving(target, timeout_s=60), (folder / "envoy.log").read_text()[-3000:]
-        yield target
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    """The listener of an Envoy with deploy/envoy/envoy.yaml as shipped (but on loopback)."""
+    config = envoy_config(_free_port(), router.port, _free_port())
+    with _run_envoy(config, tmp_path_factory.mktemp("envoy")) as running:
+        yield running.target
 
 
 def test_health_answers_through_envoy(envoy: str) -> None:
@@ -94,22 +128,30 @@ def test_streams_through_envoy_equal_the_router_direct(envoy: str, router: Serve
     assert all(len(tokens) == GREEDY.max_tokens for tokens in through_envoy)
 
 
-def _log_line(server: ServerProcess, marker: str, timeout_s: float = 10.0) -> str:
+def _num_log_lines(server: ServerProcess) -> int:
+    assert server.log_path is not None
+    return len(server.log_path.read_text().splitlines())
+
+
+def _new_log_line(server: ServerProcess, marker: str, after: int, timeout_s: float = 10.0) -> str:
+    """The first line with ``marker`` past the first ``after`` lines of the server's log."""
     assert server.log_path is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        lines = [line for line in server.log_path.read_text().splitlines() if marker in line]
-        if lines:
-            return lines[-1]
+        lines = server.log_path.read_text().splitlines()[after:]
+        found = [line for line in lines if marker in line]
+        if found:
+            return found[0]
         time.sleep(0.05)
-    raise AssertionError(f"no log line with {marker!r}")
+    raise AssertionError(f"no new log line with {marker!r}")
 
 
 def test_cancel_through_envoy_frees_the_workers_blocks(
     envoy: str, router: ServerProcess, worker: ServerProcess
 ) -> None:
+    logged = {server: _num_log_lines(server) for server in (worker, router)}
     with Client(envoy) as client:
-        stream = client.stream([21, 22, 23], LONG)
+        stream = client.stream([21, 22, 23, 24, 25, 26, 27], LONG)
         received = [next(stream) for _ in range(3)]
         stream.close()  # leaving early sends Cancel on the SDK's stream, through Envoy
     assert all(chunk.token_ids for chunk in received)
@@ -117,24 +159,80 @@ def test_cancel_through_envoy_frees_the_workers_blocks(
     assert report.free_kv_blocks == report.total_kv_blocks
     assert report.running_requests == report.waiting_requests == 0
     # It was cancelled, not run to the end: the worker and the router both say so.
-    for server in (worker, router):
-        line = _log_line(server, "prompt_tokens=3 ")
+    for server, after in logged.items():
+        line = _new_log_line(server, "prompt_tokens=7 ", after)
         assert "finish_reason=abort" in line, line
         generated = int(line.split("generated_tokens=")[1].split()[0])
         assert generated < LONG.max_tokens
 
 
-def test_deadlines_through_envoy_are_deadline_exceeded(envoy: str, worker: ServerProcess) -> None:
-    # The request's own timeout, enforced by the router: an in-band DEADLINE_EXCEEDED.
+def test_a_request_timeout_through_envoy_is_deadline_exceeded(
+    envoy: str, worker: ServerProcess
+) -> None:
+    """The request's own timeout, enforced by the router, comes back in-band: Envoy cannot
+    have made it up."""
     with Client(envoy) as client, pytest.raises(DeadlineExceededError):
         client.generate([31, 32, 33], LONG, timeout=0.3)
-    # A gRPC deadline on GenerateOne: the grpc-timeout header passes Envoy untouched.
-    request = pb.Request(request_id="deadline", token_ids=pb.TokenIds(ids=[41, 42, 43]))
+    wait_all_blocks_free(worker.target)
+
+
+def _chunks_until_deadline(
+    target: str, token_ids: list[int], deadline_s: float
+) -> tuple[int, grpc.StatusCode]:
+    """GenerateOne with a gRPC deadline: how many chunks came, and the final status."""
+    request = pb.Request(request_id="deadline", token_ids=pb.TokenIds(ids=token_ids))
     request.config.max_tokens = LONG.max_tokens
     request.config.ignore_eos = True
-    with grpc.insecure_channel(envoy) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        with pytest.raises(grpc.RpcError) as raised:
-            list(stub.GenerateOne(request, timeout=0.5))
-    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    num_chunks = 0
+    with grpc.insecure_channel(target) as channel:
+        try:
+            for _ in generation_pb2_grpc.GenerationStub(channel).GenerateOne(
+                request, timeout=deadline_s
+            ):
+                num_chunks += 1
+        except grpc.RpcError as error:
+            return num_chunks, error.code()
+    return num_chunks, grpc.StatusCode.OK
+
+
+def test_regression_grpc_deadline_mid_stream_through_envoy_is_not_internal(
+    envoy: str, worker: ServerProcess
+) -> None:
+    """A gRPC deadline that passes while tokens stream is DEADLINE_EXCEEDED.
+
+    Envoy honouring grpc-timeout itself (max_stream_duration.grpc_timeout_header_max) races
+    the client and the router, and when it wins mid-stream it can only reset the stream:
+    the client saw INTERNAL ("RST_STREAM with error code 2") in some of the calls. Many
+    calls at once make that race very likely to show.
+    """
+    num_calls = 16
+    with concurrent.futures.ThreadPoolExecutor(max_workers=num_calls) as pool:
+        outcomes = list(
+            pool.map(
+                lambda i: _chunks_until_deadline(envoy, [61 + i, 62, 63], 0.5), range(num_calls)
+            )
+        )
+    assert any(num_chunks > 0 for num_chunks, _ in outcomes), outcomes  # tokens were streaming
+    assert [code for _, code in outcomes] == [grpc.StatusCode.DEADLINE_EXCEEDED] * num_calls
     wait_all_blocks_free(worker.target)
+
+
+def test_a_stream_envoy_cut_for_idleness_is_reopened_by_the_sdk(
+    router: ServerProcess, tmp_path: Path
+) -> None:
+    """The SDK's one Generate stream may sit idle past Envoy's stream_idle_timeout (an hour
+    as shipped, a second here); the next request opens a new stream and gets its tokens."""
+    config = envoy_config(_free_port(), router.port, _free_port())
+    _connection_manager(config)["stream_idle_timeout"] = "1s"
+
+    async def twice_with_a_pause(target: str) -> tuple[list[int], list[int]]:
+        async with AsyncClient(target) as client:
+            first = await client.generate([51, 52, 53], GREEDY)
+            await asyncio.sleep(2.0)
+            second = await client.generate([51, 52, 53], GREEDY)
+        return first.token_ids, second.token_ids
+
+    with _run_envoy(config, tmp_path) as envoy:
+        first, second = asyncio.run(twice_with_a_pause(envoy.target))
+        assert envoy.stat("http.headrace.downstream_rq_idle_timeout") >= 1  # it was cut
+    assert first == second and len(first) == GREEDY.max_tokens
