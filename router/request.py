@@ -33,8 +33,6 @@ class RoutedRequest:
     #: The request as the client sent it.
     original: pb.Request
     parsed: ParsedRequest
-    #: Monotonic arrival time; kept across failovers so a resumed request keeps its place.
-    arrival_s: float
     #: Queue accounting: prompt tokens (text counts one per 4 characters).
     num_tokens_estimate: int
     #: What prefix-affinity hashes.
@@ -59,6 +57,11 @@ class RoutedRequest:
     timer: asyncio.TimerHandle | None = None
     #: When it first went to a worker (monotonic); 0 while it has not.
     first_dispatch_s: float = 0.0
+
+    @property
+    def arrival_s(self) -> float:
+        """Monotonic arrival time; kept across failovers so a resumed request keeps its place."""
+        return self.telemetry.clock.arrival_s
 
     def usage(self) -> Usage:
         """What the client got so far, as the router saw it."""

@@ -108,7 +108,6 @@ class Router:
             outbox=outbox,
             original=wire_request,
             parsed=parsed,
-            arrival_s=telemetry.clock.arrival_s,
             num_tokens_estimate=num_tokens,
             affinity_key=self._affinity_key(parsed.prompt),
             telemetry=telemetry,
@@ -144,10 +143,10 @@ class Router:
     def _record_dispatch(self, request: RoutedRequest, link: WorkerLink) -> None:
         span = request.telemetry.span
         if not request.first_dispatch_s:
-            request.first_dispatch_s = now_s = time.monotonic()
-            self.metrics.requests.queue_time.observe(now_s - request.arrival_s)
-            if span.is_recording():
-                tracing.child_span(span, "queue", request.arrival_s, now_s)
+            request.first_dispatch_s = time.monotonic()
+            request.telemetry.queued(
+                request.arrival_s, request.first_dispatch_s, self.metrics.requests
+            )
         span.add_event(
             "dispatched",
             {"headrace.worker": link.target, "headrace.failovers": request.num_failovers},

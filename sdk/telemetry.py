@@ -155,6 +155,14 @@ class RequestTelemetry:
         )
         return cls(request_id, span, RequestClock(time.monotonic()))
 
+    def queued(self, start_s: float, end_s: float, metrics: RequestMetrics) -> float:
+        """The request waited from start_s to end_s (monotonic): observe it, and record a
+        `queue` child span; returns the wait."""
+        metrics.queue_time.observe(end_s - start_s)
+        if self.span.is_recording():
+            tracing.child_span(self.span, "queue", start_s, end_s)
+        return end_s - start_s
+
     def finish(
         self,
         finish_reason: str,

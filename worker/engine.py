@@ -398,7 +398,7 @@ class Engine:
     def _mark_scheduled(self, step: SchedulerOutput) -> None:
         now = time.monotonic()
         for chunk in step.chunks:
-            if chunk.seq.num_output_tokens == 0:  # decoding sequences were scheduled before
+            if chunk.start < chunk.seq.num_prompt_tokens:  # a prompt chunk; decodes ran before
                 times = self._requests[chunk.seq.request_id].times
                 if times.first_scheduled_s is None:
                     times.first_scheduled_s = now

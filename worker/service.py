@@ -246,8 +246,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         times = output.times if output is not None else None
         queue_s = None
         if times is not None and times.first_scheduled_s is not None:
-            queue_s = times.first_scheduled_s - times.arrival_s
-            self.metrics.requests.queue_time.observe(queue_s)
+            requests = self.metrics.requests
+            queue_s = telemetry.queued(times.arrival_s, times.first_scheduled_s, requests)
             if telemetry.span.is_recording():
                 _phase_spans(telemetry, times)
         usage = output.usage if output is not None else None
@@ -329,9 +329,8 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
 
 
 def _phase_spans(telemetry: RequestTelemetry, times: RequestTimes) -> None:
-    """queue → prefill → decode under the request's span, as far as the request got."""
+    """prefill → decode under the request's span (after `queue`), as far as it got."""
     assert times.first_scheduled_s is not None and times.finished_s is not None
-    tracing.child_span(telemetry.span, "queue", times.arrival_s, times.first_scheduled_s)
     prefill_end_s = times.first_token_s or times.finished_s
     tracing.child_span(telemetry.span, "prefill", times.first_scheduled_s, prefill_end_s)
     if times.first_token_s is not None:
