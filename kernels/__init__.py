@@ -1,5 +1,7 @@
-"""Attention and KV-cache kernels behind one small interface, with torch reference twins."""
+"""Kernels of the hot paths (paged attention, KV-cache write, RMSNorm, rotary): Triton
+kernels and their plain-torch reference twins, behind one `KernelSet` interface."""
 
-from headrace.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.backend import BACKEND_NAMES, KernelSet, select_kernels
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv_cache"]
+__all__ = ["BACKEND_NAMES", "AttentionMetadata", "KernelSet", "select_kernels"]

@@ -1,11 +1,9 @@
-"""The attention interface the model calls: write new K/V into the paged cache, then attend.
+"""The per-step description of a flattened varlen batch that every attention kernel reads.
 
 One `AttentionMetadata` is built per engine step by the model runner and shared by every
 layer. The batch is flattened (varlen): sequence ``i`` owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]``. Decode sequences (one query token each) come
-first, so a backend can run them as one batch and loop or tile only over prefill chunks.
-
-Backends: ``reference`` (plain torch, any device) now; Triton twins join on CUDA later.
+first, so a backend runs them as one batch and tiles only the prefill chunks after them.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from headrace.kernels import reference
 
 
 @dataclass(slots=True)
@@ -36,31 +33,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
-
-
-def write_kv_cache(
-    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [T] int64
-) -> None:
-    reference.write_kv_cache(key, value, kv_cache, slot_mapping)
-
-
-def paged_attention(
-    query: torch.Tensor,  # [T, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-    metadata: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Causal attention of each new token over its sequence's cached + new K/V."""
-    return reference.paged_attention(
-        query,
-        kv_cache,
-        metadata.query_start_loc_cpu,
-        metadata.seq_lens_cpu,
-        metadata.block_tables,
-        metadata.seq_lens,
-        metadata.num_decode_seqs,
-        scale,
-    )

@@ -1,10 +1,17 @@
-"""Plain-torch reference twins of the attention kernels. Used on CPU and as test oracles."""
+"""Plain-torch reference twins of the kernels: the CPU backend and the Triton kernels' oracle.
+
+This module is a `KernelSet` (see `headrace.kernels.backend`): the Triton backend,
+`headrace.kernels.triton_ops`, has the same functions with the same signatures.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.precision import compute_dtype
+
+NAME = "reference"
 
 
 def write_kv_cache(
@@ -18,6 +25,71 @@ def write_kv_cache(
     offsets = slot_mapping % block_size
     kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, x + residual)
+    """Add ``residual`` to ``x`` (when given), then RMS-normalise the sum.
+
+    Returns the normalised tensor and the sum, the residual stream of the next block; without
+    ``residual`` the sum is ``x`` itself. Rounding follows Hugging Face's LlamaRMSNorm: the
+    add in the activation dtype, statistics in float32, cast back before the weight.
+    """
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(dtype), x
+
+
+def apply_rotary(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, 1, head_dim]: both halves equal (neox layout)
+    sin: torch.Tensor,  # [T, 1, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary (rotate halves), op for op as Hugging Face Llama applies it."""
+    query = query * cos + _rotate_half(query) * sin
+    key = key * cos + _rotate_half(key) * sin
+    return query, key
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Causal attention of each new token over its sequence's cached + new K/V."""
+    out = torch.empty_like(query)
+    query_start_loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    num_decode_seqs = metadata.num_decode_seqs
+    if num_decode_seqs:
+        rows = query_start_loc[num_decode_seqs]
+        out[:rows] = _decode(
+            query[:rows],
+            kv_cache,
+            metadata.block_tables[:num_decode_seqs],
+            metadata.seq_lens[:num_decode_seqs],
+            max(seq_lens[:num_decode_seqs]),
+            scale,
+        )
+    for i in range(num_decode_seqs, len(seq_lens)):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        out[start:end] = _extend(
+            query[start:end], kv_cache, metadata.block_tables[i : i + 1], seq_lens[i], scale
+        )
+    return out
 
 
 def gather_kv(
@@ -42,35 +114,6 @@ def gather_kv(
         flat = gathered.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
         planes.append(flat[:, :num_tokens].transpose(1, 2))  # [B, Hkv, L, D] view
     return planes[0], planes[1]
-
-
-def paged_attention(
-    query: torch.Tensor,  # [T, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
-    query_start_loc: list[int],  # [B + 1]
-    seq_lens: list[int],  # [B] context length after this step
-    block_tables: torch.Tensor,  # [B, max_num_blocks]
-    seq_lens_tensor: torch.Tensor,  # [B] same as seq_lens, on the device
-    num_decode_seqs: int,
-    scale: float,
-) -> torch.Tensor:  # [T, num_heads, head_dim]
-    out = torch.empty_like(query)
-    if num_decode_seqs:
-        rows = query_start_loc[num_decode_seqs]
-        out[:rows] = _decode(
-            query[:rows],
-            kv_cache,
-            block_tables[:num_decode_seqs],
-            seq_lens_tensor[:num_decode_seqs],
-            max(seq_lens[:num_decode_seqs]),
-            scale,
-        )
-    for i in range(num_decode_seqs, len(seq_lens)):
-        start, end = query_start_loc[i], query_start_loc[i + 1]
-        out[start:end] = _extend(
-            query[start:end], kv_cache, block_tables[i : i + 1], seq_lens[i], scale
-        )
-    return out
 
 
 def _decode(

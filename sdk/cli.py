@@ -111,6 +111,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        attention_backend=args.attention_backend,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -143,6 +144,12 @@ def _add_worker(subparsers: SubParsers) -> None:
     add("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA: fraction for KV")
     add("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     add("--seed", type=int, default=0, help="seed for requests that set none")
+    add(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "triton", "reference"],
+        help="kernels (attention, KV write, RMSNorm, rotary): auto = Triton on CUDA, else torch",
+    )
     add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
     worker.set_defaults(handler=_worker)
 

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. The variable must be set before
+# the first kernel module is imported (triton.jit reads it when it decorates).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from headrace.worker.model_store import CACHE_ENV, DEFAULT_MODEL, model_dir, prepare_model
 
 

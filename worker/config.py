@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from headrace.kernels.backend import BACKEND_NAMES, triton_device_error, triton_interpreted
 from headrace.sdk.errors import InvalidArgumentError
 
 _DTYPES = {
@@ -44,6 +45,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Seed of the engine's generator for requests that set no seed of their own.
     seed: int = 0
+    #: Kernels for attention, KV-cache writes, RMSNorm and rotary: "auto" (Triton on CUDA,
+    #: the torch references elsewhere), "triton" or "reference".
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -61,6 +65,15 @@ class EngineConfig:
             raise InvalidArgumentError("cpu_kv_cache_gib", "must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidArgumentError("max_model_len", "must be >= 2")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise InvalidArgumentError(
+                "attention_backend",
+                f"must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}",
+            )
+        if self.attention_backend == "triton":
+            device = self.torch_device()
+            if device.type != "cuda" and not triton_interpreted():
+                raise InvalidArgumentError("attention_backend", triton_device_error(device))
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if self.dtype != "auto":

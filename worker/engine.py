@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from headrace.kernels import select_kernels
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
 from headrace.sdk.outputs import TokenLogprob, Usage
@@ -124,7 +125,8 @@ class Engine:
         self.model_path: Path = resolve_model(config.model)
         self.device = config.torch_device()
         self.dtype = self._dtype_for(self.model_path)
-        loaded = load_model(self.model_path, self.dtype, self.device)
+        self.kernels = select_kernels(config.attention_backend, self.device)
+        loaded = load_model(self.model_path, self.dtype, self.device, kernels=self.kernels)
         self.model = loaded.model
         self.hf_config = loaded.hf_config
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
@@ -147,10 +149,11 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d block_size=%d",
+            "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d",
             self.model_path,
             self.dtype,
             self.device,
+            self.kernels.NAME,
             num_blocks,
             config.block_size,
         )

@@ -1,19 +1,22 @@
 """The attention op of one layer over the paged KV cache: store the new K/V, then attend.
 
 This layer has no weights: projections and rotary live in the model's attention block, and
-the kernels (Triton on CUDA, torch reference elsewhere) sit behind `headrace.kernels`.
+the kernels (Triton on CUDA, torch reference elsewhere) come as the engine's `KernelSet`.
 """
 
 from __future__ import annotations
 
 import torch
-from headrace.kernels import AttentionMetadata, paged_attention, write_kv_cache
+from headrace.kernels import AttentionMetadata, KernelSet
 from torch import nn
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: KernelSet
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         # Counts are per tensor-parallel rank.
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -28,5 +31,5 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return paged_attention(query, kv_cache, metadata, self.scale)
+        self.kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return self.kernels.paged_attention(query, kv_cache, metadata, self.scale)

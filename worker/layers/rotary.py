@@ -2,7 +2,8 @@
 
 The inverse frequencies are computed exactly as `transformers.modeling_rope_utils` does for
 the supported rope types (same float32 ops in the same order), and cos/sin are precomputed
-once for every position up to max_position_embeddings.
+once for every position up to max_position_embeddings. Applying them to queries and keys is a
+kernel (`KernelSet.apply_rotary`).
 """
 
 from __future__ import annotations
@@ -68,11 +69,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, config: RopeConfig) -> torch.Tensor
     return torch.where(is_medium_freq, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: RopeConfig) -> None:
         super().__init__()
@@ -95,14 +91,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
         return cos, sin
-
-
-def apply_rotary(
-    query: torch.Tensor,  # [T, num_heads, head_dim]
-    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    cos: torch.Tensor,  # [T, 1, head_dim]
-    sin: torch.Tensor,  # [T, 1, head_dim]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    query = query * cos + rotate_half(query) * sin
-    key = key * cos + rotate_half(key) * sin
-    return query, key

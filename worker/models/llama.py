@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from headrace.kernels import AttentionMetadata
+from headrace.kernels import AttentionMetadata, KernelSet
 from headrace.worker.layers.attention import Attention
 from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from headrace.worker.layers.linear import (
@@ -26,7 +26,7 @@ from headrace.worker.layers.linear import (
     kv_heads_per_rank,
 )
 from headrace.worker.layers.norm import RMSNorm
-from headrace.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from headrace.worker.layers.rotary import RotaryEmbedding
 from headrace.worker.layers.weights import ShardId
 from headrace.worker.loader import load_weights
 from headrace.worker.models.config import ModelConfig
@@ -35,7 +35,13 @@ from torch import nn
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+    ) -> None:
         super().__init__()
         head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -57,12 +63,13 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels, dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels, dtype=dtype)
         self.num_heads = self.qkv_proj.num_heads_per_rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.head_dim = head_dim
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, kernels)
+        self.kernels = kernels
 
     def forward(
         self,
@@ -77,7 +84,7 @@ class LlamaAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        q, k = apply_rotary(q, k, *rotary)
+        q, k = self.kernels.apply_rotary(q, k, *rotary)
         out = self.attn(q, k, v, kv_cache, metadata)  # [T, H, D]
         return self.o_proj(out.flatten(-2))
 
@@ -99,13 +106,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, parallel, dtype)
+        self.self_attn = LlamaAttention(config, parallel, dtype, kernels)
         self.mlp = LlamaMLP(config, parallel, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
+        )
         self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=dtype
+            config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
         )
 
     def forward(
@@ -124,15 +139,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, parallel, dtype) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, parallel, dtype, kernels) for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype)
         # One cos/sin table for all layers: it is [max_position, head_dim] per copy.
         self.rotary_emb = RotaryEmbedding(config.rope)
 
@@ -162,10 +183,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, parallel, dtype)
+        self.model = LlamaModel(config, parallel, dtype, kernels)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
         )
@@ -181,10 +208,10 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: Any, parallel: ParallelConfig, dtype: torch.dtype
+        cls, hf_config: Any, parallel: ParallelConfig, dtype: torch.dtype, kernels: KernelSet
     ) -> LlamaForCausalLM:
         """A model with uninitialised weights on the current default device."""
-        return cls(ModelConfig.from_hf(hf_config), parallel, dtype)
+        return cls(ModelConfig.from_hf(hf_config), parallel, dtype, kernels)
 
     def forward(
         self,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.loader import iter_checkpoint
 from headrace.worker.model_runner import CausalLM
@@ -25,8 +26,8 @@ class LoadableModel(CausalLM, Protocol):
     def eval(self) -> Any: ...
 
 
-#: Builds a model with uninitialised weights from (HF config, parallel config, dtype).
-ModelFactory = Callable[[Any, ParallelConfig, torch.dtype], LoadableModel]
+#: Builds a model with uninitialised weights from (HF config, parallel config, dtype, kernels).
+ModelFactory = Callable[[Any, ParallelConfig, torch.dtype, KernelSet], LoadableModel]
 
 #: model_type (as in config.json) -> the factory of the model that runs it.
 MODEL_REGISTRY: dict[str, ModelFactory] = {
@@ -50,8 +51,11 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     parallel: ParallelConfig | None = None,
+    kernels: KernelSet | None = None,
 ) -> LoadedModel:
-    """Build the model for a local HF checkpoint directory and load its weights."""
+    """Build the model for a local HF checkpoint directory and load its weights.
+
+    ``kernels`` defaults to the device's own backend (Triton on CUDA, torch elsewhere)."""
     from transformers import AutoConfig
 
     path = Path(model_path)
@@ -59,7 +63,12 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(path)
     # Parameters are allocated straight on the target device, in the target dtype.
     with torch.device(device):
-        model = factory(hf_config, parallel or ParallelConfig(), dtype)
+        model = factory(
+            hf_config,
+            parallel or ParallelConfig(),
+            dtype,
+            kernels or select_kernels("auto", device),
+        )
     model.load_weights(iter_checkpoint(path))
     model.eval()
     return LoadedModel(model, hf_config)

@@ -1,0 +1,423 @@
+"""Triton paged attention: decode (one query per sequence, GQA, split-KV) and extend
+(a prefill chunk attending to its cached prefix and causally to itself).
+
+Both read K/V straight out of the paged cache ``[num_blocks, 2, block_size, Hkv, D]``
+through each sequence's block table, one token row (``D`` contiguous elements) at a time,
+and run an online softmax in float32 (scores in base 2: ``exp2(s * scale * log2 e)``).
+
+Decode: one program per (sequence, KV head, split) serves all ``H / Hkv`` query heads of
+that KV head, so each K/V byte is read once per step. With few sequences or long contexts
+the context is cut into splits run in parallel; a second kernel merges their partial
+outputs by their log-sum-exp. Extend: one program per (sequence, query head, tile of
+BLOCK_M query rows), iterating over K/V tiles up to the tile's last query position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.backend import triton_interpreted
+
+LOG2E = 1.4426950408889634
+#: Decode: K/V tokens per inner-loop tile, and the fewest tokens a split is given.
+DECODE_BLOCK_N = 64
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+#: Extend: query rows and K/V tokens per tile.
+EXTEND_BLOCK_M = 64
+EXTEND_BLOCK_N = 64
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ b with float32 accumulation. UPCAST multiplies reduced-precision operands as
+    float32, which is exact for their products: Triton's CPU interpreter (tests) cannot
+    multiply bf16 / fp16 tensors itself."""
+    if UPCAST:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        result = tl.dot(a, b, input_precision=DOT_PRECISION)
+    return result
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr,  # [B, H, D]: the decode rows of the query (one per sequence)
+    cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, D]
+    block_tables_ptr,  # [B, max_num_blocks] int32
+    seq_lens_ptr,  # [B] int32: context length of each sequence, this token included
+    out_ptr,  # NUM_SPLITS == 1: [B, H, D] output; else [B, H, NUM_SPLITS, D] float32 partials
+    lse_ptr,  # [B, H, NUM_SPLITS] float32: base-2 log-sum-exp of each split's scores
+    scale_log2e,  # softmax scale * log2(e)
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    block_tables_stride,
+    cache_stride_block,
+    cache_stride_plane,
+    cache_stride_token,
+    cache_stride_head,
+    split_len,  # tokens per split, a multiple of BLOCK_N
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+
+    groups = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + groups
+    row_mask = (groups[:, None] < GROUP) & (dims[None, :] < HEAD_DIM)
+    q = tl.load(
+        query_ptr + seq * query_stride_t + heads[:, None] * query_stride_h + dims[None, :],
+        mask=row_mask,
+        other=0.0,
+    )  # [G, D]
+    kv_base = cache_ptr + kv_head * cache_stride_head
+    block_table = block_tables_ptr + seq * block_tables_stride
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores
+    l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m)  # noqa: E741
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        in_range = positions < end
+        block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
+        rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
+            cache_stride_token
+        )
+        kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(kv_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        scores = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [G, N]
+        scores = tl.where(in_range[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        v = tl.load(
+            kv_base + cache_stride_plane + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
+        m = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l[:, None]
+        dst = out_ptr + seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        # An empty split (start past the context) has l == 0: lse -inf, weight 0 in the merge.
+        nonempty = l > 0
+        out = acc / tl.where(nonempty, l, 1.0)[:, None]
+        partial = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [G]
+        tl.store(out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask)
+        safe_l = tl.where(nonempty, l, 1.0)
+        lse = tl.where(nonempty, m + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + partial, lse, mask=groups < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_ptr,  # [B, H, NUM_SPLITS, D] float32: each split's normalised output
+    lse_ptr,  # [B, H, NUM_SPLITS] float32
+    out_ptr,  # [B, H, D]
+    out_stride_t,
+    out_stride_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < NUM_SPLITS
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))  # [S]; empty splits weigh 0
+    mask = split_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    partial = tl.load(
+        partial_ptr + (row * NUM_SPLITS + splits[:, None]) * HEAD_DIM + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )  # [S, D]
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    dst = out_ptr + seq * out_stride_t + head * out_stride_h + dims
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _extend_kernel(
+    query_ptr,  # [T, H, D]: the whole flattened batch's queries
+    cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, D]: already holds this step's K/V
+    block_tables_ptr,  # [B, max_num_blocks] int32
+    seq_lens_ptr,  # [B] int32: context length after this step
+    query_start_loc_ptr,  # [B + 1] int32
+    out_ptr,  # [T, H, D]
+    scale_log2e,
+    first_seq,  # index of the first prefill sequence (the decodes come before it)
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    block_tables_stride,
+    cache_stride_block,
+    cache_stride_plane,
+    cache_stride_token,
+    cache_stride_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = first_seq + tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    num_queries = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if tile * BLOCK_M >= num_queries:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows of this tile within the chunk
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = (rows[:, None] < num_queries) & (dims[None, :] < HEAD_DIM)
+    query_positions = seq_len - num_queries + rows  # each query's position in the sequence
+    tokens = (query_start + rows).to(tl.int64)
+    q = tl.load(
+        query_ptr + tokens[:, None] * query_stride_t + head * query_stride_h + dims[None, :],
+        mask=row_mask,
+        other=0.0,
+    )  # [M, D]
+    kv_base = cache_ptr + kv_head * cache_stride_head
+    block_table = block_tables_ptr + seq * block_tables_stride
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys past the tile's last query position are masked for every row: stop before them.
+    kv_end = tl.minimum(seq_len, seq_len - num_queries + (tile + 1) * BLOCK_M)
+    for tile_start in range(0, kv_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        in_range = positions < kv_end
+        block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
+        kv_rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
+            cache_stride_token
+        )
+        kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(kv_base + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
+        visible = in_range[None, :] & (positions[None, :] <= query_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # Position 0 is visible to every row, so m is finite after the first tile.
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        v = tl.load(
+            kv_base + cache_stride_plane + kv_rows[:, None] + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
+        m = m_new
+
+    out = acc / l[:, None]
+    dst = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """Causal attention of each new token over its sequence's cached + new K/V.
+
+    ``num_kv_splits`` forces the decode split count (tests); by default it is chosen from
+    the batch size and the longest decode context.
+    """
+    _check_shapes(query, kv_cache, metadata)
+    out = torch.empty_like(query)
+    num_decode_seqs = metadata.num_decode_seqs
+    if num_decode_seqs:
+        splits = num_kv_splits or _num_kv_splits(
+            num_decode_seqs * kv_cache.shape[3],
+            max(metadata.seq_lens_cpu[:num_decode_seqs]),
+            query.device,
+        )
+        _decode(query[:num_decode_seqs], kv_cache, metadata, scale, splits, out)
+    if metadata.num_seqs > num_decode_seqs:
+        _extend(query, kv_cache, metadata, scale, out)
+    return out
+
+
+def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit query {query.shape}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("query and kv_cache need a contiguous last (head_dim) axis")
+    if metadata.query_start_loc_cpu[-1] != query.shape[0]:
+        raise ValueError(
+            f"metadata covers {metadata.query_start_loc_cpu[-1]} rows, query has {query.shape[0]}"
+        )
+
+
+def _num_kv_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence so the grid covers the GPU about twice, each split doing at
+    least MIN_SPLIT_TOKENS tokens (short contexts are not worth a merge pass)."""
+    wanted = -(-2 * _num_sms(device) // num_programs)
+    most = max(1, max_seq_len // MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 8  # the interpreter: any small number keeps both paths reachable
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 models multiply in IEEE float32 (tf32 would drift from the oracle)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast_dot(dtype: torch.dtype) -> bool:
+    return triton_interpreted() and dtype != torch.float32
+
+
+def _decode(
+    query: torch.Tensor,  # [B, H, D]
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor,  # [T, H, D]; rows [0, B) are written
+) -> None:
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    max_seq_len = max(metadata.seq_lens_cpu[:batch])
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    if num_splits == 1:
+        target, lse = out, out  # lse unused
+    else:
+        target = torch.empty(
+            batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        query,
+        kv_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        target,
+        lse,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        metadata.block_tables.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        split_len,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=DECODE_BLOCK_N,
+        PAGE_SIZE=kv_cache.shape[2],
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        UPCAST=_upcast_dot(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            target,
+            lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+
+
+def _extend(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]; the prefill sequences' rows are written
+) -> None:
+    num_heads, head_dim = query.shape[1:]
+    first = metadata.num_decode_seqs
+    starts = metadata.query_start_loc_cpu
+    max_queries = max(starts[i + 1] - starts[i] for i in range(first, metadata.num_seqs))
+    grid = (metadata.num_seqs - first, num_heads, triton.cdiv(max_queries, EXTEND_BLOCK_M))
+    _extend_kernel[grid](
+        query,
+        kv_cache,
+        metadata.block_tables,
+        metadata.seq_lens,
+        metadata.query_start_loc,
+        out,
+        scale * LOG2E,
+        first,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        metadata.block_tables.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        GROUP=num_heads // kv_cache.shape[3],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=EXTEND_BLOCK_M,
+        BLOCK_N=EXTEND_BLOCK_N,
+        PAGE_SIZE=kv_cache.shape[2],
+        DOT_PRECISION=_dot_precision(query.dtype),
+        UPCAST=_upcast_dot(query.dtype),
+        num_warps=4,
+        num_stages=2,
+    )

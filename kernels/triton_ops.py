@@ -1,0 +1,10 @@
+"""The Triton backend: a `KernelSet` with the reference module's functions and signatures."""
+
+from headrace.kernels.triton_attention import paged_attention
+from headrace.kernels.triton_cache import write_kv_cache
+from headrace.kernels.triton_norm import rms_norm
+from headrace.kernels.triton_rotary import apply_rotary
+
+NAME = "triton"
+
+__all__ = ["NAME", "apply_rotary", "paged_attention", "rms_norm", "write_kv_cache"]

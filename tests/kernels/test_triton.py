@@ -1,0 +1,152 @@
+"""Every Triton kernel equals its torch reference (on CPU through TRITON_INTERPRET=1, set by
+tests/conftest.py; on a GPU compiled), across head dims, block sizes, GQA ratios, sequence
+lengths around block boundaries, and fp32 / bf16.
+
+Tolerances: fp32 agrees to float rounding (1e-5). bf16 attention is compared with the float32
+reference over the same bf16 inputs: both round probabilities and outputs to bf16 (2e-2).
+bf16 norm / rotary may differ by about one bf16 ulp (2^-7 relative to the operands): the
+interpreter truncates float32 -> bf16 where a GPU rounds to nearest.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from headrace.kernels import reference, triton_attention, triton_ops
+from headrace.worker.layers.rotary import RopeConfig, RotaryEmbedding
+
+from tests.kernels.paged import build_paged_batch, contiguous_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+#: (query heads, KV heads): GQA ratios 1, 3 and 8.
+HEADS = [(4, 4), (6, 2), (8, 1)]
+ONE_ULP = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+
+
+def decode_and_prefill_seqs(block_size: int) -> tuple[list[tuple[int, int]], int]:
+    """(context length after the step, new tokens) per sequence, decodes first: contexts of
+    1 token, exact block multiples and not, one long enough to split; prefills that start
+    fresh, continue a cached prefix, end on / off a block edge and span two query tiles."""
+    decodes = [(1, 1), (block_size, 1), (2 * block_size + 3, 1), (300, 1)]
+    prefills = [
+        (block_size, block_size),
+        (2 * block_size + 1, 2 * block_size + 1),
+        (37, 5),
+        (3 * block_size, block_size + 1),
+        (130, triton_attention.EXTEND_BLOCK_M + 6),
+    ]
+    return decodes + prefills, len(decodes)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_equals_reference(head_dim, block_size, num_heads, num_kv_heads, dtype):
+    torch.manual_seed(head_dim + block_size + num_heads)
+    seqs, num_decode = decode_and_prefill_seqs(block_size)
+    batch = build_paged_batch(
+        seqs, num_decode, block_size, num_heads, num_kv_heads, head_dim, dtype, DEVICE
+    )
+    wide = build_like(batch, torch.float32)
+    expected = reference.paged_attention(wide.query, wide.kv_cache, wide.metadata, batch.scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # Default split count, no split, and a forced split (empty splits for short contexts).
+    for num_kv_splits in (None, 1, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, num_kv_splits=num_kv_splits
+        )
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def build_like(batch, dtype):
+    """The same batch with query and cache in another dtype (metadata shared)."""
+    return type(batch)(
+        batch.query.to(dtype),
+        batch.kv_cache.to(dtype),
+        batch.metadata,
+        batch.keys,
+        batch.values,
+        batch.seqs,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_only_and_prefill_only_batches(dtype):
+    """A step of decodes alone and one of prefills alone each launch one kernel path."""
+    torch.manual_seed(1)
+    for seqs, num_decode in (([(5, 1), (64, 1), (700, 1)], 3), ([(70, 70), (9, 3)], 0)):
+        batch = build_paged_batch(seqs, num_decode, 16, 6, 2, 64, dtype, DEVICE)
+        out = triton_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for i, (_, num_new) in enumerate(seqs):
+            start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+            want = contiguous_attention(
+                batch.queries(i).cpu(), batch.keys[i], batch.values[i], num_new
+            )
+            torch.testing.assert_close(out[start:end].float().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(1, 64), (3, 64), (8, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_cache_equals_reference(block_size, num_kv_heads, head_dim, dtype):
+    torch.manual_seed(2)
+    num_tokens, num_blocks = 37, 6
+    # K and V as strided views of one fused projection output, as the model passes them.
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    want = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    got = want.clone()
+    reference.write_kv_cache(key, value, want, slots)
+    triton_ops.write_kv_cache(key, value, got, slots)
+    assert torch.equal(got, want)  # a copy: bit-exact, untouched slots too
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 576, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_equals_reference(hidden, with_residual, dtype):
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, hidden, device=DEVICE).to(dtype)
+    residual = torch.randn(2, 5, hidden, device=DEVICE).to(dtype) if with_residual else None
+    weight = torch.randn(hidden, device=DEVICE).to(dtype)
+    want_normed, want_sum = reference.rms_norm(x, weight, 1e-6, residual)
+    got_normed, got_sum = triton_ops.rms_norm(x, weight, 1e-6, residual)
+    tol = ONE_ULP[dtype]
+    torch.testing.assert_close(got_sum, want_sum, atol=1e-5, rtol=tol)
+    # The normed row inherits the sum's rounding, and the weight multiplies one more in.
+    torch.testing.assert_close(got_normed, want_normed, atol=1e-4, rtol=3 * tol)
+    assert got_normed.shape == x.shape
+    if not with_residual:
+        assert got_sum is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("rope_type", ["default", "llama3"])
+def test_rotary_equals_reference(rope_type, head_dim, dtype):
+    torch.manual_seed(4)
+    num_tokens, num_heads, num_kv_heads = 11, 6, 2
+    rope = RopeConfig(head_dim, 8192, 500000.0, rope_type, factor=8.0, original_max_position=2048)
+    with torch.device(DEVICE):
+        cos, sin = RotaryEmbedding(rope)(torch.randint(0, 8192, (num_tokens,)), dtype)
+    # q and k as strided views of the fused qkv projection output, as the model passes them.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    qkv = qkv.to(dtype)
+    q = qkv[:, : num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.unflatten(-1, (num_kv_heads, head_dim))
+    before = qkv.clone()
+    want_q, want_k = reference.apply_rotary(q, k, cos, sin)
+    got_q, got_k = triton_ops.apply_rotary(q, k, cos, sin)
+    # Each half is a difference of two rounded products: one ulp of the products (of the
+    # inputs' size, not of the result's) bounds how far the roundings can move it.
+    tol = ONE_ULP[dtype]
+    atol = 2 * tol * qkv.abs().max().item()
+    torch.testing.assert_close(got_q, want_q, atol=atol, rtol=tol)
+    torch.testing.assert_close(got_k, want_k, atol=atol, rtol=tol)
+    assert torch.equal(qkv, before)  # inputs are not rotated in place
