@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from headrace.sdk import GenerationConfig
+from headrace.sdk import GenerationConfig, InvalidArgumentError
 from headrace.worker import LLM, Engine, EngineConfig
 
 from tests.factories import build_checkpoint, hf_greedy
@@ -211,3 +211,34 @@ def test_abort_mid_run_frees_every_block_and_others_finish(llama):
     for i in (0, 2, 3, 5):
         assert tokens[f"r{i}"] == expected[i]
     assert_all_blocks_free(engine)
+
+
+# --- the Triton kernels in the whole model --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "composition"), [("llama", "chunked-8"), ("qwen3", "preempting")]
+)
+def test_triton_kernels_equal_oracle(oracle, family, composition):
+    """Every layer on the Triton backend (Triton's CPU interpreter here, compiled on a GPU):
+    chunked prefill mixed with decodes, and preemption with recompute, token for token."""
+    path, prompts, expected = oracle(family)
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", **COMPOSITIONS[composition])
+    assert llm.engine.kernels.NAME == "triton"
+    results = llm.generate(prompts, greedy())
+    assert [r.token_ids for r in results] == expected
+    if composition == "preempting":
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_attention_backend_is_validated_before_loading(monkeypatch):
+    with pytest.raises(InvalidArgumentError) as info:
+        EngineConfig("unused", attention_backend="flash")
+    assert info.value.field == "attention_backend"
+    assert "auto, triton, reference" in str(info.value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InvalidArgumentError) as info:
+        EngineConfig("unused", device="cpu", attention_backend="triton")
+    assert info.value.field == "attention_backend"
+    assert "CUDA" in str(info.value)
