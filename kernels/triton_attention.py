@@ -25,11 +25,15 @@ from headrace.kernels.backend import triton_interpreted
 LOG2E = 1.4426950408889634
 #: Decode: K/V tokens per inner-loop tile, and the fewest tokens a split is given.
 DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 #: Extend: query rows and K/V tokens per tile.
 EXTEND_BLOCK_M = 64
 EXTEND_BLOCK_N = 64
+EXTEND_NUM_WARPS = 4
+EXTEND_NUM_STAGES = 2
 
 
 @triton.jit
@@ -363,8 +367,8 @@ def _decode(
         NUM_SPLITS=num_splits,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST=_upcast_dot(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
@@ -418,6 +422,6 @@ def _extend(
         PAGE_SIZE=kv_cache.shape[2],
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST=_upcast_dot(query.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=EXTEND_NUM_WARPS,
+        num_stages=EXTEND_NUM_STAGES,
     )

@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--baseline", choices=["none", "hf"], default="none")
+    parser.add_argument(
+        "--attention-backend", choices=["auto", "triton", "reference"], default="auto"
+    )
     parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model: overhead")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                 dtype=args.dtype,
                 max_num_seqs=max(256, num_requests),
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                attention_backend=args.attention_backend,
             )
         )
         workload = make_workload(
@@ -257,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"workload: {num_requests} requests, prompts {min_len}-{max_len} tokens, "
             f"{max_tokens} new tokens, model {model_path.name}, dtype {args.dtype}, "
-            f"device {engine.device}, threads {torch.get_num_threads()}"
+            f"device {engine.device}, kernels {engine.kernels.NAME}, "
+            f"threads {torch.get_num_threads()}"
         )
         run_headrace(engine, make_workload(engine.vocab_size, 4, 8, 16, 4, 1), "warm-up")
         ours = run_headrace(engine, workload)
