@@ -26,7 +26,7 @@ LOG2E = 1.4426950408889634
 #: Decode: K/V tokens per inner-loop tile, and the fewest tokens a split is given.
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 2
+DECODE_NUM_STAGES = 3
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 #: Extend: query rows and K/V tokens per tile.
@@ -48,14 +48,16 @@ def _dot(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return result
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (Triton would otherwise compile
+# a variant for 1 and for multiples of 16): one compiled kernel serves every step.
+@triton.jit(do_not_specialize=["block_tables_stride", "split_len"])
 def _decode_kernel(
     query_ptr,  # [B, H, D]: the decode rows of the query (one per sequence)
     cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, D]
     block_tables_ptr,  # [B, max_num_blocks] int32
     seq_lens_ptr,  # [B] int32: context length of each sequence, this token included
-    out_ptr,  # NUM_SPLITS == 1: [B, H, D] output; else [B, H, NUM_SPLITS, D] float32 partials
-    lse_ptr,  # [B, H, NUM_SPLITS] float32: base-2 log-sum-exp of each split's scores
+    out_ptr,  # SPLIT: [B, H, num_splits, D] float32 partial outputs; else the [B, H, D] output
+    lse_ptr,  # [B, H, num_splits] float32: base-2 log-sum-exp of each split's scores
     scale_log2e,  # softmax scale * log2(e)
     query_stride_t,
     query_stride_h,
@@ -73,13 +75,14 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # the grid's third axis cuts the context into num_splits parts
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_len
     end = tl.minimum(seq_len, start + split_len)
@@ -120,44 +123,44 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
         m = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l[:, None]
         dst = out_ptr + seq * out_stride_t + heads[:, None] * out_stride_h + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
         # An empty split (start past the context) has l == 0: lse -inf, weight 0 in the merge.
         nonempty = l > 0
-        out = acc / tl.where(nonempty, l, 1.0)[:, None]
-        partial = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [G]
-        tl.store(out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask)
         safe_l = tl.where(nonempty, l, 1.0)
+        out = acc / safe_l[:, None]
+        partial = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split  # [G]
+        tl.store(out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask)
         lse = tl.where(nonempty, m + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + partial, lse, mask=groups < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    partial_ptr,  # [B, H, NUM_SPLITS, D] float32: each split's normalised output
-    lse_ptr,  # [B, H, NUM_SPLITS] float32
+    partial_ptr,  # [B, H, num_splits, D] float32: each split's normalised output
+    lse_ptr,  # [B, H, num_splits] float32
     out_ptr,  # [B, H, D]
     out_stride_t,
     out_stride_h,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # MAX_SPLITS as a power of two: one compiled kernel for any count
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_mask = splits < NUM_SPLITS
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=float("-inf"))
+    split_mask = splits < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, 0))  # [S]; empty splits weigh 0
     mask = split_mask[:, None] & (dims[None, :] < HEAD_DIM)
     partial = tl.load(
-        partial_ptr + (row * NUM_SPLITS + splits[:, None]) * HEAD_DIM + dims[None, :],
+        partial_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
         mask=mask,
         other=0.0,
     )  # [S, D]
@@ -166,7 +169,7 @@ def _merge_splits_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "block_tables_stride"])
 def _extend_kernel(
     query_ptr,  # [T, H, D]: the whole flattened batch's queries
     cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, D]: already holds this step's K/V
@@ -266,6 +269,8 @@ def paged_attention(
     the batch size and the longest decode context.
     """
     _check_shapes(query, kv_cache, metadata)
+    if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_SPLITS}], got {num_kv_splits}")
     out = torch.empty_like(query)
     num_decode_seqs = metadata.num_decode_seqs
     if num_decode_seqs:
@@ -364,7 +369,7 @@ def _decode(
         BLOCK_D=block_d,
         BLOCK_N=DECODE_BLOCK_N,
         PAGE_SIZE=kv_cache.shape[2],
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST=_upcast_dot(query.dtype),
         num_warps=DECODE_NUM_WARPS,
@@ -377,10 +382,10 @@ def _decode(
             out,
             out.stride(0),
             out.stride(1),
+            num_splits,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
         )
 
 

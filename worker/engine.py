@@ -141,6 +141,8 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.device, self.dtype, config.block_size, num_blocks
         )
+        if self.device.type == "cuda":
+            self.runner.warm_up(self.max_model_len)
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._requests: dict[str, _Request] = {}

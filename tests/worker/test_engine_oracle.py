@@ -242,3 +242,14 @@ def test_attention_backend_is_validated_before_loading(monkeypatch):
         EngineConfig("unused", device="cpu", attention_backend="triton")
     assert info.value.field == "attention_backend"
     assert "CUDA" in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_warm_up_leaves_outputs_and_blocks_untouched(oracle, backend):
+    """Warm-up (run at start on CUDA) writes garbage into block 0 only; requests after it,
+    block 0 among their blocks, still equal the oracle."""
+    path, prompts, expected = oracle("llama")
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, block_size=4)
+    llm.engine.runner.warm_up(llm.engine.max_model_len)
+    assert_all_blocks_free(llm.engine)
+    assert [r.token_ids for r in llm.generate(prompts, greedy())] == expected
