@@ -85,24 +85,23 @@ def paged_decode_batch(
 
 def sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool
-) -> Callable[[], torch.Tensor]:
-    """SDPA on [B, H, Lq, D] / [B, Hkv, L, D], flash if it takes the shape, else any backend."""
+) -> tuple[Callable[[], torch.Tensor], str]:
+    """SDPA on [B, H, Lq, D] / [B, Hkv, L, D] and the backend it runs: flash where flash
+    takes the shape, else whichever backend PyTorch picks."""
     gqa = query.shape[1] != key.shape[1]
 
     def run() -> torch.Tensor:
         return F.scaled_dot_product_attention(query, key, value, is_causal=causal, enable_gqa=gqa)
 
-    try:
+    def flash() -> torch.Tensor:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            run()
+            return run()
 
-        def flash() -> torch.Tensor:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                return run()
-
-        return flash
+    try:
+        flash()
     except RuntimeError:
-        return run
+        return run, "sdpa (flash refused: default backend)"
+    return flash, "sdpa flash"
 
 
 def bench_decode(batch: int, context: int, heads: tuple[int, int, int], block_size: int) -> Row:
@@ -113,7 +112,7 @@ def bench_decode(batch: int, context: int, heads: tuple[int, int, int], block_si
     scale = head_dim**-0.5
     ours = median_ms(lambda: triton_ops.paged_attention(query, cache, metadata, scale))
     got = triton_ops.paged_attention(query, cache, metadata, scale)
-    baseline = sdpa(query.unsqueeze(2), key, value, causal=False)
+    baseline, label = sdpa(query.unsqueeze(2), key, value, causal=False)
     want = baseline()
     error = (got.float() - want.squeeze(2).float()).abs().max().item()
     assert error < 2e-2, f"decode attention differs from SDPA by {error}"
@@ -122,7 +121,7 @@ def bench_decode(batch: int, context: int, heads: tuple[int, int, int], block_si
         "decode attention",
         f"B={batch} L={context} H={num_heads}/{num_kv_heads} D={head_dim} bs={block_size}",
         ours,
-        "sdpa",
+        label,
         median_ms(baseline),
         num_bytes,
     )
@@ -144,7 +143,7 @@ def bench_prefill(num_seqs: int, length: int, heads: tuple[int, int, int]) -> Ro
     ours = median_ms(lambda: triton_ops.paged_attention(q, cache, metadata, scale))
     got = triton_ops.paged_attention(q, cache, metadata, scale)
     q4 = q.view(num_seqs, length, num_heads, head_dim).transpose(1, 2)
-    baseline = sdpa(q4, key, value, causal=True)
+    baseline, label = sdpa(q4, key, value, causal=True)
     want = baseline().transpose(1, 2).reshape_as(got)
     error = (got.float() - want.float()).abs().max().item()
     assert error < 2e-2, f"prefill attention differs from SDPA by {error}"
@@ -153,7 +152,7 @@ def bench_prefill(num_seqs: int, length: int, heads: tuple[int, int, int]) -> Ro
         "prefill attention",
         f"{num_seqs}x{length} tokens H={num_heads}/{num_kv_heads} D={head_dim}",
         ours,
-        "sdpa",
+        label,
         median_ms(baseline),
         num_bytes,
     )
