@@ -8,7 +8,7 @@ first, so a backend runs them as one batch and tiles only the prefill chunks aft
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,19 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    #: Derived once per step (not per layer): the longest decode context, 0 without decodes,
+    #: and the most new tokens of one prefill sequence, 0 without prefills.
+    max_decode_seq_len: int = field(init=False)
+    max_prefill_query_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        decodes = self.seq_lens_cpu[: self.num_decode_seqs]
+        self.max_decode_seq_len = max(decodes, default=0)
+        starts = self.query_start_loc_cpu
+        self.max_prefill_query_len = max(
+            (starts[i + 1] - starts[i] for i in range(self.num_decode_seqs, self.num_seqs)),
+            default=0,
+        )
 
     @property
     def num_seqs(self) -> int:

@@ -13,6 +13,7 @@ against the datasheet peak.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -135,9 +136,12 @@ def bench_prefill(num_seqs: int, length: int, heads: tuple[int, int, int]) -> Ro
     )
     # Every sequence prefills all its tokens in this step.
     starts = [i * length for i in range(num_seqs + 1)]
-    metadata.num_decode_seqs = 0
-    metadata.query_start_loc_cpu = starts
-    metadata.query_start_loc = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    metadata = dataclasses.replace(
+        metadata,
+        num_decode_seqs=0,
+        query_start_loc_cpu=starts,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device="cuda"),
+    )
     q = torch.randn(num_seqs * length, num_heads, head_dim, dtype=query.dtype, device="cuda")
     scale = head_dim**-0.5
     ours = median_ms(lambda: triton_ops.paged_attention(q, cache, metadata, scale))

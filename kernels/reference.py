@@ -81,7 +81,7 @@ def paged_attention(
             kv_cache,
             metadata.block_tables[:num_decode_seqs],
             metadata.seq_lens[:num_decode_seqs],
-            max(seq_lens[:num_decode_seqs]),
+            metadata.max_decode_seq_len,
             scale,
         )
     for i in range(num_decode_seqs, len(seq_lens)):

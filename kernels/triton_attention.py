@@ -48,6 +48,48 @@ def _dot(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     return result
 
 
+@triton.jit
+def _attend_tile(
+    q,  # [M, BLOCK_D]: the query rows (decode: a KV head's query heads; extend: query tokens)
+    acc,  # [M, BLOCK_D] float32: running sum of p @ V
+    m,  # [M] float32: running max of the scores
+    l,  # [M] float32: running sum of exp2(score - m)  # noqa: E741
+    kv_base,  # the cache pointer moved to this KV head
+    block_table,  # this sequence's row of the block tables
+    positions,  # [BLOCK_N]: the tile's token positions
+    in_range,  # [BLOCK_N]: positions that exist
+    visible,  # [M, BLOCK_N]: which row may attend to which position
+    dims,  # [BLOCK_D]
+    scale_log2e,
+    cache_stride_block,
+    cache_stride_plane,
+    cache_stride_token,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One K/V tile of the online softmax: the tile's rows gathered through the block table,
+    scored, and folded into (acc, m, l)."""
+    block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
+    rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
+        cache_stride_token
+    )
+    kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+    k = tl.load(kv_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+    scores = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)  # noqa: E741
+    v = tl.load(
+        kv_base + cache_stride_plane + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0
+    )
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
+    return acc, m_new, l
+
+
 # Values that change from step to step are not specialised on (Triton would otherwise compile
 # a variant for 1 and for multiples of 16): one compiled kernel serves every step.
 @triton.jit(do_not_specialize=["block_tables_stride", "split_len"])
@@ -105,23 +147,11 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < end
-        block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
-        rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
-            cache_stride_token
-        )
-        kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(kv_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        scores = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [G, N]
-        scores = tl.where(in_range[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        v = tl.load(
-            kv_base + cache_stride_plane + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
-        m = m_new
+        acc, m, l = _attend_tile(  # noqa: E741
+            q, acc, m, l, kv_base, block_table, positions, in_range, in_range[None, :], dims,
+            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
 
     if not SPLIT:
         out = acc / l[:, None]
@@ -228,27 +258,13 @@ def _extend_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < kv_end
-        block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
-        kv_rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
-            cache_stride_token
-        )
-        kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
-        k = tl.load(kv_base + kv_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
         visible = in_range[None, :] & (positions[None, :] <= query_positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
         # Position 0 is visible to every row, so m is finite after the first tile.
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        v = tl.load(
-            kv_base + cache_stride_plane + kv_rows[:, None] + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
-        m = m_new
+        acc, m, l = _attend_tile(  # noqa: E741
+            q, acc, m, l, kv_base, block_table, positions, in_range, visible, dims,
+            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
 
     out = acc / l[:, None]
     dst = out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :]
@@ -276,7 +292,7 @@ def paged_attention(
     if num_decode_seqs:
         splits = num_kv_splits or _num_kv_splits(
             num_decode_seqs * kv_cache.shape[3],
-            max(metadata.seq_lens_cpu[:num_decode_seqs]),
+            metadata.max_decode_seq_len,
             query.device,
         )
         _decode(query[:num_decode_seqs], kv_cache, metadata, scale, splits, out)
@@ -335,7 +351,7 @@ def _decode(
     batch, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    max_seq_len = max(metadata.seq_lens_cpu[:batch])
+    max_seq_len = metadata.max_decode_seq_len
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
     if num_splits == 1:
         target, lse = out, out  # lse unused
@@ -398,8 +414,7 @@ def _extend(
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     first = metadata.num_decode_seqs
-    starts = metadata.query_start_loc_cpu
-    max_queries = max(starts[i + 1] - starts[i] for i in range(first, metadata.num_seqs))
+    max_queries = metadata.max_prefill_query_len
     grid = (metadata.num_seqs - first, num_heads, triton.cdiv(max_queries, EXTEND_BLOCK_M))
     _extend_kernel[grid](
         query,

@@ -93,44 +93,42 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, max_model_len: int) -> None:
         """Run the kernels once per variant a step can need, before the first request, so JIT
-        compilation (Triton) and library set-up never land on a request's latency.
-
-        Two synthetic steps: decodes of 1 token with a prefill chunk, then decodes whose
-        context is long enough that decode attention splits it. Every sequence points all its
-        block-table entries at block 0, which nothing holds yet: what lands there is garbage
-        no request ever reads, since a sequence writes each slot before attending to it.
-        """
-        long_context = min(1024, max_model_len)  # long enough for several splits
-        chunk = min(48, max_model_len)
-        for seqs, num_decode in (([(1, 1), (1, 1), (chunk, chunk)], 2), ([(long_context, 1)], 1)):
-            query_start_loc = [0]
-            for _, num_new in seqs:
-                query_start_loc.append(query_start_loc[-1] + num_new)
-            seq_lens = [seq_len for seq_len, _ in seqs]
-            positions = [p for seq_len, n in seqs for p in range(seq_len - n, seq_len)]
-            num_tokens = len(positions)
-            max_blocks = -(-max(seq_lens) // self.block_size)
-            metadata = AttentionMetadata(
-                slot_mapping=torch.tensor(positions, device=self.device) % self.block_size,
-                query_start_loc=torch.tensor(
-                    query_start_loc, dtype=torch.int32, device=self.device
-                ),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-                block_tables=torch.zeros(
-                    len(seqs), max_blocks, dtype=torch.int32, device=self.device
-                ),
-                num_decode_seqs=num_decode,
-                query_start_loc_cpu=query_start_loc,
-                seq_lens_cpu=seq_lens,
-                block_size=self.block_size,
-            )
-            input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(
-                input_ids, torch.tensor(positions, device=self.device), self.kv_caches, metadata
-            )
-            self.model.compute_logits(hidden[-1:])
+        compilation (Triton) and library set-up never land on a request's latency: one step of
+        1-token decodes with a prefill chunk, then one decode whose context is long enough
+        that decode attention splits it."""
+        chunk, long_context = min(48, max_model_len), min(1024, max_model_len)
+        self._run_synthetic([(1, 1), (1, 1), (chunk, chunk)], num_decode_seqs=2)
+        self._run_synthetic([(long_context, 1)], num_decode_seqs=1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _run_synthetic(self, seqs: list[tuple[int, int]], num_decode_seqs: int) -> None:
+        """One forward pass over made-up sequences ((context length, new tokens) each).
+
+        Every block-table entry points at block 0, which no request holds yet: what lands
+        there is garbage no request reads, as a sequence writes each slot before attending.
+        """
+        query_start_loc = [0]
+        for _, num_new in seqs:
+            query_start_loc.append(query_start_loc[-1] + num_new)
+        seq_lens = [seq_len for seq_len, _ in seqs]
+        positions = torch.tensor(
+            [p for seq_len, n in seqs for p in range(seq_len - n, seq_len)], device=self.device
+        )
+        max_blocks = -(-max(seq_lens) // self.block_size)
+        metadata = AttentionMetadata(
+            slot_mapping=positions % self.block_size,
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(len(seqs), max_blocks, dtype=torch.int32, device=self.device),
+            num_decode_seqs=num_decode_seqs,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+        )
+        input_ids = torch.zeros_like(positions)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        self.model.compute_logits(hidden[-1:])
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:

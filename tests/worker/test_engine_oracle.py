@@ -37,13 +37,15 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 # The whole composition matrix runs on llama and qwen3 (qk-norm); mistral and qwen2 (qkv bias)
-# run every test except the matrix, plus its hardest case, preemption.
+# run every test except the matrix, plus its hardest case, preemption. All of it on the torch
+# reference kernels; two cases again with every layer on the Triton kernels (Triton's CPU
+# interpreter here, compiled on a GPU): chunks mixed with decodes, and preemption.
 MATRIX = [
-    (family, composition)
+    (family, composition, "reference")
     for family in FAMILIES
     for composition in sorted(COMPOSITIONS)
     if family in ("llama", "qwen3") or composition == "preempting"
-]
+] + [("llama", "chunked-8", "triton"), ("qwen3", "preempting", "triton")]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +94,11 @@ def test_one_at_a_time_equals_oracle(family_case):
     assert [llm.generate([p], greedy())[0].token_ids for p in prompts] == expected
 
 
-@pytest.mark.parametrize(("family", "composition"), MATRIX)
-def test_batch_compositions_equal_oracle(oracle, family, composition):
+@pytest.mark.parametrize(("family", "composition", "backend"), MATRIX)
+def test_batch_compositions_equal_oracle(oracle, family, composition, backend):
     path, prompts, expected = oracle(family)
-    llm = LLM(str(path), dtype="float32", **COMPOSITIONS[composition])
+    llm = LLM(str(path), dtype="float32", attention_backend=backend, **COMPOSITIONS[composition])
+    assert backend == llm.engine.kernels.NAME
     results = llm.generate(prompts, greedy())
     assert [r.token_ids for r in results] == expected
     if composition == "preempting":
@@ -213,23 +216,7 @@ def test_abort_mid_run_frees_every_block_and_others_finish(llama):
     assert_all_blocks_free(engine)
 
 
-# --- the Triton kernels in the whole model --------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("family", "composition"), [("llama", "chunked-8"), ("qwen3", "preempting")]
-)
-def test_triton_kernels_equal_oracle(oracle, family, composition):
-    """Every layer on the Triton backend (Triton's CPU interpreter here, compiled on a GPU):
-    chunked prefill mixed with decodes, and preemption with recompute, token for token."""
-    path, prompts, expected = oracle(family)
-    llm = LLM(str(path), dtype="float32", attention_backend="triton", **COMPOSITIONS[composition])
-    assert llm.engine.kernels.NAME == "triton"
-    results = llm.generate(prompts, greedy())
-    assert [r.token_ids for r in results] == expected
-    if composition == "preempting":
-        assert llm.engine.scheduler.num_preemptions > 0
-    assert_all_blocks_free(llm.engine)
+# --- kernel backends -------------------------------------------------------------------------
 
 
 def test_attention_backend_is_validated_before_loading(monkeypatch):
