@@ -68,17 +68,23 @@ def _attend_tile(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    MASKED: tl.constexpr,  # false: every position exists and every row sees it (no masks)
 ):
     """One K/V tile of the online softmax: the tile's rows gathered through the block table,
     scored, and folded into (acc, m, l)."""
-    block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
+    if MASKED:
+        block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
+        kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+    else:
+        block_ids = tl.load(block_table + positions // PAGE_SIZE)
+        kv_mask = (positions[:, None] >= 0) & (dims[None, :] < HEAD_DIM)
     rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
         cache_stride_token
     )
-    kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
     k = tl.load(kv_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
     scores = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
-    scores = tl.where(visible, scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
@@ -127,7 +133,7 @@ def _decode_kernel(
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * split_len
-    end = tl.minimum(seq_len, start + split_len)
+    end = tl.maximum(start, tl.minimum(seq_len, start + split_len))  # empty: end == start
 
     groups = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, BLOCK_D)
@@ -144,13 +150,22 @@ def _decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores
     l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m)  # noqa: E741
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
+    # Whole tiles first, unmasked; then the one partial tile at the end, if any.
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for tile_start in range(start, full_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        acc, m, l = _attend_tile(  # noqa: E741
+            q, acc, m, l, kv_base, block_table, positions, positions, positions, dims,
+            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False,
+        )  # fmt: skip
+    for tile_start in range(full_end, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < end
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, in_range, in_range[None, :], dims,
             scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True,
         )  # fmt: skip
 
     if not SPLIT:
@@ -253,9 +268,18 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys past the tile's last query position are masked for every row: stop before them.
+    # Keys before the tile's first query position are seen by every row: whole tiles of them
+    # go unmasked. Keys past its last query position are masked for every row: stop there.
+    full_end = (seq_len - num_queries + tile * BLOCK_M) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(seq_len, seq_len - num_queries + (tile + 1) * BLOCK_M)
-    for tile_start in range(0, kv_end, BLOCK_N):
+    for tile_start in range(0, full_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        acc, m, l = _attend_tile(  # noqa: E741
+            q, acc, m, l, kv_base, block_table, positions, positions, positions, dims,
+            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False,
+        )  # fmt: skip
+    for tile_start in range(full_end, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < kv_end
         visible = in_range[None, :] & (positions[None, :] <= query_positions[:, None])
@@ -263,7 +287,7 @@ def _extend_kernel(
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, in_range, visible, dims,
             scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True,
         )  # fmt: skip
 
     out = acc / l[:, None]

@@ -150,3 +150,18 @@ def test_rotary_equals_reference(rope_type, head_dim, dtype):
     torch.testing.assert_close(got_q, want_q, atol=atol, rtol=tol)
     torch.testing.assert_close(got_k, want_k, atol=atol, rtol=tol)
     assert torch.equal(qkv, before)  # inputs are not rotated in place
+
+
+def test_decode_splits_longer_than_a_tile_some_empty():
+    """Splits of 256 tokens (four 64-token tiles: whole tiles, then a partial one) over
+    contexts of 200 and 700: the short sequence's later splits start past its end and must
+    attend to nothing rather than count its tokens twice."""
+    torch.manual_seed(5)
+    seqs = [(200, 1), (700, 1)]
+    batch = build_paged_batch(seqs, 2, 16, 6, 2, 64, torch.float32, DEVICE)
+    out = triton_attention.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, num_kv_splits=3
+    )
+    for i, (_, num_new) in enumerate(seqs):
+        want = contiguous_attention(batch.queries(i).cpu(), batch.keys[i], batch.values[i], num_new)
+        torch.testing.assert_close(out[i : i + 1].cpu(), want, atol=1e-5, rtol=1e-5)
