@@ -77,7 +77,7 @@ def _attend_tile(
         kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
     else:
         block_ids = tl.load(block_table + positions // PAGE_SIZE)
-        kv_mask = (positions[:, None] >= 0) & (dims[None, :] < HEAD_DIM)
+        kv_mask = (positions[:, None] >= 0) & (dims[None, :] < HEAD_DIM)  # [N, D]: head_dim only
     rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
         cache_stride_token
     )
@@ -150,16 +150,7 @@ def _decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores
     l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m)  # noqa: E741
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # Whole tiles first, unmasked; then the one partial tile at the end, if any.
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for tile_start in range(start, full_end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        acc, m, l = _attend_tile(  # noqa: E741
-            q, acc, m, l, kv_base, block_table, positions, positions, positions, dims,
-            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False,
-        )  # fmt: skip
-    for tile_start in range(full_end, end, BLOCK_N):
+    for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < end
         acc, m, l = _attend_tile(  # noqa: E741
