@@ -9,7 +9,8 @@ Decode: one program per (sequence, KV head, split) serves all ``H / Hkv`` query 
 that KV head, so each K/V byte is read once per step. With few sequences or long contexts
 the context is cut into splits run in parallel; a second kernel merges their partial
 outputs by their log-sum-exp. Extend: one program per (sequence, query head, tile of
-BLOCK_M query rows), iterating over K/V tiles up to the tile's last query position.
+BLOCK_M query rows), iterating over K/V tiles up to the tile's last query position; the
+tiles before its first query position are visible to every row and run without masks.
 """
 
 from __future__ import annotations
