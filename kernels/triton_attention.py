@@ -24,6 +24,8 @@ from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.backend import triton_interpreted
 
 LOG2E = 1.4426950408889634
+#: Read once, at import, when triton.jit also decides whether these kernels are interpreted.
+INTERPRETED = triton_interpreted()
 #: Decode: K/V tokens per inner-loop tile, and the fewest tokens a split is given.
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
@@ -353,7 +355,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _upcast_dot(dtype: torch.dtype) -> bool:
-    return triton_interpreted() and dtype != torch.float32
+    return INTERPRETED and dtype != torch.float32
 
 
 def _decode(
