@@ -118,6 +118,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._commands.put(_STOP)
         self._thread.join()
+        self.engine.close()
 
     # --- engine thread ---------------------------------------------------------------------
 

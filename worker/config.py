@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from headrace.kernels.backend import BACKEND_NAMES, triton_device_error, triton_interpreted
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.parallel import check_parallel_sizes
 
 _DTYPES = {
     "float32": torch.float32,
@@ -48,6 +49,12 @@ class EngineConfig:
     #: Kernels for attention, KV-cache writes, RMSNorm and rotary: "auto" (Triton on CUDA,
     #: the torch references elsewhere), "triton" or "reference".
     attention_backend: str = "auto"
+    #: Ranks that split every layer's heads and MLP columns (one process each).
+    tensor_parallel_size: int = 1
+    #: Stages that split the layers into contiguous ranges (tensor_parallel_size ranks each).
+    pipeline_parallel_size: int = 1
+    #: Micro-batches a step is cut into so pipeline stages overlap; None means one per stage.
+    pipeline_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -65,6 +72,11 @@ class EngineConfig:
             raise InvalidArgumentError("cpu_kv_cache_gib", "must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidArgumentError("max_model_len", "must be >= 2")
+        check_parallel_sizes(self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise InvalidArgumentError(
+                "pipeline_micro_batches", f"must be >= 1, got {self.pipeline_micro_batches}"
+            )
         if self.attention_backend not in BACKEND_NAMES:
             raise InvalidArgumentError(
                 "attention_backend",
@@ -74,6 +86,15 @@ class EngineConfig:
             device = self.torch_device()
             if device.type != "cuda" and not triton_interpreted():
                 raise InvalidArgumentError("attention_backend", triton_device_error(device))
+
+    @property
+    def world_size(self) -> int:
+        """Processes (ranks) the worker runs: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if self.dtype != "auto":

@@ -24,9 +24,10 @@ from headrace.sdk.outputs import TokenLogprob, Usage
 from headrace.worker.block_manager import BlockManager
 from headrace.worker.config import EngineConfig
 from headrace.worker.detokenizer import Detokenizer
-from headrace.worker.model_runner import ModelRunner, StepResult, kv_block_bytes
+from headrace.worker.executor import start_executor
+from headrace.worker.model_runner import StepResult
 from headrace.worker.model_store import resolve_model
-from headrace.worker.models.registry import load_model
+from headrace.worker.models.registry import model_factory, read_model_type
 from headrace.worker.sampler import Sampler, compute_prompt_logprobs
 from headrace.worker.scheduler import Scheduler, SchedulerOutput
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
@@ -121,28 +122,35 @@ class _Request:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoConfig
+
         self.config = config
         self.model_path: Path = resolve_model(config.model)
+        model_factory(read_model_type(self.model_path))  # before transformers reads the type
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.device = config.torch_device()
-        self.dtype = self._dtype_for(self.model_path)
-        self.kernels = select_kernels(config.attention_backend, self.device)
-        loaded = load_model(self.model_path, self.dtype, self.device, kernels=self.kernels)
-        self.model = loaded.model
-        self.hf_config = loaded.hf_config
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
-        self.vocab_size = self.model.vocab_size
+        self.dtype = self._checkpoint_dtype()
         self.max_model_len = self._max_model_len()
+        self.kernels = select_kernels(config.attention_backend, self.device)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_ids = self._eos_token_ids()
-        num_blocks = self._num_kv_blocks()
+        self.executor = start_executor(
+            config,
+            self.model_path,
+            self.dtype,
+            self.device,
+            self.kernels,
+            self.max_model_len,
+            self.hf_config,
+        )
+        self.runner = self.executor.runner
+        self.model = self.runner.model
+        self.vocab_size = self.model.vocab_size
+        num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(
-            self.model, self.device, self.dtype, config.block_size, num_blocks
-        )
-        if self.device.type == "cuda":
-            self.runner.warm_up(self.max_model_len)
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._requests: dict[str, _Request] = {}
@@ -151,23 +159,27 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d",
+            "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d "
+            "tp=%d pp=%d",
             self.model_path,
             self.dtype,
             self.device,
             self.kernels.NAME,
             num_blocks,
             config.block_size,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
         )
+
+    def close(self) -> None:
+        """Stop the worker's other ranks (if any). The engine cannot step afterwards."""
+        self.executor.close()
 
     # --- set-up -------------------------------------------------------------------------
 
-    def _dtype_for(self, model_path: Path) -> torch.dtype:
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(model_path)
-        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(
-            hf_config, "torch_dtype", None
+    def _checkpoint_dtype(self) -> torch.dtype:
+        checkpoint_dtype = getattr(self.hf_config, "dtype", None) or getattr(
+            self.hf_config, "torch_dtype", None
         )
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
@@ -199,19 +211,6 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        block_bytes = kv_block_bytes(self.model, self.config.block_size, self.dtype)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
-        else:
-            budget = int(self.config.cpu_kv_cache_gib * 2**30)
-        # More blocks than every running sequence at full length could use is wasted memory.
-        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
-        return max(1, min(budget // block_bytes, useful))
 
     # --- requests -----------------------------------------------------------------------
 
@@ -381,7 +380,7 @@ class Engine:
             return self._collect(outputs)
         self._mark_scheduled(step)
         try:
-            result = self.runner.execute(step)
+            result = self.executor.execute(step)
             sampled = (
                 self.sampler(result.sample_logits, [c.seq for c in result.sample_chunks])
                 if result.sample_logits is not None

@@ -27,6 +27,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._request_ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the model's other ranks (tensor/pipeline parallel); a no-op on one rank."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],

@@ -1,11 +1,14 @@
 """Load a Hugging Face safetensors checkpoint into headrace's (fused, sharded) parameters.
 
-Tensors are streamed one at a time with `safetensors.safe_open`, so peak host memory is one
-tensor, not the checkpoint. Each checkpoint name is mapped onto a parameter (renaming the
+Tensors are streamed one at a time with `safetensors.safe_open`, each as a `CheckpointTensor`
+that reads nothing until asked. Each checkpoint name is mapped onto a parameter (renaming the
 projections a model fuses, e.g. ``q_proj`` -> ``qkv_proj`` shard "q"), and that parameter's
-own ``weight_loader`` copies in this rank's slice and converts the dtype. A checkpoint that
-leaves a parameter (or one piece of a fused one) unfilled, or holds a tensor nothing takes,
-is refused with the names.
+own ``weight_loader`` narrows the tensor to this rank's slice, reads only that slice from
+disk and converts the dtype; a tensor nothing takes is never read. So a rank reads about
+1 / tensor_parallel_size of the sharded weights, and peak host memory is one slice.
+
+A checkpoint that leaves a parameter (or one piece of a fused one) unfilled, or holds a
+tensor nothing takes, is refused with the names.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import json
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
-import torch
 from headrace.sdk.errors import InvalidArgumentError
-from headrace.worker.layers.weights import ShardId, shard_ids_of, weight_loader_of
+from headrace.worker.layers.weights import (
+    CheckpointTensor,
+    LoadedTensor,
+    ShardId,
+    shard_ids_of,
+    weight_loader_of,
+)
 from safetensors import safe_open
 from torch import nn
 
@@ -45,17 +53,20 @@ def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {checkpoint_dir}")
 
 
-def iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, read lazily on the CPU."""
+def iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(name, unread tensor) for every tensor of the checkpoint.
+
+    Each file stays open only while its tensors are being yielded, so a tensor must be read
+    before the iterator moves on (as `load_weights` does)."""
     for path in checkpoint_files(checkpoint_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor.whole(name, f.get_slice(name))
 
 
 def load_weights(
     model: nn.Module,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, LoadedTensor]],
     packed_modules: Mapping[str, tuple[str, ShardId]],
     ignored: Collection[str] = (),
 ) -> None:
@@ -63,7 +74,8 @@ def load_weights(
 
     ``packed_modules`` maps a checkpoint module name (``q_proj``) to the fused module that
     holds it and its shard id (``("qkv_proj", "q")``); ``ignored`` names checkpoint tensors
-    to skip (e.g. ``lm_head.weight`` when the model ties it to the embedding).
+    to skip (e.g. ``lm_head.weight`` when the model ties it to the embedding). A skipped or
+    unexpected `CheckpointTensor` is never read.
     """
     params = dict(model.named_parameters())
     expected = {(name, shard) for name, param in params.items() for shard in shard_ids_of(param)}

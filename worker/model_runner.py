@@ -14,15 +14,19 @@ from typing import Protocol
 import numpy as np
 import torch
 from headrace.kernels import AttentionMetadata
+from headrace.worker.config import EngineConfig
+from headrace.worker.parallel import ParallelConfig
 from headrace.worker.scheduler import ScheduledChunk, SchedulerOutput
 from headrace.worker.sequence import Sequence
 
 
 class CausalLM(Protocol):
+    #: Layers, KV heads and hidden size held by this rank (its pipeline stage and TP shard).
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    hidden_size: int
 
     def __call__(
         self,
@@ -30,6 +34,7 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        carry: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -53,15 +58,78 @@ class StepResult:
     prompt_spans: list[PromptLogitsSpan] = field(default_factory=list)
 
 
+class SeqTokens(Protocol):
+    """What building a batch reads of a sequence: an engine `Sequence`, or a rank's mirror."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+#: One chunk as every rank sees it: (sequence, first new position, number of new tokens).
+ChunkInput = tuple[SeqTokens, int, int]
+
+
 @dataclass(slots=True)
-class _Batch:
+class ModelInputs:
+    """The flattened batch of one forward pass; identical on every rank of a step."""
+
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.metadata.slot_mapping)
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """ModelInputs plus the bookkeeping only the scheduling rank needs to read the logits."""
+
+    inputs: ModelInputs
     sample_rows: list[int]
     sample_chunks: list[ScheduledChunk]
     #: (chunk, first prompt position, first row, number of rows) for prompt logprobs.
     prompt_rows: list[tuple[ScheduledChunk, int, int, int]]
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """Rows that go through the LM head: sampling rows, then prompt-logprob rows."""
+        prompt = [r for _, _, first, count in self.prompt_rows for r in range(first, first + count)]
+        return self.sample_rows + prompt
+
+    def result(self, logits: torch.Tensor | None) -> StepResult:
+        """Split the logits of `logit_rows` into what the sampler and prompt logprobs read."""
+        if logits is None:
+            return StepResult(self.sample_chunks, None)
+        num_samples = len(self.sample_rows)
+        result = StepResult(self.sample_chunks, logits[:num_samples] if num_samples else None)
+        offset = num_samples
+        for chunk, first_position, _, count in self.prompt_rows:
+            seq = chunk.seq
+            targets = seq.token_ids[first_position + 1 : first_position + 1 + count]
+            result.prompt_spans.append(
+                PromptLogitsSpan(
+                    seq,
+                    first_position,
+                    logits[offset : offset + count],
+                    torch.tensor(targets, dtype=torch.long, device=logits.device),
+                )
+            )
+            offset += count
+        return result
+
+
+def merge_results(results: list[StepResult]) -> StepResult:
+    """One step's result from its micro-batches' results, in micro-batch order."""
+    if len(results) == 1:
+        return results[0]
+    sampled = [r.sample_logits for r in results if r.sample_logits is not None]
+    return StepResult(
+        [chunk for r in results for chunk in r.sample_chunks],
+        torch.cat(sampled) if sampled else None,
+        [span for r in results for span in r.prompt_spans],
+    )
 
 
 def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -69,6 +137,31 @@ def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     element_size = torch.tensor([], dtype=dtype).element_size()
     per_layer = 2 * block_size * model.num_kv_heads * model.head_dim * element_size
     return per_layer * model.num_layers
+
+
+def kv_cache_blocks(
+    config: EngineConfig,
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> int:
+    """KV blocks this rank can hold: the configured count, or what its memory budget fits.
+
+    A block costs what this rank stores of it (its layers, its KV heads), so with tensor or
+    pipeline parallelism the same budget holds proportionally more blocks.
+    """
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    block_bytes = kv_block_bytes(model, config.block_size, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_utilization)
+    else:
+        budget = int(config.cpu_kv_cache_gib * 2**30)
+    # More blocks than every running sequence at full length could use is wasted memory.
+    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    return max(1, min(budget // block_bytes, useful))
 
 
 class ModelRunner:
@@ -79,9 +172,12 @@ class ModelRunner:
         dtype: torch.dtype,
         block_size: int,
         num_blocks: int,
+        parallel: ParallelConfig | None = None,
     ) -> None:
         self.model = model
+        self.parallel = parallel or ParallelConfig()
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         # Per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim].
@@ -127,48 +223,63 @@ class ModelRunner:
             block_size=self.block_size,
         )
         input_ids = torch.zeros_like(positions)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        self.model.compute_logits(hidden[-1:])
+        carry = None
+        if not self.parallel.is_first_stage:  # stands in for the previous stage's output
+            shape = (2, len(positions), self.model.hidden_size)
+            carry = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata, carry)
+        if self.parallel.is_last_stage:
+            self.model.compute_logits(hidden[-1:])
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
-        batch = self._prepare(step)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
-        rows = batch.sample_rows + [
-            r for _, _, first, count in batch.prompt_rows for r in range(first, first + count)
-        ]
-        if not rows:
-            return StepResult(batch.sample_chunks, None)
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))  # [R, V]
-        num_samples = len(batch.sample_rows)
-        result = StepResult(batch.sample_chunks, logits[:num_samples] if num_samples else None)
-        offset = num_samples
-        for chunk, first_position, _, count in batch.prompt_rows:
-            seq = chunk.seq
-            targets = seq.token_ids[first_position + 1 : first_position + 1 + count]
-            result.prompt_spans.append(
-                PromptLogitsSpan(
-                    seq,
-                    first_position,
-                    logits[offset : offset + count],
-                    torch.tensor(targets, dtype=torch.long, device=self.device),
-                )
-            )
-            offset += count
-        return result
+        """Run a whole step on this (single) rank: forward, then logits of the needed rows."""
+        batch = self.prepare(step.chunks)
+        hidden = self.forward(batch.inputs)
+        return batch.result(self.compute_logits(hidden, batch.logit_rows))
 
-    def _prepare(self, step: SchedulerOutput) -> _Batch:
-        chunks = step.chunks
+    def forward(self, inputs: ModelInputs, carry: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the forward pass (its pipeline stage)."""
+        return self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, carry
+        )
+
+    def compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """[len(rows), V] float32 logits of the given rows of the last stage's output."""
+        if not rows:
+            return None
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> PreparedBatch:
+        """The batch of ``chunks`` (decodes first), with the rows whose logits are needed."""
+        sample_rows: list[int] = []
+        sample_chunks: list[ScheduledChunk] = []
+        prompt_rows: list[tuple[ScheduledChunk, int, int, int]] = []
+        first_row = 0
+        for chunk in chunks:
+            seq, start, num_new = chunk.seq, chunk.start, chunk.num_new_tokens
+            if chunk.samples:
+                sample_rows.append(first_row + num_new - 1)
+                sample_chunks.append(chunk)
+            if seq.wants_prompt_logprobs:
+                span = _prompt_logprob_span(seq, start, start + num_new)
+                if span is not None:
+                    first_position, count = span
+                    prompt_rows.append(
+                        (chunk, first_position, first_row + first_position - start, count)
+                    )
+            first_row += num_new
+        items: list[ChunkInput] = [(c.seq, c.start, c.num_new_tokens) for c in chunks]
+        return PreparedBatch(self.build_inputs(items), sample_rows, sample_chunks, prompt_rows)
+
+    def build_inputs(self, chunks: list[ChunkInput]) -> ModelInputs:
+        """The flattened varlen batch of ``chunks``, which must come decodes first."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[ScheduledChunk] = []
-        prompt_rows: list[tuple[ScheduledChunk, int, int, int]] = []
-        for chunk in chunks:
-            seq, start, num_new = chunk.seq, chunk.start, chunk.num_new_tokens
+        for seq, start, num_new in chunks:
             end = start + num_new
             if num_new == 1:
                 input_ids.append(seq.token_ids[start])
@@ -176,48 +287,40 @@ class ModelRunner:
             else:
                 input_ids.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
-            first_row = query_start_loc[-1]
-            query_start_loc.append(first_row + num_new)
+            query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)
-            if chunk.samples:
-                sample_rows.append(first_row + num_new - 1)
-                sample_chunks.append(chunk)
-            if seq.wants_prompt_logprobs:
-                span = _prompt_logprob_span(seq, start, end)
-                if span is not None:
-                    first_position, count = span
-                    prompt_rows.append(
-                        (chunk, first_position, first_row + first_position - start, count)
-                    )
+        # Single-token chunks lead the batch; attention treats them as decodes.
+        num_decode_seqs = next((i for i, c in enumerate(chunks) if c[2] != 1), len(chunks))
         metadata = self._metadata(
-            chunks, positions, query_start_loc, seq_lens, step.num_decode_seqs
+            [seq.block_ids for seq, _, _ in chunks],
+            positions,
+            query_start_loc,
+            seq_lens,
+            num_decode_seqs,
         )
-        return _Batch(
+        return ModelInputs(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             metadata,
-            sample_rows,
-            sample_chunks,
-            prompt_rows,
         )
 
     def _metadata(
         self,
-        chunks: list[ScheduledChunk],
+        block_ids_per_seq: list[list[int]],
         positions: list[int],
         query_start_loc: list[int],
         seq_lens: list[int],
         num_decode_seqs: int,
     ) -> AttentionMetadata:
-        max_blocks = max(len(chunk.seq.block_ids) for chunk in chunks)
-        table = np.zeros((len(chunks), max_blocks), dtype=np.int64)
-        for i, chunk in enumerate(chunks):
-            block_ids = chunk.seq.block_ids
+        num_seqs = len(block_ids_per_seq)
+        max_blocks = max(len(block_ids) for block_ids in block_ids_per_seq)
+        table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for i, block_ids in enumerate(block_ids_per_seq):
             table[i, : len(block_ids)] = block_ids
         block_tables = torch.from_numpy(table)
         # Slot of token t: its sequence's block for that position, then the offset inside it.
         counts = np.diff(query_start_loc)
-        seq_index = torch.from_numpy(np.repeat(np.arange(len(chunks)), counts))
+        seq_index = torch.from_numpy(np.repeat(np.arange(num_seqs), counts))
         pos = torch.tensor(positions, dtype=torch.long)
         slot_mapping = (
             block_tables[seq_index, pos // self.block_size] * self.block_size

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from headrace.kernels.precision import linear
-from headrace.worker.layers.weights import ShardId, new_parameter
+from headrace.worker.layers.weights import (
+    LoadedTensor,
+    ShardId,
+    check_shape,
+    load_into,
+    new_parameter,
+)
 from headrace.worker.parallel import ParallelConfig, all_gather, all_reduce
 from torch import nn
 
@@ -47,17 +53,13 @@ class VocabParallelEmbedding(nn.Module):
         embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
         return all_reduce(embeddings, self.parallel)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's vocab rows; padding rows past the true vocab stay zero."""
         assert shard_id is None, f"unexpected shard {shard_id!r}"
-        expected = (self.num_embeddings, self.embedding_dim)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(
-                f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}"
-            )
+        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         num_rows = self.vocab_end - self.vocab_start
         param.data.zero_()
-        param.data[:num_rows].copy_(loaded[self.vocab_start : self.vocab_end])
+        load_into(param.data[:num_rows], loaded.narrow(0, self.vocab_start, num_rows))
 
 
 class ParallelLMHead(VocabParallelEmbedding):

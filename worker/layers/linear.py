@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 import torch
 from headrace.kernels.precision import linear
-from headrace.worker.layers.weights import ShardId, check_shape, new_parameter, shard_rows
+from headrace.worker.layers.weights import (
+    LoadedTensor,
+    ShardId,
+    check_shape,
+    load_into,
+    new_parameter,
+    shard_rows,
+)
 from headrace.worker.parallel import ParallelConfig, all_reduce, divide
 from torch import nn
 
@@ -69,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)  # [T, output_size_per_rank]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's rows of a full checkpoint weight or bias into ``param``."""
         shard = self._row_shard(shard_id)
         if loaded.shape[0] != shard.full_rows:
@@ -77,9 +84,7 @@ class ColumnParallelLinear(nn.Module):
                 f"checkpoint tensor has {loaded.shape[0]} rows, expected {shard.full_rows}"
             )
         target = param.data.narrow(0, shard.offset, shard.num_rows)
-        source = shard_rows(loaded, shard.source_index, shard.num_rows)
-        check_shape(target, source)
-        target.copy_(source)
+        load_into(target, shard_rows(loaded, shard.source_index, shard.num_rows))
 
     def _row_shard(self, shard_id: ShardId) -> RowShard:
         assert shard_id is None, f"unexpected shard {shard_id!r}"
@@ -207,11 +212,12 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.parallel.tensor_parallel_rank == 0 else None
         return all_reduce(linear(x, self.weight, bias), self.parallel)  # [T, output_size]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's input columns of the checkpoint weight (the bias is whole)."""
         assert shard_id is None, f"unexpected shard {shard_id!r}"
-        if param.dim() == 2 and loaded.dim() == 2 and loaded.shape[1] == self.input_size:
+        if param.dim() == 2:
+            # The full width, so a checkpoint already cut to one rank's columns is refused.
+            check_shape(loaded, (param.shape[0], self.input_size))
             start = self.parallel.tensor_parallel_rank * self.input_size_per_rank
             loaded = loaded.narrow(1, start, self.input_size_per_rank)
-        check_shape(param.data, loaded)
-        param.data.copy_(loaded)
+        load_into(param.data, loaded)

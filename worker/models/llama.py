@@ -27,7 +27,7 @@ from headrace.worker.layers.linear import (
 )
 from headrace.worker.layers.norm import RMSNorm
 from headrace.worker.layers.rotary import RotaryEmbedding
-from headrace.worker.layers.weights import ShardId
+from headrace.worker.layers.weights import LoadedTensor, ShardId
 from headrace.worker.loader import load_weights
 from headrace.worker.models.config import ModelConfig
 from headrace.worker.parallel import ParallelConfig
@@ -139,6 +139,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack, or one pipeline stage of it.
+
+    A stage builds only its own layers; the others stay as empty placeholders so parameter
+    names keep the checkpoint's global layer numbers. The first stage embeds tokens; a later
+    stage starts from the (hidden, residual) pair the previous stage handed over; the last
+    stage applies the final norm.
+    """
+
     def __init__(
         self,
         config: ModelConfig,
@@ -147,13 +155,21 @@ class LlamaModel(nn.Module):
         kernels: KernelSet,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
-        )
+        self.layer_range = parallel.stage_layers(config.num_layers)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if parallel.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
+            )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, parallel, dtype, kernels) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, parallel, dtype, kernels)
+            if i in self.layer_range
+            else nn.Identity()
+            for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype)
+        self.norm: RMSNorm | None = None
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype)
         # One cos/sin table for all layers: it is [max_position, head_dim] per copy.
         self.rotary_emb = RotaryEmbedding(config.rope)
 
@@ -161,14 +177,23 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # one per layer
+        kv_caches: list[torch.Tensor],  # one per layer of this stage
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        hidden = self.embed_tokens(input_ids)
-        rotary = self.rotary_emb(positions, hidden.dtype)
+        carry: torch.Tensor | None = None,  # [2, T, hidden]: the previous stage's output
+    ) -> torch.Tensor:  # last stage: [T, hidden] normed; earlier: [2, T, hidden]
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if carry is None:
+            assert self.embed_tokens is not None, "a later stage needs the previous one's carry"
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden, residual = carry[0], carry[1]
+        rotary = self.rotary_emb(positions, hidden.dtype)
+        layers = self.layers[self.layer_range.start : self.layer_range.stop]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata)
+        assert residual is not None, "every stage runs at least one layer"
+        if self.norm is None:
+            return torch.stack((hidden, residual))
         normed, _ = self.norm(hidden, residual)
         return normed
 
@@ -192,14 +217,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
         self.model = LlamaModel(config, parallel, dtype, kernels)
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
-        )
-        if config.tie_word_embeddings:
+        self.lm_head: ParallelLMHead | None = None
+        if parallel.is_last_stage:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
+            )
+        if config.tie_word_embeddings and self.lm_head and self.model.embed_tokens:
             self.lm_head.tie_to(self.model.embed_tokens)
-        # The interface the model runner sizes the KV cache and the sampler by.
-        self.num_layers = config.num_layers
+        # The interface the model runner sizes the KV cache and the sampler by (per rank).
+        self.num_layers = len(self.model.layer_range)
         self.num_kv_heads = kv_heads_per_rank(config.num_kv_heads, parallel)
         self.head_dim = config.head_dim
         self.vocab_size = config.vocab_size
@@ -217,16 +245,42 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per layer of this stage [num_blocks, 2, block, Hkv, D]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], final norm applied
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        carry: torch.Tensor | None = None,  # [2, T, hidden] from the previous stage
+    ) -> torch.Tensor:  # last stage: [T, hidden], final norm applied; else [2, T, hidden]
+        return self.model(input_ids, positions, kv_caches, attn_metadata, carry)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        """float32 logits over the true vocabulary."""
+        """float32 logits over the true vocabulary (last stage only)."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
-        ignored = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
-        load_weights(self, tensors, self.packed_modules_mapping, ignored)
+    def load_weights(self, tensors: Iterable[tuple[str, LoadedTensor]]) -> None:
+        stage_tensors = (
+            (target, tensor)
+            for name, tensor in tensors
+            if (target := self._stage_name(name)) is not None
+        )
+        load_weights(self, stage_tensors, self.packed_modules_mapping)
+
+    def _stage_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills on this pipeline stage, or None.
+
+        Tensors of other stages' layers are skipped before they are read. A tied LM head on a
+        last stage without the embedding is filled from the embedding's tensor; a tied
+        checkpoint's own lm_head.weight (a copy of the embedding) is skipped.
+        """
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+            return name if int(parts[2]) in self.model.layer_range else None
+        if name.startswith("model.embed_tokens."):
+            if self.model.embed_tokens is not None:
+                return name
+            tied_head = self.config.tie_word_embeddings and self.lm_head is not None
+            return "lm_head." + name.removeprefix("model.embed_tokens.") if tied_head else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.lm_head is not None else None
+        return name

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.layers.weights import LoadedTensor
 from headrace.worker.loader import iter_checkpoint
 from headrace.worker.model_runner import CausalLM
 from headrace.worker.models.config import UnsupportedModelError
@@ -21,7 +22,7 @@ __all__ = ["MODEL_REGISTRY", "LoadedModel", "UnsupportedModelError", "load_model
 
 
 class LoadableModel(CausalLM, Protocol):
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, tensors: Iterable[tuple[str, LoadedTensor]]) -> None: ...
 
     def eval(self) -> Any: ...
 

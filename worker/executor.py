@@ -1,0 +1,147 @@
+"""Runs scheduled steps: on one process, or across a tensor/pipeline-parallel worker's ranks.
+
+`start_executor` is the one place the engine builds its model: with a single rank it loads the
+model here and the `ModelRunner` executes steps directly; with several it first checks that
+the model splits as asked (before any process starts, so a bad size is one clear error),
+then starts the other ranks and builds rank 0's own shard. `DistributedExecutor` then sends
+each step's plan to every rank and runs rank 0's part of the pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from headrace.kernels import KernelSet
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.config import EngineConfig
+from headrace.worker.model_runner import (
+    ModelRunner,
+    StepResult,
+    kv_cache_blocks,
+    merge_results,
+)
+from headrace.worker.models.config import ModelConfig
+from headrace.worker.models.registry import load_model
+from headrace.worker.parallel import ParallelConfig
+from headrace.worker.pipeline import DRIVER_RANK, StageRunner, split_micro_batches
+from headrace.worker.ranks import RankGroup, Shard, broadcast_plan, build_shard
+from headrace.worker.scheduler import SchedulerOutput
+from headrace.worker.step_plan import PlanEncoder
+
+
+@dataclass(slots=True)
+class Executor:
+    """What the engine drives: rank 0's model shard, and how to run a whole step."""
+
+    #: Rank 0's shard (the whole model with a single rank).
+    runner: ModelRunner
+    parallel: ParallelConfig
+    #: Set when the worker has other ranks.
+    distributed: DistributedExecutor | None = None
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        if self.distributed is not None:
+            return self.distributed.execute(step)
+        return self.runner.execute(step)
+
+    def close(self) -> None:
+        if self.distributed is not None:
+            self.distributed.close()
+            self.distributed = None
+
+
+def start_executor(
+    config: EngineConfig,
+    model_path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: KernelSet,
+    max_model_len: int,
+    hf_config: Any,
+) -> Executor:
+    if config.world_size == 1:
+        loaded = load_model(model_path, dtype, device, kernels=kernels)
+        num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
+        runner = ModelRunner(loaded.model, device, dtype, config.block_size, num_blocks)
+        if device.type == "cuda":
+            runner.warm_up(max_model_len)
+        return Executor(runner, ParallelConfig())
+    check_model_splits(config, model_path, hf_config, device)
+    ranks = RankGroup(config, model_path, dtype, max_model_len)
+    try:
+        shard = build_shard(ranks.setup, DRIVER_RANK, ranks.store)
+    except BaseException:
+        ranks.abort()
+        raise
+    distributed = DistributedExecutor(shard, ranks, config.num_micro_batches)
+    return Executor(shard.runner, shard.parallel, distributed)
+
+
+def check_model_splits(
+    config: EngineConfig, model_path: Path, hf_config: Any, device: torch.device
+) -> None:
+    """Refuse sizes the model cannot be split by, naming the flag and the model's numbers."""
+    model = ModelConfig.from_hf(hf_config)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    problems = []
+    if model.num_heads % tp:
+        problems.append(f"num_attention_heads ({model.num_heads}) is not divisible by it")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        problems.append(
+            f"num_key_value_heads ({model.num_kv_heads}) neither divides it nor is divisible by it"
+        )
+    if model.intermediate_size % tp:
+        problems.append(f"intermediate_size ({model.intermediate_size}) is not divisible by it")
+    if problems:
+        raise InvalidArgumentError("tensor_parallel_size", f"{tp}: " + "; ".join(problems))
+    if pp > model.num_layers:
+        raise InvalidArgumentError(
+            "pipeline_parallel_size",
+            f"{pp} exceeds the model's {model.num_layers} layers (each stage needs one)",
+        )
+    if device.type == "cuda":
+        first = device.index or 0
+        available = torch.cuda.device_count() - first
+        if config.world_size > available:
+            raise InvalidArgumentError(
+                "tensor_parallel_size",
+                f"{tp} x pipeline_parallel_size {pp} needs {config.world_size} GPUs from "
+                f"cuda:{first}; {available} are visible",
+            )
+
+
+class DistributedExecutor:
+    """Rank 0's side of a step: plan, broadcast, run stage 0, collect the logits."""
+
+    def __init__(self, shard: Shard, ranks: RankGroup, num_micro_batches: int) -> None:
+        self.shard = shard
+        self.ranks = ranks
+        self.num_micro_batches = num_micro_batches
+        self.encoder = PlanEncoder()
+        self.stage = StageRunner(shard.runner, shard.parallel)
+
+    def execute(self, step: SchedulerOutput) -> StepResult:
+        chunks = step.chunks
+        parts = split_micro_batches([c.num_new_tokens for c in chunks], self.num_micro_batches)
+        micro_batches = [chunks[part.start : part.stop] for part in parts]
+        batches = [self.shard.runner.prepare(mb) for mb in micro_batches]
+        rows = [batch.logit_rows for batch in batches]
+        plan = self.encoder.encode(micro_batches, rows)
+        try:
+            broadcast_plan(plan, self.shard.plan_group)
+            logits = self.stage.run([batch.inputs for batch in batches], rows)
+        except Exception as exc:  # the ranks are out of step now; nothing can be retried
+            self.ranks.fail(f"step failed on rank 0: {exc!r}")
+        return merge_results([b.result(lg) for b, lg in zip(batches, logits, strict=True)])
+
+    def close(self) -> None:
+        """Tell every rank to stop, wait for them, and leave the process group."""
+        try:
+            broadcast_plan(None, self.shard.plan_group)
+        finally:
+            self.ranks.close()
+            dist.destroy_process_group()

@@ -1,0 +1,106 @@
+"""One step's forward pass on one rank of a tensor/pipeline-parallel worker.
+
+Design note. A step is cut into micro-batches (by sequence, decodes first in each) that flow
+through the stages in order: stage s runs micro-batch m while stage s + 1 runs m - 1, so
+with M micro-batches and P stages each stage idles for P - 1 of M + P - 1 slots instead of
+P - 1 of P. Sends are non-blocking (a stage goes on to its next micro-batch at once);
+receives block. Every rank of a stage holds the whole (hidden, residual) pair after the
+row-parallel all-reduce, so rank r of stage s sends to rank r of stage s + 1 and no gather is
+needed. The last stage computes logits for the rows the plan names (the vocab-parallel head
+all-gathers them), and its tensor-parallel rank 0 sends them to rank 0, which samples: the
+sampler, its seeded generators and the stop checks stay in one place, exactly as at TP=1.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from headrace.worker.model_runner import ModelInputs, ModelRunner
+from headrace.worker.parallel import ParallelConfig
+
+#: Global rank of the process that schedules, samples and serves.
+DRIVER_RANK = 0
+
+
+def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[range]:
+    """Cut consecutive chunks into at most ``num_micro_batches`` runs of similar token counts.
+
+    Returns index ranges over the chunks. A chunk is never split, so there are fewer
+    micro-batches than asked when there are fewer chunks (or one chunk dominates).
+    """
+    total = sum(num_tokens)
+    bounds: list[int] = [0]
+    running = 0
+    for i, count in enumerate(num_tokens):
+        running += count
+        target = total * len(bounds) / num_micro_batches
+        if running >= target and len(bounds) < num_micro_batches and i + 1 < len(num_tokens):
+            bounds.append(i + 1)
+    bounds.append(len(num_tokens))
+    return [range(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+
+
+class StageRunner:
+    """Runs this rank's stage of each micro-batch and moves activations between stages."""
+
+    def __init__(self, runner: ModelRunner, parallel: ParallelConfig) -> None:
+        self.runner = runner
+        self.parallel = parallel
+
+    @torch.inference_mode()
+    def run(
+        self, micro_batches: list[ModelInputs], logit_rows: list[list[int]]
+    ) -> list[torch.Tensor | None]:
+        """Run every micro-batch through this stage; on rank 0, return each one's logits."""
+        parallel = self.parallel
+        # Sends in flight, with their tensors: a buffer must live until its send completes.
+        pending: list[tuple[dist.Work, torch.Tensor]] = []
+        logits: list[torch.Tensor | None] = []
+        for inputs, rows in zip(micro_batches, logit_rows, strict=True):
+            carry = None if parallel.is_first_stage else self._receive_carry(inputs)
+            hidden = self.runner.forward(inputs, carry)
+            if not parallel.is_last_stage:
+                pending.append(
+                    self._send(hidden, parallel.stage_rank(parallel.pipeline_parallel_rank + 1))
+                )
+                continue
+            step_logits = self.runner.compute_logits(hidden, rows)
+            if parallel.rank == DRIVER_RANK:
+                logits.append(step_logits)
+            elif parallel.tensor_parallel_rank == 0 and step_logits is not None:
+                pending.append(self._send(step_logits, DRIVER_RANK))
+        if parallel.rank == DRIVER_RANK and not parallel.is_last_stage:
+            logits = [self._receive_logits(len(rows)) for rows in logit_rows]
+        with parallel.comm_timer:
+            for work, _ in pending:
+                work.wait()
+        return logits
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> tuple[dist.Work, torch.Tensor]:
+        buffer = tensor.contiguous()
+        with self.parallel.comm_timer:
+            work = dist.isend(buffer, dst)
+        assert work is not None
+        return work, buffer
+
+    def _receive_carry(self, inputs: ModelInputs) -> torch.Tensor:
+        hidden_size = self.runner.model.hidden_size
+        carry = torch.empty(
+            (2, inputs.num_tokens, hidden_size), dtype=self.runner.dtype, device=self.runner.device
+        )
+        src = self.parallel.stage_rank(self.parallel.pipeline_parallel_rank - 1)
+        with self.parallel.comm_timer:
+            dist.recv(carry, src)
+        return carry
+
+    def _receive_logits(self, num_rows: int) -> torch.Tensor | None:
+        if num_rows == 0:
+            return None
+        shape = (num_rows, self.runner.model.vocab_size)
+        logits = torch.empty(shape, dtype=torch.float32, device=self.runner.device)
+        last_stage = self.parallel.pipeline_parallel_size - 1
+        with self.parallel.comm_timer:
+            dist.recv(logits, last_stage * self.parallel.tensor_parallel_size)
+        return logits

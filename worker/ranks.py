@@ -1,0 +1,295 @@
+"""The ranks of a tensor/pipeline-parallel worker: start, set up, supervise, stop.
+
+Rank 0 is the worker process itself (it serves gRPC, schedules and samples, and runs its
+own shard of stage 0). `RankGroup` spawns ranks 1..world-1 as child processes, meets them
+at a `TCPStore` that rank 0 hosts on a free loopback port, and watches them: a rank that
+dies, or a step that fails on rank 0, ends the whole worker at once (exit code 1, children
+killed), because the surviving ranks cannot go on with a shard missing. Each child in turn
+exits as soon as rank 0 is gone, so no process outlives the worker.
+
+Every rank builds its shard with the same `build_shard`: process groups, the model with
+only its layers and heads (reading only its slice of each checkpoint tensor), and a KV cache
+sized so that every rank fits the same number of blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from headrace.kernels import select_kernels
+from headrace.worker.config import EngineConfig
+from headrace.worker.model_runner import ModelRunner, kv_cache_blocks
+from headrace.worker.models.registry import load_model
+from headrace.worker.parallel import ParallelConfig
+from headrace.worker.pipeline import DRIVER_RANK, StageRunner
+from headrace.worker.step_plan import MirrorTable, StepPlan
+
+logger = logging.getLogger(__name__)
+
+#: How long ranks wait for each other at start-up and inside one collective.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+#: How often a child checks that rank 0 is still alive.
+PARENT_POLL_S = 0.2
+#: How long `close` waits for children to leave on their own before killing them.
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RankSetup:
+    """Everything a rank needs to build its shard; pickled to each child at spawn."""
+
+    config: EngineConfig
+    model_path: Path
+    dtype: torch.dtype
+    max_model_len: int
+    #: The TCPStore rank 0 hosts for the rendezvous.
+    store_port: int
+    #: Intra-op threads per rank on CPU (the host's cores shared among the ranks).
+    num_threads: int
+    log_level: int
+
+    @property
+    def world_size(self) -> int:
+        return self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+
+    def device(self, rank: int) -> torch.device:
+        base = self.config.torch_device()
+        if base.type != "cuda":
+            return base
+        return torch.device("cuda", (base.index or 0) + rank)
+
+
+@dataclass(slots=True)
+class Shard:
+    """One rank's part of the model, ready to run steps."""
+
+    parallel: ParallelConfig
+    runner: ModelRunner
+    #: A gloo group over all ranks for host-side messages (step plans), also under NCCL.
+    plan_group: Any
+    hf_config: Any
+
+
+def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
+    """Join the process group and build this rank's model shard and KV cache."""
+    config = setup.config
+    device = setup.device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(setup.num_threads)
+    parallel, plan_group = _init_process_groups(setup, rank, store, device)
+    kernels = select_kernels(config.attention_backend, device)
+    loaded = load_model(setup.model_path, setup.dtype, device, parallel, kernels)
+    local_blocks = kv_cache_blocks(config, loaded.model, device, setup.dtype, setup.max_model_len)
+    # Every rank holds the same block ids, so the pool is what the tightest rank fits.
+    agreed = torch.tensor([local_blocks])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=plan_group)
+    num_blocks = int(agreed.item())
+    runner = ModelRunner(loaded.model, device, setup.dtype, config.block_size, num_blocks, parallel)
+    if device.type == "cuda":
+        runner.warm_up(setup.max_model_len)
+    logger.info(
+        "rank %d ready: stage %d layers %s, tp rank %d, kv heads %d, %d KV blocks (this rank %d)",
+        rank,
+        parallel.pipeline_parallel_rank,
+        parallel.stage_layers(int(loaded.hf_config.num_hidden_layers)),
+        parallel.tensor_parallel_rank,
+        loaded.model.num_kv_heads,
+        num_blocks,
+        local_blocks,
+    )
+    return Shard(parallel, runner, plan_group, loaded.hf_config)
+
+
+def _init_process_groups(
+    setup: RankSetup, rank: int, store: dist.Store, device: torch.device
+) -> tuple[ParallelConfig, Any]:
+    config = setup.config
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=setup.world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    # Every rank creates every group, in the same order (torch.distributed requires it).
+    stage_groups = [
+        dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)))
+        for stage in range(pp_size)
+    ]
+    plan_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    group = stage_groups[rank // tp_size] if pp_size > 1 else None
+    return ParallelConfig.for_rank(rank, tp_size, pp_size, group), plan_group
+
+
+def broadcast_plan(plan: StepPlan | None, plan_group: Any) -> StepPlan | None:
+    """Rank 0 sends the step's plan (None: stop); every other rank receives it."""
+    message: list[StepPlan | None] = [plan]
+    dist.broadcast_object_list(message, src=DRIVER_RANK, group=plan_group)
+    return message[0]
+
+
+class RankGroup:
+    """Ranks 1..world-1 of this worker, as supervised child processes."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            timeout=COLLECTIVE_TIMEOUT,
+            wait_for_workers=False,  # the children connect after they are started, below
+        )
+        self.setup = RankSetup(
+            config=config,
+            model_path=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            store_port=self.store.port,
+            num_threads=max(1, torch.get_num_threads() // world_size),
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+        #: Called (from a supervisor thread) before a failing worker exits, e.g. to mark
+        #: health NOT_SERVING.
+        self.on_failure: list[Callable[[str], None]] = []
+        self._closing = False
+        # `python -m`, not multiprocessing's spawn: a child must not re-run the caller's
+        # __main__ (a user's script without a main guard would start ranks recursively).
+        self.processes = [self._spawn(rank) for rank in range(1, world_size)]
+        for rank, process in enumerate(self.processes, start=1):
+            threading.Thread(
+                target=self._supervise,
+                args=(rank, process),
+                name=f"headrace-rank-{rank}-supervisor",
+                daemon=True,
+            ).start()
+
+    def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "headrace.worker.ranks", str(rank)]
+        process = subprocess.Popen(command, stdin=subprocess.PIPE)
+        assert process.stdin is not None
+        process.stdin.write(pickle.dumps(self.setup))
+        process.stdin.close()
+        return process
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def _supervise(self, rank: int, process: subprocess.Popen[bytes]) -> None:
+        code = process.wait()
+        if not self._closing:
+            self.fail(f"rank {rank} exited unexpectedly (exit code {code})")
+
+    def fail(self, reason: str) -> NoReturn:
+        """End the worker: the ranks cannot continue with one missing or out of step."""
+        logger.critical("worker failed: %s; stopping every rank", reason)
+        for callback in self.on_failure:
+            try:
+                callback(reason)
+            except Exception:
+                logger.exception("failure callback raised")
+        self._kill_children()
+        logging.shutdown()
+        os._exit(1)
+
+    def close(self) -> None:
+        """After rank 0 has broadcast the stop plan: wait for the children, then reap them."""
+        self._closing = True
+        deadline = time.monotonic() + STOP_GRACE_S
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, deadline - time.monotonic()))
+        self._kill_children()
+
+    def abort(self) -> None:
+        """Rank 0 failed to start: kill the children and leave the process group, if joined."""
+        self._closing = True
+        self._kill_children()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill_children(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(1.0)
+
+
+def rank_main(setup: RankSetup, rank: int) -> None:
+    """A child rank: build the shard, then run every step rank 0 broadcasts until stopped."""
+    logging.basicConfig(
+        level=setup.log_level,
+        format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s",
+    )
+    _exit_with_parent()
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            setup.store_port,
+            setup.world_size,
+            is_master=False,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        shard = build_shard(setup, rank, store)
+        _serve_steps(shard)
+        dist.destroy_process_group()
+    except BaseException:
+        logger.exception("rank %d failed", rank)
+        logging.shutdown()
+        os._exit(1)
+
+
+def _serve_steps(shard: Shard) -> None:
+    mirrors = MirrorTable()
+    stage = StageRunner(shard.runner, shard.parallel)
+    while (plan := broadcast_plan(None, shard.plan_group)) is not None:
+        mirrors.apply(plan)
+        inputs = [shard.runner.build_inputs(mirrors.chunks(mb)) for mb in plan.micro_batches]
+        stage.run(inputs, [mb.logit_rows for mb in plan.micro_batches])
+
+
+def _exit_with_parent() -> None:
+    """Leave at once when rank 0's process is gone (killed, crashed), whatever we are doing."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="headrace-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":  # a child rank, started by RankGroup._spawn
+    # Run the importable module's copy, so its classes are the ones the pickle names.
+    from headrace.worker import ranks
+
+    ranks.rank_main(pickle.load(sys.stdin.buffer), int(sys.argv[1]))
