@@ -112,6 +112,9 @@ def _worker(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_micro_batches=args.pipeline_micro_batches,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -149,6 +152,25 @@ def _add_worker(subparsers: SubParsers) -> None:
         default="auto",
         choices=["auto", "triton", "reference"],
         help="kernels (attention, KV write, RMSNorm, rotary): auto = Triton on CUDA, else torch",
+    )
+    add(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="ranks splitting every layer's heads and MLP (one process each)",
+    )
+    add(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="stages splitting the layers (tensor-parallel-size ranks each)",
+    )
+    add(
+        "--pipeline-micro-batches",
+        type=int,
+        help="micro-batches per step so pipeline stages overlap (default: one per stage)",
     )
     add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
     worker.set_defaults(handler=_worker)

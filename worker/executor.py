@@ -9,6 +9,7 @@ each step's plan to every rank and runs rank 0's part of the pipeline.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,11 @@ class Executor:
         if self.distributed is not None:
             self.distributed.close()
             self.distributed = None
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` just before a rank failure ends the process."""
+        if self.distributed is not None:
+            self.distributed.ranks.on_failure.append(callback)
 
 
 def start_executor(

@@ -31,13 +31,14 @@ def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[r
     micro-batches than asked when there are fewer chunks (or one chunk dominates).
     """
     total = sum(num_tokens)
-    bounds: list[int] = [0]
-    running = 0
+    bounds = [0]
+    running = 0  # tokens before chunk i
     for i, count in enumerate(num_tokens):
+        target = total * len(bounds) / num_micro_batches  # where the next cut belongs
+        overshoot, shortfall = running + count - target, target - running
+        if len(bounds) < num_micro_batches and i > bounds[-1] and 0 < overshoot >= shortfall:
+            bounds.append(i)  # cutting before chunk i lands nearer the target than after it
         running += count
-        target = total * len(bounds) / num_micro_batches
-        if running >= target and len(bounds) < num_micro_batches and i + 1 < len(num_tokens):
-            bounds.append(i + 1)
     bounds.append(len(num_tokens))
     return [range(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 

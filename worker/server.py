@@ -9,9 +9,11 @@ ones finish within the grace period → `server.stop` (cancels what is left) →
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -29,6 +31,8 @@ from headrace.worker.service import (
 
 logger = logging.getLogger(__name__)
 
+#: After a rank failure: how long the worker stays up to deliver NOT_SERVING to watchers.
+FAILURE_FLUSH_S = 0.25
 CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name
 
 
@@ -63,7 +67,19 @@ class WorkerServer:
             )
         self.port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(True)
+        self.engine.engine.executor.on_failure(self._rank_failed(asyncio.get_running_loop()))
         return self.port
+
+    def _rank_failed(self, loop: asyncio.AbstractEventLoop) -> Callable[[str], None]:
+        """A callback for the rank supervisor: health NOT_SERVING before the process exits."""
+
+        def mark_not_serving(reason: str) -> None:
+            future = asyncio.run_coroutine_threadsafe(self.grpc.set_serving(False), loop)
+            with contextlib.suppress(Exception):
+                future.result(timeout=1.0)
+                time.sleep(FAILURE_FLUSH_S)  # let health watchers receive it before exit
+
+        return mark_not_serving
 
     async def drain(self, grace_s: float) -> bool:
         """Refuse new work and wait for in-flight requests; True if they all finished."""

@@ -1,0 +1,78 @@
+"""Step plans carry only what changed, and a rank's mirror rebuilds the scheduler's view."""
+
+from __future__ import annotations
+
+from headrace.worker.scheduler import ScheduledChunk
+from headrace.worker.sequence import SequenceStatus
+from headrace.worker.step_plan import MirrorTable, PlanEncoder
+
+from tests.worker.seqs import make_seq
+
+
+def chunk(seq, num_new: int) -> ScheduledChunk:  # type: ignore[no-untyped-def]
+    start = seq.num_computed_tokens
+    return ScheduledChunk(seq, start, num_new, start + num_new == seq.num_tokens)
+
+
+def step(encoder: PlanEncoder, mirrors: MirrorTable, *chunks: ScheduledChunk):  # type: ignore[no-untyped-def]
+    plan = encoder.encode([list(chunks)], [[]])
+    mirrors.apply(plan)
+    for c in chunks:
+        c.seq.num_computed_tokens += c.num_new_tokens
+    return plan
+
+
+def test_first_step_sends_everything_later_steps_only_the_new_tokens_and_blocks():
+    encoder, mirrors = PlanEncoder(), MirrorTable()
+    seq = make_seq(10)
+    seq.block_ids = [3, 4, 5]
+    plan = step(encoder, mirrors, chunk(seq, 10))
+    assert plan.updates[0].reset
+    assert plan.updates[0].new_token_ids == seq.token_ids
+    seq.token_ids.append(99)  # sampled
+    plan = step(encoder, mirrors, chunk(seq, 1))
+    assert (plan.updates[0].new_token_ids, plan.updates[0].new_block_ids) == ([99], [])
+    assert not plan.updates[0].reset
+    seq.token_ids.append(98)
+    seq.block_ids.append(8)  # the step crosses into a new block
+    plan = step(encoder, mirrors, chunk(seq, 1))
+    assert (plan.updates[0].new_token_ids, plan.updates[0].new_block_ids) == ([98], [8])
+    mirror = mirrors.seqs[seq.seq_id]
+    assert (mirror.token_ids, mirror.block_ids) == (seq.token_ids, seq.block_ids)
+
+
+def test_a_preempted_sequence_is_sent_whole_again():
+    encoder, mirrors = PlanEncoder(), MirrorTable()
+    seq = make_seq(6)
+    seq.block_ids = [1, 2]
+    step(encoder, mirrors, chunk(seq, 6))
+    seq.token_ids.append(7)
+    seq.block_ids, seq.num_computed_tokens, seq.num_preemptions = [9, 10], 0, 1
+    plan = step(encoder, mirrors, chunk(seq, 7))
+    assert plan.updates[0].reset and plan.updates[0].new_block_ids == [9, 10]
+    assert mirrors.seqs[seq.seq_id].block_ids == [9, 10]
+    assert mirrors.seqs[seq.seq_id].token_ids == seq.token_ids
+
+
+def test_finished_sequences_are_forgotten_on_every_rank():
+    encoder, mirrors = PlanEncoder(), MirrorTable()
+    done, running = make_seq(4), make_seq(4)
+    done.block_ids, running.block_ids = [1], [2]
+    step(encoder, mirrors, chunk(done, 4), chunk(running, 4))
+    done.status = SequenceStatus.FINISHED
+    running.token_ids.append(5)
+    plan = step(encoder, mirrors, chunk(running, 1))
+    assert plan.finished_seq_ids == [done.seq_id]
+    assert set(mirrors.seqs) == {running.seq_id}
+
+
+def test_micro_batches_name_their_chunks_and_rows():
+    encoder, mirrors = PlanEncoder(), MirrorTable()
+    a, b = make_seq(3), make_seq(5)
+    a.block_ids, b.block_ids = [1], [2]
+    plan = encoder.encode([[chunk(a, 3)], [chunk(b, 2)]], [[2], []])
+    mirrors.apply(plan)
+    assert [mb.chunks for mb in plan.micro_batches] == [[(a.seq_id, 0, 3)], [(b.seq_id, 0, 2)]]
+    assert [mb.logit_rows for mb in plan.micro_batches] == [[2], []]
+    ((seq_b, start, num_new),) = mirrors.chunks(plan.micro_batches[1])
+    assert (seq_b.token_ids, start, num_new) == (b.token_ids, 0, 2)

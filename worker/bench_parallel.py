@@ -1,0 +1,318 @@
+"""Decode-step time of tensor- and pipeline-parallel workers, every config in one run.
+
+    python -m headrace.worker.bench_parallel                                 # TP=1 vs TP=2
+    python -m headrace.worker.bench_parallel --configs 1x1,2x1,1x2:1,1x2:2   # plus PP=2, M=1/2
+    python -m headrace.worker.bench_parallel --tiny                          # overhead only
+
+A config is TPxPP, optionally :M pipeline micro-batches (default one per stage). Each config
+builds its own engine, prefills the same batch of prompts, runs a few warm-up decode steps,
+then times pure decode steps (every sequence decodes one token). The first config is the
+baseline: the others report their step time relative to it, and their greedy tokens must
+equal its tokens, or the comparison is between different computations.
+
+Communication share: rank 0's time inside collectives and stage-to-stage transfers over the
+step's wall time. It includes waiting for a slower peer; with PP, rank 0 (stage 0) waits for
+the last stage's logits, so there it is mostly pipeline idle time, not wire time. Numbers are
+this machine's and this run's: read the ratios, not the absolute values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import HeadraceError, InvalidArgumentError
+from headrace.worker.bench import build_tiny_checkpoint, make_workload
+from headrace.worker.config import EngineConfig
+from headrace.worker.engine import Engine, RequestOutput
+from headrace.worker.executor import check_model_splits
+from headrace.worker.model_store import DEFAULT_MODEL, resolve_model
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelShape:
+    """One config to measure: how the worker splits the model."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    #: Pipeline micro-batches; None lets the engine pick (one per stage).
+    micro_batches: int | None = None
+
+    @property
+    def label(self) -> str:
+        label = f"{self.tensor_parallel_size}x{self.pipeline_parallel_size}"
+        return label if self.micro_batches is None else f"{label}:{self.micro_batches}"
+
+
+def parse_shape(text: str) -> ParallelShape:
+    """``"2x1"`` or ``"1x2:2"`` (TPxPP[:M]) as a `ParallelShape`."""
+    sizes, _, micro = text.strip().partition(":")
+    tp, _, pp = sizes.partition("x")
+    try:
+        return ParallelShape(int(tp), int(pp), int(micro) if micro else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"config {text!r} is not TPxPP or TPxPP:M, e.g. 2x1 or 1x2:2"
+        ) from None
+
+
+def parse_shapes(text: str) -> list[ParallelShape]:
+    return [parse_shape(part) for part in text.split(",") if part.strip()]
+
+
+@dataclass(slots=True)
+class ConfigResult:
+    shape: ParallelShape
+    batch_size: int
+    #: Wall time of each timed decode step, seconds.
+    step_s: list[float] = field(default_factory=list)
+    #: Rank 0's communication time within each timed step, seconds.
+    comm_s: list[float] = field(default_factory=list)
+    #: Every request's greedy tokens up to the end of the timed steps, in request order.
+    token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def step_p50_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch_size / statistics.mean(self.step_s)
+
+    @property
+    def comm_share_p50(self) -> float:
+        return statistics.median(c / s for c, s in zip(self.comm_s, self.step_s, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What every config shares: the model, the batch, and how many steps to time."""
+
+    model_path: Path
+    dtype: str
+    prompts: list[list[int]]
+    num_warmup_steps: int
+    num_decode_steps: int
+    max_num_batched_tokens: int
+    #: Torch intra-op threads the process starts each config with (see `run_config`).
+    num_threads: int
+
+
+# --- one config -----------------------------------------------------------------------------
+
+
+def engine_config(shape: ParallelShape, settings: RunSettings) -> EngineConfig:
+    return EngineConfig(
+        model=str(settings.model_path),
+        dtype=settings.dtype,
+        max_num_seqs=max(256, len(settings.prompts)),
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        tensor_parallel_size=shape.tensor_parallel_size,
+        pipeline_parallel_size=shape.pipeline_parallel_size,
+        pipeline_micro_batches=shape.micro_batches,
+    )
+
+
+def check_configs(shapes: list[ParallelShape], settings: RunSettings, hf_config: Any) -> None:
+    """Refuse, before any config runs, a split the model cannot take (the engine's message)."""
+    for shape in shapes:
+        config = engine_config(shape, settings)
+        try:
+            check_model_splits(config, settings.model_path, hf_config, config.torch_device())
+        except HeadraceError as exc:
+            raise InvalidArgumentError("configs", f"{shape.label}: {exc}") from None
+
+
+def run_config(shape: ParallelShape, settings: RunSettings) -> ConfigResult:
+    # Building a multi-rank worker sets this process's threads to its share of the cores;
+    # restore them so each config starts from the same machine, whatever ran before it.
+    torch.set_num_threads(settings.num_threads)
+    engine = Engine(engine_config(shape, settings))
+    try:
+        return _measure(engine, shape, settings)
+    finally:
+        engine.close()
+        torch.set_num_threads(settings.num_threads)
+
+
+def _measure(engine: Engine, shape: ParallelShape, settings: RunSettings) -> ConfigResult:
+    # Room for the decode steps plus the tokens a sequence samples while others still
+    # prefill (one per step; each step's budget is shared with the decodes). Too little shows
+    # as a timed step with fewer sequences, which `_check_pure_decode` refuses. The engine is
+    # closed after timing, so unfinished requests cost nothing.
+    batch_size = len(settings.prompts)
+    num_prompt_tokens = sum(map(len, settings.prompts))
+    budget = max(1, settings.max_num_batched_tokens - batch_size)
+    num_prefill_steps = -(-num_prompt_tokens // budget) + 1
+    max_tokens = settings.num_warmup_steps + settings.num_decode_steps + num_prefill_steps
+    config = GenerationConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request_ids = [f"bench-{i}" for i in range(batch_size)]
+    for request_id, prompt in zip(request_ids, settings.prompts, strict=True):
+        engine.add_request(request_id, prompt, config)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    while not all(tokens.values()):  # a request's first token ends its prefill
+        _record(engine.step(), tokens)
+    for _ in range(settings.num_warmup_steps):
+        _record(engine.step(), tokens)
+    result = ConfigResult(shape, batch_size)
+    comm_timer = engine.executor.parallel.comm_timer
+    for _ in range(settings.num_decode_steps):
+        comm_start, step_start = comm_timer.seconds, time.perf_counter()
+        outputs = engine.step()
+        result.step_s.append(time.perf_counter() - step_start)
+        result.comm_s.append(comm_timer.seconds - comm_start)
+        _check_pure_decode(engine, batch_size)
+        _record(outputs, tokens)
+    result.token_ids = [tokens[request_id] for request_id in request_ids]
+    return result
+
+
+def _record(outputs: list[RequestOutput], tokens: dict[str, list[int]]) -> None:
+    for output in outputs:
+        if output.error is not None:
+            raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+        for sample in output.samples:
+            tokens[output.request_id].extend(sample.token_ids)
+
+
+def _check_pure_decode(engine: Engine, batch_size: int) -> None:
+    step = engine.last_step
+    assert step is not None
+    if step.num_decode_seqs != len(step.chunks) or len(step.chunks) != batch_size:
+        raise RuntimeError(
+            f"a timed step was not a pure decode of all {batch_size} sequences "
+            f"({step.num_decode_seqs} decodes of {len(step.chunks)} chunks, "
+            f"{len(step.preempted)} preempted): the KV pool may be too small"
+        )
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def format_table(results: list[ConfigResult]) -> str:
+    baseline = results[0]
+    header = (
+        f"{'config':<8} {'TP':>2} {'PP':>2} {'M':>2}  {'p50 ms':>8} {'mean ms':>8} "
+        f"{'tok/s':>8} {'comm p50':>8} {'vs ' + baseline.shape.label:>8}  tokens"
+    )
+    return "\n".join([header, "-" * len(header)] + [_row(r, baseline) for r in results])
+
+
+def _row(result: ConfigResult, baseline: ConfigResult) -> str:
+    shape = result.shape
+    pp = shape.pipeline_parallel_size
+    micro = "-" if pp == 1 else str(shape.micro_batches or pp)
+    mean_ms = statistics.mean(result.step_s) * 1e3
+    return (
+        f"{shape.label:<8} {shape.tensor_parallel_size:>2} {pp:>2} {micro:>2}  "
+        f"{result.step_p50_s * 1e3:8.1f} {mean_ms:8.1f} {result.tokens_per_s:8.1f} "
+        f"{result.comm_share_p50:8.1%} {result.step_p50_s / baseline.step_p50_s:7.2f}x  "
+        f"{_compare_tokens(result, baseline)}"
+    )
+
+
+def _compare_tokens(result: ConfigResult, baseline: ConfigResult) -> str:
+    """Whether every request's greedy tokens equal the baseline's; where they first differ."""
+    if result is baseline:
+        return "baseline"
+    pairs = list(zip(result.token_ids, baseline.token_ids, strict=True))
+    differ = [i for i, (ours, theirs) in enumerate(pairs) if ours != theirs]
+    if not differ:
+        return "equal"
+    ours, theirs = pairs[differ[0]]
+    position = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
+        min(len(ours), len(theirs)),
+    )
+    return (
+        f"DIFFER in {len(differ)}/{len(pairs)} requests "
+        f"(first: request {differ[0]} at token {position})"
+    )
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m headrace.worker.bench_parallel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-size", type=int, default=16, help="concurrent decoding seqs")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--warmup-steps", type=int, default=3, help="decode steps not timed")
+    parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument(
+        "--configs", type=parse_shapes, default="1x1,2x1", help="TPxPP[:M],...; first: baseline"
+    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model: overhead")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "prompt_len", "decode_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.configs:
+        parser.error("--configs names no config")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            _run(args, Path(tmp))
+        except HeadraceError as exc:
+            sys.exit(f"bench_parallel: {exc}")
+
+
+def _run(args: argparse.Namespace, tmp: Path) -> None:
+    from transformers import AutoConfig
+
+    if args.tiny:
+        model_path = build_tiny_checkpoint(tmp, resolve_model(DEFAULT_MODEL))
+    else:
+        model_path = resolve_model(args.model)
+    hf_config = AutoConfig.from_pretrained(model_path)
+    prompts = make_workload(
+        int(hf_config.vocab_size), args.batch_size, args.prompt_len, args.prompt_len, 0, args.seed
+    ).prompts
+    settings = RunSettings(
+        model_path=model_path,
+        dtype=args.dtype,
+        prompts=prompts,
+        num_warmup_steps=args.warmup_steps,
+        num_decode_steps=args.decode_steps,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=torch.get_num_threads(),
+    )
+    check_configs(args.configs, settings, hf_config)
+    model_name = "tiny" if args.tiny else model_path.name
+    print(
+        f"model {model_name}, dtype {args.dtype}, batch {args.batch_size} x prompt "
+        f"{args.prompt_len} tokens, {args.warmup_steps} warm-up + {args.decode_steps} timed "
+        f"decode steps; cores {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}), "
+        f"torch threads {settings.num_threads} (each of W ranks gets threads // W)"
+    )
+    results = []
+    for shape in args.configs:
+        start = time.perf_counter()
+        results.append(run_config(shape, settings))
+        print(f"  {shape.label}: done in {time.perf_counter() - start:.1f} s", flush=True)
+    print(format_table(results))
+
+
+if __name__ == "__main__":
+    main()
