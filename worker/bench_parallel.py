@@ -2,13 +2,16 @@
 
     python -m headrace.worker.bench_parallel                                 # TP=1 vs TP=2
     python -m headrace.worker.bench_parallel --configs 1x1,2x1,1x2:1,1x2:2   # plus PP=2, M=1/2
+    python -m headrace.worker.bench_parallel --configs 1x1,1x2/1,1x2/2       # PP steps in flight
     python -m headrace.worker.bench_parallel --tiny                          # overhead only
 
-A config is TPxPP, optionally :M pipeline micro-batches (default one per stage). Each config
-builds its own engine, prefills the same batch of prompts, runs a few warm-up decode steps,
-then times pure decode steps (every sequence decodes one token). The first config is the
-baseline: the others report their step time relative to it, and their greedy tokens must
-equal its tokens, or the comparison is between different computations.
+A config is TPxPP, optionally :M pipeline micro-batches and /S steps in flight (both default
+to one per stage). Each config builds its own engine, prefills the same batch of prompts, runs
+a few warm-up decode steps, then times pure decode steps (every scheduled sequence decodes one
+token). With S steps in flight each step holds about batch/S sequences, so compare tok/s
+across such configs, not step time. The first config is the baseline: the others report their
+step time and tok/s relative to it, and their greedy tokens must equal its tokens (on the
+tokens both produced), or the comparison is between different computations.
 
 Communication share: rank 0's time inside collectives and stage-to-stage transfers over the
 step's wall time. It includes waiting for a slower peer; with PP, rank 0 (stage 0) waits for
@@ -46,22 +49,28 @@ class ParallelShape:
     pipeline_parallel_size: int
     #: Pipeline micro-batches; None lets the engine pick (one per stage).
     micro_batches: int | None = None
+    #: Pipeline steps in flight; None lets the engine pick (one per stage).
+    steps_in_flight: int | None = None
 
     @property
     def label(self) -> str:
         label = f"{self.tensor_parallel_size}x{self.pipeline_parallel_size}"
-        return label if self.micro_batches is None else f"{label}:{self.micro_batches}"
+        label += "" if self.micro_batches is None else f":{self.micro_batches}"
+        return label + ("" if self.steps_in_flight is None else f"/{self.steps_in_flight}")
 
 
 def parse_shape(text: str) -> ParallelShape:
-    """``"2x1"`` or ``"1x2:2"`` (TPxPP[:M]) as a `ParallelShape`."""
-    sizes, _, micro = text.strip().partition(":")
+    """``"2x1"``, ``"1x2:2"``, ``"1x2/1"`` or ``"1x2:2/1"`` (TPxPP[:M][/S]) as a shape."""
+    rest, _, in_flight = text.strip().partition("/")
+    sizes, _, micro = rest.partition(":")
     tp, _, pp = sizes.partition("x")
     try:
-        return ParallelShape(int(tp), int(pp), int(micro) if micro else None)
+        return ParallelShape(
+            int(tp), int(pp), int(micro) if micro else None, int(in_flight) if in_flight else None
+        )
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"config {text!r} is not TPxPP or TPxPP:M, e.g. 2x1 or 1x2:2"
+            f"config {text!r} is not TPxPP[:M][/S], e.g. 2x1, 1x2:2 or 1x2:2/1"
         ) from None
 
 
@@ -72,9 +81,10 @@ def parse_shapes(text: str) -> list[ParallelShape]:
 @dataclass(slots=True)
 class ConfigResult:
     shape: ParallelShape
-    batch_size: int
     #: Wall time of each timed decode step, seconds.
     step_s: list[float] = field(default_factory=list)
+    #: Sequences each timed step decoded (fewer than the batch with steps in flight).
+    num_seqs: list[int] = field(default_factory=list)
     #: Rank 0's communication time within each timed step, seconds.
     comm_s: list[float] = field(default_factory=list)
     #: Every request's greedy tokens up to the end of the timed steps, in request order.
@@ -86,7 +96,7 @@ class ConfigResult:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.batch_size / statistics.mean(self.step_s)
+        return sum(self.num_seqs) / sum(self.step_s)
 
     @property
     def comm_share_p50(self) -> float:
@@ -119,6 +129,7 @@ def engine_config(shape: ParallelShape, settings: RunSettings) -> EngineConfig:
         tensor_parallel_size=shape.tensor_parallel_size,
         pipeline_parallel_size=shape.pipeline_parallel_size,
         pipeline_micro_batches=shape.micro_batches,
+        pipeline_steps_in_flight=shape.steps_in_flight,
     )
 
 
@@ -146,8 +157,7 @@ def run_config(shape: ParallelShape, settings: RunSettings) -> ConfigResult:
 
 def _measure(engine: Engine, shape: ParallelShape, settings: RunSettings) -> ConfigResult:
     # Room for the decode steps plus the tokens a sequence samples while others still
-    # prefill (one per step; each step's budget is shared with the decodes). Too little shows
-    # as a timed step with fewer sequences, which `_check_pure_decode` refuses. The engine is
+    # prefill (one per step; each step's budget is shared with the decodes). The engine is
     # closed after timing, so unfinished requests cost nothing.
     batch_size = len(settings.prompts)
     num_prompt_tokens = sum(map(len, settings.prompts))
@@ -163,14 +173,14 @@ def _measure(engine: Engine, shape: ParallelShape, settings: RunSettings) -> Con
         _record(engine.step(), tokens)
     for _ in range(settings.num_warmup_steps):
         _record(engine.step(), tokens)
-    result = ConfigResult(shape, batch_size)
+    result = ConfigResult(shape)
     comm_timer = engine.executor.parallel.comm_timer
     for _ in range(settings.num_decode_steps):
         comm_start, step_start = comm_timer.seconds, time.perf_counter()
         outputs = engine.step()
         result.step_s.append(time.perf_counter() - step_start)
         result.comm_s.append(comm_timer.seconds - comm_start)
-        _check_pure_decode(engine, batch_size)
+        result.num_seqs.append(_check_pure_decode(engine))
         _record(outputs, tokens)
     result.token_ids = [tokens[request_id] for request_id in request_ids]
     return result
@@ -184,15 +194,17 @@ def _record(outputs: list[RequestOutput], tokens: dict[str, list[int]]) -> None:
             tokens[output.request_id].extend(sample.token_ids)
 
 
-def _check_pure_decode(engine: Engine, batch_size: int) -> None:
+def _check_pure_decode(engine: Engine) -> int:
+    """The sequences the step that `step()` just returned decoded; refuses any other step."""
     step = engine.last_step
     assert step is not None
-    if step.num_decode_seqs != len(step.chunks) or len(step.chunks) != batch_size:
+    if not step.chunks or step.num_decode_seqs != len(step.chunks) or step.preempted:
         raise RuntimeError(
-            f"a timed step was not a pure decode of all {batch_size} sequences "
-            f"({step.num_decode_seqs} decodes of {len(step.chunks)} chunks, "
-            f"{len(step.preempted)} preempted): the KV pool may be too small"
+            f"a timed step was not a pure decode ({step.num_decode_seqs} decodes of "
+            f"{len(step.chunks)} chunks, {len(step.preempted)} preempted): a request finished "
+            f"or the KV pool is too small"
         )
+    return len(step.chunks)
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -201,8 +213,8 @@ def _check_pure_decode(engine: Engine, batch_size: int) -> None:
 def format_table(results: list[ConfigResult]) -> str:
     baseline = results[0]
     header = (
-        f"{'config':<8} {'TP':>2} {'PP':>2} {'M':>2}  {'p50 ms':>8} {'mean ms':>8} "
-        f"{'tok/s':>8} {'comm p50':>8} {'vs ' + baseline.shape.label:>8}  tokens"
+        f"{'config':<9} {'TP':>2} {'PP':>2} {'M':>2} {'S':>2} {'seqs':>4}  {'p50 ms':>7} "
+        f"{'mean ms':>7} {'tok/s':>7} {'comm p50':>8}  {'step/base':>9} {'tok/s/base':>10}  tokens"
     )
     return "\n".join([header, "-" * len(header)] + [_row(r, baseline) for r in results])
 
@@ -211,32 +223,36 @@ def _row(result: ConfigResult, baseline: ConfigResult) -> str:
     shape = result.shape
     pp = shape.pipeline_parallel_size
     micro = "-" if pp == 1 else str(shape.micro_batches or pp)
-    mean_ms = statistics.mean(result.step_s) * 1e3
+    in_flight = "-" if pp == 1 else str(shape.steps_in_flight or pp)
     return (
-        f"{shape.label:<8} {shape.tensor_parallel_size:>2} {pp:>2} {micro:>2}  "
-        f"{result.step_p50_s * 1e3:8.1f} {mean_ms:8.1f} {result.tokens_per_s:8.1f} "
-        f"{result.comm_share_p50:8.1%} {result.step_p50_s / baseline.step_p50_s:7.2f}x  "
+        f"{shape.label:<9} {shape.tensor_parallel_size:>2} {pp:>2} {micro:>2} {in_flight:>2} "
+        f"{statistics.mean(result.num_seqs):4.0f}  {result.step_p50_s * 1e3:7.1f} "
+        f"{statistics.mean(result.step_s) * 1e3:7.1f} {result.tokens_per_s:7.1f} "
+        f"{result.comm_share_p50:8.1%}  {result.step_p50_s / baseline.step_p50_s:8.2f}x "
+        f"{result.tokens_per_s / baseline.tokens_per_s:9.2f}x  "
         f"{_compare_tokens(result, baseline)}"
     )
 
 
 def _compare_tokens(result: ConfigResult, baseline: ConfigResult) -> str:
-    """Whether every request's greedy tokens equal the baseline's; where they first differ."""
+    """Whether each request's greedy tokens equal the baseline's, over the tokens both made."""
     if result is baseline:
         return "baseline"
     pairs = list(zip(result.token_ids, baseline.token_ids, strict=True))
-    differ = [i for i, (ours, theirs) in enumerate(pairs) if ours != theirs]
+    num_compared = sum(min(len(ours), len(theirs)) for ours, theirs in pairs)
+    differ = [i for i, (ours, theirs) in enumerate(pairs) if _first_difference(ours, theirs) >= 0]
     if not differ:
-        return "equal"
-    ours, theirs = pairs[differ[0]]
-    position = next(
-        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
-        min(len(ours), len(theirs)),
-    )
+        return f"equal ({num_compared} tokens)"
+    first = differ[0]
     return (
         f"DIFFER in {len(differ)}/{len(pairs)} requests "
-        f"(first: request {differ[0]} at token {position})"
+        f"(first: request {first} at token {_first_difference(*pairs[first])})"
     )
+
+
+def _first_difference(ours: list[int], theirs: list[int]) -> int:
+    """Index of the first differing token over the common length, or -1."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), -1)
 
 
 # --- main -----------------------------------------------------------------------------------

@@ -55,6 +55,9 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     #: Micro-batches a step is cut into so pipeline stages overlap; None means one per stage.
     pipeline_micro_batches: int | None = None
+    #: Steps submitted before the oldest is collected, each over different sequences, so
+    #: stage 0 runs step k + 1 while later stages run step k; None means one per stage.
+    pipeline_steps_in_flight: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -73,10 +76,10 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidArgumentError("max_model_len", "must be >= 2")
         check_parallel_sizes(self.tensor_parallel_size, self.pipeline_parallel_size)
-        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
-            raise InvalidArgumentError(
-                "pipeline_micro_batches", f"must be >= 1, got {self.pipeline_micro_batches}"
-            )
+        for name in ("pipeline_micro_batches", "pipeline_steps_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidArgumentError(name, f"must be >= 1, got {value}")
         if self.attention_backend not in BACKEND_NAMES:
             raise InvalidArgumentError(
                 "attention_backend",
@@ -95,6 +98,10 @@ class EngineConfig:
     @property
     def num_micro_batches(self) -> int:
         return self.pipeline_micro_batches or self.pipeline_parallel_size
+
+    @property
+    def steps_in_flight(self) -> int:
+        return self.pipeline_steps_in_flight or self.pipeline_parallel_size
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         if self.dtype != "auto":

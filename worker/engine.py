@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from headrace.sdk.outputs import TokenLogprob, Usage
 from headrace.worker.block_manager import BlockManager
 from headrace.worker.config import EngineConfig
 from headrace.worker.detokenizer import Detokenizer
-from headrace.worker.executor import start_executor
+from headrace.worker.executor import InFlightStep, start_executor
 from headrace.worker.model_runner import StepResult
 from headrace.worker.model_store import resolve_model
 from headrace.worker.models.registry import model_factory, read_model_type
@@ -154,8 +155,10 @@ class Engine:
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._requests: dict[str, _Request] = {}
-        #: The most recent step's plan, for benchmarks and metrics.
+        #: The plan of the step whose outputs the last `step()` returned (benchmarks, metrics).
         self.last_step: SchedulerOutput | None = None
+        #: Submitted steps not yet collected, oldest first (at most one per pipeline stage).
+        self._in_flight: deque[InFlightStep] = deque()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         logger.info(
@@ -173,6 +176,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the worker's other ranks (if any). The engine cannot step afterwards."""
+        while self._in_flight:  # the ranks finish what they were given first
+            self.executor.collect(self._in_flight.popleft())
         self.executor.close()
 
     # --- set-up -------------------------------------------------------------------------
@@ -273,7 +278,8 @@ class Engine:
         return self._requests[request_id].prompt_token_ids
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests not finished, or steps not collected yet (which must be, in order)."""
+        return bool(self._requests) or bool(self._in_flight)
 
     @property
     def num_requests(self) -> int:
@@ -368,19 +374,20 @@ class Engine:
     # --- stepping -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of every request that progressed."""
-        step = self.scheduler.schedule()
-        self.last_step = step
+        """Run one engine step; returns the outputs of every request that progressed.
+
+        With pipeline stages, a call first submits steps until one per stage is in flight
+        (each over sequences no other in-flight step holds), then collects the oldest, so
+        stage 0 computes step k + 1 while later stages finish step k.
+        """
         outputs: dict[str, RequestOutput] = {}
-        for seq in step.out_of_blocks:
-            text = self.detokenizer.finish(seq.detok_state)
-            delta = SampleDelta(seq.sample_index, [], text, [], FinishReason.LENGTH)
-            outputs.setdefault(seq.request_id, RequestOutput(seq.request_id)).samples.append(delta)
-        if not step.chunks:
+        self._submit_steps(outputs)
+        if not self._in_flight:
             return self._collect(outputs)
-        self._mark_scheduled(step)
+        in_flight = self._in_flight.popleft()
+        step = self.last_step = in_flight.step
         try:
-            result = self.executor.execute(step)
+            result = self.executor.collect(in_flight)
             sampled = (
                 self.sampler(result.sample_logits, [c.seq for c in result.sample_chunks])
                 if result.sample_logits is not None
@@ -388,16 +395,40 @@ class Engine:
             )
         except Exception as exc:  # a fault in the step fails its requests, not the engine
             logger.exception("engine step failed")
-            failed = self._fail_step(step, InternalError(f"engine step failed: {exc!r}"))
-            return self._collect(outputs) + failed
+            self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
+            return self._collect(outputs)
         self.scheduler.update_after_step(step)
         self._record_prompt_logprobs(result)
         if sampled is not None:
             for chunk, token_id, logprob in zip(
                 result.sample_chunks, sampled.token_ids, sampled.logprobs, strict=True
             ):
-                self._append_token(chunk.seq, token_id, logprob, outputs)
+                if not chunk.seq.is_finished:  # else aborted while its step was in flight
+                    self._append_token(chunk.seq, token_id, logprob, outputs)
         return self._collect(outputs)
+
+    def _submit_steps(self, outputs: dict[str, RequestOutput]) -> None:
+        """Schedule and submit steps until one per pipeline stage is in flight."""
+        depth = self.config.steps_in_flight
+        while len(self._in_flight) < depth:
+            busy = {c.seq.seq_id for s in self._in_flight for c in s.step.chunks}
+            # Share the sequences among the steps in flight, so each stage has work.
+            num_seqs = len(self.scheduler.running) + self.scheduler.num_waiting
+            max_seqs = None if depth == 1 else max(1, -(-num_seqs // depth))
+            step = self.scheduler.schedule(busy, max_seqs)
+            for seq in step.out_of_blocks:
+                text = self.detokenizer.finish(seq.detok_state)
+                delta = SampleDelta(seq.sample_index, [], text, [], FinishReason.LENGTH)
+                output = outputs.setdefault(seq.request_id, RequestOutput(seq.request_id))
+                output.samples.append(delta)
+            if not step.chunks:
+                return
+            self._mark_scheduled(step)
+            try:
+                self._in_flight.append(self.executor.submit(step))
+            except Exception as exc:  # a fault in the step fails its requests, not the engine
+                logger.exception("engine step failed")
+                self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
 
     def _mark_scheduled(self, step: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -492,8 +523,9 @@ class Engine:
         if errors:
             output.error = errors[0] if isinstance(errors[0], HeadraceError) else None
 
-    def _fail_step(self, step: SchedulerOutput, error: HeadraceError) -> list[RequestOutput]:
-        outputs: dict[str, RequestOutput] = {}
+    def _fail_step(
+        self, step: SchedulerOutput, error: HeadraceError, outputs: dict[str, RequestOutput]
+    ) -> None:
         for chunk in step.chunks:
             request = self._requests.get(chunk.seq.request_id)
             if request is None:
@@ -501,7 +533,6 @@ class Engine:
             output = outputs.setdefault(request.request_id, RequestOutput(request.request_id))
             request.seqs[0].error = error
             self._finish_all(request, FinishReason.ERROR, output)
-        return self._collect(outputs)
 
 
 def _sample_seed(seed: int | None, sample_index: int) -> int | None:

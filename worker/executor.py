@@ -21,6 +21,7 @@ from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
 from headrace.worker.model_runner import (
     ModelRunner,
+    PreparedBatch,
     StepResult,
     kv_cache_blocks,
     merge_results,
@@ -28,10 +29,30 @@ from headrace.worker.model_runner import (
 from headrace.worker.models.config import ModelConfig
 from headrace.worker.models.registry import load_model
 from headrace.worker.parallel import ParallelConfig
-from headrace.worker.pipeline import DRIVER_RANK, StageRunner, split_micro_batches
-from headrace.worker.ranks import RankGroup, Shard, broadcast_plan, build_shard
+from headrace.worker.pipeline import (
+    DRIVER_RANK,
+    PendingSends,
+    StageRunner,
+    send_plan,
+    split_micro_batches,
+)
+from headrace.worker.ranks import RankGroup, Shard, build_shard
 from headrace.worker.scheduler import SchedulerOutput
 from headrace.worker.step_plan import PlanEncoder
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A step submitted to the ranks whose logits have not been collected yet."""
+
+    step: SchedulerOutput
+    batches: list[PreparedBatch]
+    #: The logits, when rank 0 computed them itself (one stage); else they are still coming.
+    logits: list[torch.Tensor | None] | None
+    #: Rank 0's sends of this step (plan, activations), waited for at collection.
+    sends: PendingSends | None = None
+    #: The whole result, on a single rank.
+    result: StepResult | None = None
 
 
 @dataclass(slots=True)
@@ -44,10 +65,17 @@ class Executor:
     #: Set when the worker has other ranks.
     distributed: DistributedExecutor | None = None
 
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def submit(self, step: SchedulerOutput) -> InFlightStep:
         if self.distributed is not None:
-            return self.distributed.execute(step)
-        return self.runner.execute(step)
+            return self.distributed.submit(step)
+        return InFlightStep(step, [], None, result=self.runner.execute(step))
+
+    def collect(self, in_flight: InFlightStep) -> StepResult:
+        """The step's result; steps must be collected in the order they were submitted."""
+        if in_flight.result is not None:
+            return in_flight.result
+        assert self.distributed is not None
+        return self.distributed.collect(in_flight)
 
     def close(self) -> None:
         if self.distributed is not None:
@@ -130,24 +158,38 @@ class DistributedExecutor:
         self.encoder = PlanEncoder()
         self.stage = StageRunner(shard.runner, shard.parallel)
 
-    def execute(self, step: SchedulerOutput) -> StepResult:
+    def submit(self, step: SchedulerOutput) -> InFlightStep:
+        """Send the plan and run rank 0's stage; later stages run on while rank 0 goes on."""
         chunks = step.chunks
         parts = split_micro_batches([c.num_new_tokens for c in chunks], self.num_micro_batches)
         micro_batches = [chunks[part.start : part.stop] for part in parts]
         batches = [self.shard.runner.prepare(mb) for mb in micro_batches]
         rows = [batch.logit_rows for batch in batches]
-        plan = self.encoder.encode(micro_batches, rows)
+        sends = PendingSends(self.shard.parallel)
         try:
-            broadcast_plan(plan, self.shard.plan_group)
-            logits = self.stage.run([batch.inputs for batch in batches], rows)
+            send_plan(self.encoder.encode(micro_batches, rows), sends, self.shard.plan_group)
+            logits = self.stage.run([batch.inputs for batch in batches], rows, sends)
         except Exception as exc:  # the ranks are out of step now; nothing can be retried
+            self.ranks.fail(f"step failed on rank 0: {exc!r}")
+        return InFlightStep(step, batches, logits, sends)
+
+    def collect(self, in_flight: InFlightStep) -> StepResult:
+        batches, logits = in_flight.batches, in_flight.logits
+        try:
+            if logits is None:
+                logits = self.stage.receive_logits([batch.logit_rows for batch in batches])
+            if in_flight.sends is not None:
+                in_flight.sends.wait()
+        except Exception as exc:
             self.ranks.fail(f"step failed on rank 0: {exc!r}")
         return merge_results([b.result(lg) for b, lg in zip(batches, logits, strict=True)])
 
     def close(self) -> None:
         """Tell every rank to stop, wait for them, and leave the process group."""
         try:
-            broadcast_plan(None, self.shard.plan_group)
+            sends = PendingSends(self.shard.parallel)
+            send_plan(None, sends, self.shard.plan_group)
+            sends.wait()
         finally:
             self.ranks.close()
             dist.destroy_process_group()

@@ -14,14 +14,19 @@ sampler, its seeded generators and the stop checks stay in one place, exactly as
 from __future__ import annotations
 
 import itertools
+import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from headrace.worker.model_runner import ModelInputs, ModelRunner
 from headrace.worker.parallel import ParallelConfig
+from headrace.worker.step_plan import StepPlan
 
 #: Global rank of the process that schedules, samples and serves.
 DRIVER_RANK = 0
+#: Point-to-point message kinds, so a receive never matches another kind's send.
+PLAN_TAG, ACTIVATION_TAG, LOGITS_TAG = 1, 2, 3
 
 
 def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[range]:
@@ -43,6 +48,49 @@ def split_micro_batches(num_tokens: list[int], num_micro_batches: int) -> list[r
     return [range(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
 
+class PendingSends:
+    """Non-blocking sends in flight, each with its buffer (which must live until it is sent)."""
+
+    def __init__(self, parallel: ParallelConfig) -> None:
+        self.parallel = parallel
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, group: Any = None) -> None:
+        buffer = tensor.contiguous()
+        with self.parallel.comm_timer:
+            work = dist.isend(buffer, dst, group=group, tag=tag)
+        assert work is not None
+        self._sends.append((work, buffer))
+
+    def wait(self) -> None:
+        with self.parallel.comm_timer:
+            for work, _ in self._sends:
+                work.wait()
+        self._sends.clear()
+
+
+def send_plan(plan: StepPlan | None, sends: PendingSends, group: Any) -> None:
+    """Rank 0 sends a step's plan (None: stop) to every other rank, without waiting for them.
+
+    Point-to-point rather than a broadcast, which would hold rank 0 until the slowest rank
+    (a later pipeline stage still busy with an earlier step) joined it.
+    """
+    payload = torch.frombuffer(bytearray(pickle.dumps(plan)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    for rank in range(1, sends.parallel.world_size):
+        sends.send(size, rank, PLAN_TAG, group)
+        sends.send(payload, rank, PLAN_TAG, group)
+
+
+def receive_plan(parallel: ParallelConfig, group: Any) -> StepPlan | None:
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, DRIVER_RANK, group=group, tag=PLAN_TAG)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, DRIVER_RANK, group=group, tag=PLAN_TAG)
+    plan: StepPlan | None = pickle.loads(payload.numpy().tobytes())
+    return plan
+
+
 class StageRunner:
     """Runs this rank's stage of each micro-batch and moves activations between stages."""
 
@@ -52,39 +100,32 @@ class StageRunner:
 
     @torch.inference_mode()
     def run(
-        self, micro_batches: list[ModelInputs], logit_rows: list[list[int]]
-    ) -> list[torch.Tensor | None]:
-        """Run every micro-batch through this stage; on rank 0, return each one's logits."""
+        self, micro_batches: list[ModelInputs], logit_rows: list[list[int]], sends: PendingSends
+    ) -> list[torch.Tensor | None] | None:
+        """Run every micro-batch through this stage, queueing its sends on ``sends``.
+
+        Returns the logits of each micro-batch where this is rank 0 on the last stage;
+        elsewhere None (rank 0 with later stages collects them with `receive_logits`).
+        """
         parallel = self.parallel
-        # Sends in flight, with their tensors: a buffer must live until its send completes.
-        pending: list[tuple[dist.Work, torch.Tensor]] = []
         logits: list[torch.Tensor | None] = []
         for inputs, rows in zip(micro_batches, logit_rows, strict=True):
             carry = None if parallel.is_first_stage else self._receive_carry(inputs)
             hidden = self.runner.forward(inputs, carry)
             if not parallel.is_last_stage:
-                pending.append(
-                    self._send(hidden, parallel.stage_rank(parallel.pipeline_parallel_rank + 1))
-                )
+                next_rank = parallel.stage_rank(parallel.pipeline_parallel_rank + 1)
+                sends.send(hidden, next_rank, ACTIVATION_TAG)
                 continue
             step_logits = self.runner.compute_logits(hidden, rows)
             if parallel.rank == DRIVER_RANK:
                 logits.append(step_logits)
             elif parallel.tensor_parallel_rank == 0 and step_logits is not None:
-                pending.append(self._send(step_logits, DRIVER_RANK))
-        if parallel.rank == DRIVER_RANK and not parallel.is_last_stage:
-            logits = [self._receive_logits(len(rows)) for rows in logit_rows]
-        with parallel.comm_timer:
-            for work, _ in pending:
-                work.wait()
-        return logits
+                sends.send(step_logits, DRIVER_RANK, LOGITS_TAG)
+        return logits if parallel.rank == DRIVER_RANK and parallel.is_last_stage else None
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> tuple[dist.Work, torch.Tensor]:
-        buffer = tensor.contiguous()
-        with self.parallel.comm_timer:
-            work = dist.isend(buffer, dst)
-        assert work is not None
-        return work, buffer
+    def receive_logits(self, logit_rows: list[list[int]]) -> list[torch.Tensor | None]:
+        """Rank 0: each micro-batch's logits from the last stage's first rank, in order."""
+        return [self._receive_logits(len(rows)) for rows in logit_rows]
 
     def _receive_carry(self, inputs: ModelInputs) -> torch.Tensor:
         hidden_size = self.runner.model.hidden_size
@@ -93,7 +134,7 @@ class StageRunner:
         )
         src = self.parallel.stage_rank(self.parallel.pipeline_parallel_rank - 1)
         with self.parallel.comm_timer:
-            dist.recv(carry, src)
+            dist.recv(carry, src, tag=ACTIVATION_TAG)
         return carry
 
     def _receive_logits(self, num_rows: int) -> torch.Tensor | None:
@@ -103,5 +144,5 @@ class StageRunner:
         logits = torch.empty(shape, dtype=torch.float32, device=self.runner.device)
         last_stage = self.parallel.pipeline_parallel_size - 1
         with self.parallel.comm_timer:
-            dist.recv(logits, last_stage * self.parallel.tensor_parallel_size)
+            dist.recv(logits, last_stage * self.parallel.tensor_parallel_size, tag=LOGITS_TAG)
         return logits

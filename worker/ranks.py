@@ -35,8 +35,8 @@ from headrace.worker.config import EngineConfig
 from headrace.worker.model_runner import ModelRunner, kv_cache_blocks
 from headrace.worker.models.registry import load_model
 from headrace.worker.parallel import ParallelConfig
-from headrace.worker.pipeline import DRIVER_RANK, StageRunner
-from headrace.worker.step_plan import MirrorTable, StepPlan
+from headrace.worker.pipeline import PendingSends, StageRunner, receive_plan
+from headrace.worker.step_plan import MirrorTable
 
 logger = logging.getLogger(__name__)
 
@@ -137,13 +137,6 @@ def _init_process_groups(
     plan_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     group = stage_groups[rank // tp_size] if pp_size > 1 else None
     return ParallelConfig.for_rank(rank, tp_size, pp_size, group), plan_group
-
-
-def broadcast_plan(plan: StepPlan | None, plan_group: Any) -> StepPlan | None:
-    """Rank 0 sends the step's plan (None: stop); every other rank receives it."""
-    message: list[StepPlan | None] = [plan]
-    dist.broadcast_object_list(message, src=DRIVER_RANK, group=plan_group)
-    return message[0]
 
 
 class RankGroup:
@@ -270,10 +263,12 @@ def rank_main(setup: RankSetup, rank: int) -> None:
 def _serve_steps(shard: Shard) -> None:
     mirrors = MirrorTable()
     stage = StageRunner(shard.runner, shard.parallel)
-    while (plan := broadcast_plan(None, shard.plan_group)) is not None:
+    sends = PendingSends(shard.parallel)
+    while (plan := receive_plan(shard.parallel, shard.plan_group)) is not None:
         mirrors.apply(plan)
         inputs = [shard.runner.build_inputs(mirrors.chunks(mb)) for mb in plan.micro_batches]
-        stage.run(inputs, [mb.logit_rows for mb in plan.micro_batches])
+        stage.run(inputs, [mb.logit_rows for mb in plan.micro_batches], sends)
+        sends.wait()
 
 
 def _exit_with_parent() -> None:

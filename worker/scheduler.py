@@ -15,12 +15,17 @@ prompt never stalls running decodes.
 
 The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, then calls
 `update_after_step` so computed-token counts and the prefix cache move forward.
+
+With pipeline parallelism several steps are in flight at once (one per stage). Sequences
+of a step still in flight are `busy`: the next step neither schedules nor preempts them,
+and a cap on sequences per step shares the running ones among the steps in flight.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from headrace.worker.block_manager import BlockManager
@@ -64,6 +69,10 @@ class _StepPlan:
     """The step being built: chunks planned so far and the token budget left."""
 
     budget: int
+    #: Sequences this step may hold at most.
+    max_seqs: int
+    #: Seq ids of steps still in flight: neither scheduled nor preempted by this one.
+    busy: Collection[int] = ()
     chunks: dict[int, ScheduledChunk] = field(default_factory=dict)  # by seq_id
     preempted: list[Sequence] = field(default_factory=list)
     out_of_blocks: list[Sequence] = field(default_factory=list)
@@ -78,6 +87,10 @@ class _StepPlan:
         chunk = self.chunks.pop(seq.seq_id, None)
         if chunk is not None:
             self.budget += chunk.num_new_tokens
+
+    @property
+    def is_full(self) -> bool:
+        return self.budget <= 0 or len(self.chunks) >= self.max_seqs
 
 
 def _order(seq: Sequence) -> tuple[int, int]:
@@ -130,8 +143,11 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+    def schedule(self, busy: Collection[int] = (), max_seqs: int | None = None) -> SchedulerOutput:
+        """The next step. ``busy``: seq ids in steps still in flight; ``max_seqs``: a cap on
+        the step's sequences (to share them among in-flight steps)."""
+        cap = self.config.max_num_seqs if max_seqs is None else max_seqs
+        plan = _StepPlan(self.config.max_num_batched_tokens, cap, busy)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -150,10 +166,10 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
-        while i < len(self.running) and plan.budget > 0:
+        while i < len(self.running) and not plan.is_full:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
-            if num_new == 0:
+            if num_new == 0 or seq.seq_id in plan.busy:
                 i += 1
                 continue
             needed = self.block_manager.num_new_blocks_needed(seq, num_new)
@@ -163,8 +179,10 @@ class Scheduler:
                     self.finish(seq, FinishReason.LENGTH)
                     plan.out_of_blocks.append(seq)
                     return
-                # The tail is never planned yet: planning walks from the front.
-                victim = self.running[-1]
+                # The idle tail is never planned yet: planning walks from the front.
+                victim = self._victim(plan)
+                if victim is None:
+                    return  # only busy sequences hold blocks: wait for their steps
                 self._preempt(victim, plan)
                 if victim is seq:
                     return
@@ -173,7 +191,7 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not plan.is_full and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None or not self._try_admit(seq, plan):
                 return
@@ -190,7 +208,7 @@ class Scheduler:
             num_new_blocks = bm.num_blocks_for(num_cached_tokens + num_new) - len(cached)
             if bm.can_allocate(bm.cost_of(cached, num_new_blocks)):
                 break
-            victim = self.running[-1] if self.running else None
+            victim = self._victim(plan)
             if victim is None or victim.priority >= seq.priority:
                 return False
             self._preempt(victim, plan)
@@ -203,6 +221,13 @@ class Scheduler:
         bisect.insort(self.running, seq, key=_order)
         plan.add(seq, num_new)
         return True
+
+    def _victim(self, plan: _StepPlan) -> Sequence | None:
+        """The running sequence to preempt first: lowest priority, latest arrival, not busy."""
+        for seq in reversed(self.running):
+            if seq.seq_id not in plan.busy:
+                return seq
+        return None
 
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
         """Free seq's blocks and queue it to be recomputed from its first token."""
@@ -222,6 +247,8 @@ class Scheduler:
         block_size = self.block_manager.block_size
         for chunk in output.chunks:
             seq = chunk.seq
+            if seq.is_finished:
+                continue  # aborted while its step was in flight; its blocks are freed
             before = seq.num_computed_tokens
             seq.num_computed_tokens = before + chunk.num_new_tokens
             if seq.num_computed_tokens // block_size != before // block_size:

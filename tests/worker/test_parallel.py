@@ -222,3 +222,42 @@ def test_kv_heads_that_do_not_split_fail_before_any_rank_starts(tmp_path: Path, 
     with pytest.raises(InvalidArgumentError, match=r"num_key_value_heads \(3\)") as error:
         Engine(EngineConfig(str(path), dtype="float32", tensor_parallel_size=2))
     assert error.value.field == "tensor_parallel_size"
+
+
+def test_pipeline_keeps_one_step_per_stage_in_flight_and_survives_aborts(llama):
+    """Two stages: stage 0 runs step k + 1 over other sequences while stage 1 runs step k. A
+    request aborted while its step is in flight frees its blocks; the others are unchanged."""
+    path, reference = llama
+    engine = Engine(
+        EngineConfig(
+            str(path), dtype="float32", max_num_batched_tokens=16, pipeline_parallel_size=2
+        )
+    )
+    try:
+        requests = workload(engine.vocab_size)
+        for request_id, prompt, config in requests:
+            engine.add_request(request_id, prompt, config)
+        tokens: dict[str, list[int]] = {}
+        num_overlapped, aborted = 0, None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.samples:
+                    tokens.setdefault(output.request_id, []).extend(output.samples[0].token_ids)
+            if not engine._in_flight:
+                continue
+            # A step is still in flight after this call returned another: two were in flight,
+            # over disjoint sequences.
+            (pending,) = engine._in_flight
+            in_flight = {c.seq for c in pending.step.chunks}
+            assert engine.last_step is not None
+            assert in_flight.isdisjoint(c.seq for c in engine.last_step.chunks)
+            num_overlapped += 1
+            if aborted is None and "r3" in tokens and "r3" in {s.request_id for s in in_flight}:
+                aborted = engine.abort_request("r3")
+        assert num_overlapped > 10
+        assert aborted is not None and aborted.finished
+        for request_id in ("r0", "r1", "r2", "r4", "r5"):
+            assert tokens[request_id] == reference.tokens[request_id][0]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    finally:
+        engine.close()

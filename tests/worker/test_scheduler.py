@@ -144,3 +144,35 @@ def test_sequence_outgrowing_the_whole_pool_finishes_instead_of_preempting_itsel
     assert step.out_of_blocks == [seq] and step.chunks == [] and step.preempted == []
     assert seq.finish_reason == FinishReason.LENGTH
     assert scheduler.block_manager.num_free_blocks == 2 and not scheduler.has_work()
+
+
+# --- steps in flight (pipeline parallel) -----------------------------------------------------
+
+
+def test_busy_sequences_are_neither_scheduled_nor_preempted():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=32)
+    low, high = make_seq(8, priority=0), make_seq(4, priority=1)
+    scheduler.add(low)
+    first = scheduler.schedule()  # low's step is now in flight, holding 2 of the 4 blocks
+    assert planned(first) == {low.request_id: 8}
+    scheduler.add(high)
+    second = scheduler.schedule(busy={low.seq_id})
+    # high fits beside low; low, in flight, is not planned again and not preempted.
+    assert planned(second) == {high.request_id: 4}
+    waiting = make_seq(12, priority=5)
+    scheduler.add(waiting)
+    third = scheduler.schedule(busy={low.seq_id, high.seq_id})
+    assert third.chunks == [] and third.preempted == []
+    assert low.status == high.status == SequenceStatus.RUNNING
+
+
+def test_a_step_cap_shares_the_running_sequences_among_steps_in_flight():
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    seqs = [make_seq(3) for _ in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = scheduler.schedule(max_seqs=2)
+    busy = {chunk.seq.seq_id for chunk in first.chunks}
+    second = scheduler.schedule(busy=busy, max_seqs=2)
+    assert len(first.chunks) == len(second.chunks) == 2
+    assert busy.isdisjoint(chunk.seq.seq_id for chunk in second.chunks)
