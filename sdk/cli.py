@@ -170,7 +170,8 @@ def _add_worker(subparsers: SubParsers) -> None:
     add(
         "--pipeline-micro-batches",
         type=int,
-        help="micro-batches per step so pipeline stages overlap (default: one per stage)",
+        default=1,
+        help="micro-batches per step, so pipeline stages also overlap within a step",
     )
     add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
     worker.set_defaults(handler=_worker)

@@ -192,19 +192,29 @@ def run_hf_generate_batch(model: Any, workload: Workload) -> Report:
 
 def build_tiny_checkpoint(directory: Path, tokenizer_source: Path) -> Path:
     """A 2-layer, hidden-64 Llama with random weights and the default model's tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    return build_random_checkpoint(
+        directory,
+        tokenizer_source,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+    )
+
+
+def build_random_checkpoint(directory: Path, tokenizer_source: Path, **shape: Any) -> Path:
+    """A Llama of the given shape (LlamaConfig fields) with random weights, and the
+    tokenizer of ``tokenizer_source``: for timing shapes no real checkpoint has."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
         max_position_embeddings=1024,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        **shape,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)

@@ -1,17 +1,21 @@
 """Decode-step time of tensor- and pipeline-parallel workers, every config in one run.
 
-    python -m headrace.worker.bench_parallel                                 # TP=1 vs TP=2
-    python -m headrace.worker.bench_parallel --configs 1x1,2x1,1x2:1,1x2:2   # plus PP=2, M=1/2
-    python -m headrace.worker.bench_parallel --configs 1x1,1x2/1,1x2/2       # PP steps in flight
-    python -m headrace.worker.bench_parallel --tiny                          # overhead only
+    python -m headrace.worker.bench_parallel --heads 8,4                       # TP=1 vs TP=2
+    python -m headrace.worker.bench_parallel --heads 8,4 --configs 1x2/1,1x2/2 # PP in flight
+    python -m headrace.worker.bench_parallel --configs 1x1,1x2:1,1x2:2         # micro-batches
+    python -m headrace.worker.bench_parallel --tiny                            # overhead only
 
-A config is TPxPP, optionally :M pipeline micro-batches and /S steps in flight (both default
-to one per stage). Each config builds its own engine, prefills the same batch of prompts, runs
-a few warm-up decode steps, then times pure decode steps (every scheduled sequence decodes one
-token). With S steps in flight each step holds about batch/S sequences, so compare tok/s
-across such configs, not step time. The first config is the baseline: the others report their
-step time and tok/s relative to it, and their greedy tokens must equal its tokens (on the
-tokens both produced), or the comparison is between different computations.
+SmolLM2-135M (the default model) has 9 query / 3 KV heads, which TP=2 cannot split:
+``--heads 8,4`` times a random-weight model of its exact shape with 8 / 4 heads instead.
+
+A config is TPxPP, optionally :M pipeline micro-batches (default 1) and /S steps in flight
+(default one per stage). Each config builds its own engine, prefills the same batch of
+prompts, runs a few warm-up decode steps, then times pure decode steps (every scheduled
+sequence decodes one token). With S steps in flight each step holds about batch/S sequences,
+so compare tok/s across such configs, not step time. The first config is the baseline: the
+others report their step time and tok/s relative to it, and their greedy tokens must equal
+its tokens (on the tokens both produced), or the comparison is between different
+computations.
 
 Communication share: rank 0's time inside collectives and stage-to-stage transfers over the
 step's wall time. It includes waiting for a slower peer; with PP, rank 0 (stage 0) waits for
@@ -34,7 +38,7 @@ from typing import Any
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError
-from headrace.worker.bench import build_tiny_checkpoint, make_workload
+from headrace.worker.bench import build_random_checkpoint, build_tiny_checkpoint, make_workload
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine import Engine, RequestOutput
 from headrace.worker.executor import check_model_splits
@@ -47,7 +51,7 @@ class ParallelShape:
 
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    #: Pipeline micro-batches; None lets the engine pick (one per stage).
+    #: Pipeline micro-batches per step; None takes the engine's default (1).
     micro_batches: int | None = None
     #: Pipeline steps in flight; None lets the engine pick (one per stage).
     steps_in_flight: int | None = None
@@ -128,7 +132,7 @@ def engine_config(shape: ParallelShape, settings: RunSettings) -> EngineConfig:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         tensor_parallel_size=shape.tensor_parallel_size,
         pipeline_parallel_size=shape.pipeline_parallel_size,
-        pipeline_micro_batches=shape.micro_batches,
+        pipeline_micro_batches=shape.micro_batches or 1,
         pipeline_steps_in_flight=shape.steps_in_flight,
     )
 
@@ -222,7 +226,7 @@ def format_table(results: list[ConfigResult]) -> str:
 def _row(result: ConfigResult, baseline: ConfigResult) -> str:
     shape = result.shape
     pp = shape.pipeline_parallel_size
-    micro = "-" if pp == 1 else str(shape.micro_batches or pp)
+    micro = "-" if pp == 1 else str(shape.micro_batches or 1)
     in_flight = "-" if pp == 1 else str(shape.steps_in_flight or pp)
     return (
         f"{shape.label:<9} {shape.tensor_parallel_size:>2} {pp:>2} {micro:>2} {in_flight:>2} "
@@ -275,6 +279,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model: overhead")
+    parser.add_argument(
+        "--heads",
+        type=_heads,
+        help="H,KV: --model's shape with these head counts and random weights (e.g. 8,4 so "
+        "SmolLM2-135M's 9/3 heads split over TP=2)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     for name in ("batch_size", "prompt_len", "decode_steps"):
@@ -283,6 +293,37 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.configs:
         parser.error("--configs names no config")
     return args
+
+
+def smollm2_shaped(directory: Path, heads: tuple[int, int], source: Path) -> Path:
+    """``source``'s shape (SmolLM2-135M: 30 layers, hidden 576) with other head counts.
+
+    SmolLM2-135M has 9 query and 3 KV heads, which 2 ranks cannot split; this model has the
+    same layers, widths and vocabulary, so a step does the same work, split 2 ways."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source)
+    num_heads, num_kv_heads = heads
+    return build_random_checkpoint(
+        directory,
+        source,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=config.hidden_size // num_heads,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+    )
+
+
+def _heads(text: str) -> tuple[int, int]:
+    try:
+        num_heads, num_kv_heads = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads {text!r} is not H,KV e.g. 8,4") from None
+    return num_heads, num_kv_heads
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -299,6 +340,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> None:
 
     if args.tiny:
         model_path = build_tiny_checkpoint(tmp, resolve_model(DEFAULT_MODEL))
+    elif args.heads:
+        model_path = smollm2_shaped(tmp, args.heads, Path(resolve_model(args.model)))
     else:
         model_path = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(model_path)
@@ -316,6 +359,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> None:
     )
     check_configs(args.configs, settings, hf_config)
     model_name = "tiny" if args.tiny else model_path.name
+    if args.heads:
+        model_name = f"{args.model} shape, {args.heads[0]}/{args.heads[1]} heads, random weights"
     print(
         f"model {model_name}, dtype {args.dtype}, batch {args.batch_size} x prompt "
         f"{args.prompt_len} tokens, {args.warmup_steps} warm-up + {args.decode_steps} timed "

@@ -111,7 +111,7 @@ def start_executor(
     except BaseException:
         ranks.abort()
         raise
-    distributed = DistributedExecutor(shard, ranks, config.num_micro_batches)
+    distributed = DistributedExecutor(shard, ranks, config.pipeline_micro_batches)
     return Executor(shard.runner, shard.parallel, distributed)
 
 

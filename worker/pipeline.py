@@ -1,14 +1,17 @@
 """One step's forward pass on one rank of a tensor/pipeline-parallel worker.
 
-Design note. A step is cut into micro-batches (by sequence, decodes first in each) that flow
-through the stages in order: stage s runs micro-batch m while stage s + 1 runs m - 1, so
-with M micro-batches and P stages each stage idles for P - 1 of M + P - 1 slots instead of
-P - 1 of P. Sends are non-blocking (a stage goes on to its next micro-batch at once);
-receives block. Every rank of a stage holds the whole (hidden, residual) pair after the
-row-parallel all-reduce, so rank r of stage s sends to rank r of stage s + 1 and no gather is
-needed. The last stage computes logits for the rows the plan names (the vocab-parallel head
-all-gathers them), and its tensor-parallel rank 0 sends them to rank 0, which samples: the
-sampler, its seeded generators and the stop checks stay in one place, exactly as at TP=1.
+Design note. Two things keep pipeline stages busy. (1) Steps in flight: the engine submits
+one step per stage before collecting the oldest, each over different sequences, so stage 0
+runs step k + 1 while stage 1 runs step k (rank 0 never waits on a later stage to send a
+plan: plans and activations go point-to-point without blocking). (2) Micro-batches: a step
+is also cut into micro-batches (by sequence, decodes first in each) that flow through the
+stages in order, so within a step stage s runs micro-batch m while stage s + 1 runs m - 1.
+
+Every rank of a stage holds the whole (hidden, residual) pair after the row-parallel
+all-reduce, so rank r of stage s sends to rank r of stage s + 1 and no gather is needed. The
+last stage computes logits for the rows the plan names (the vocab-parallel head all-gathers
+them), and its tensor-parallel rank 0 sends them to rank 0, which samples: the sampler, its
+seeded generators and the stop checks stay in one place, exactly as at TP=1.
 """
 
 from __future__ import annotations

@@ -167,6 +167,8 @@ class RankGroup:
             num_threads=max(1, torch.get_num_threads() // world_size),
             log_level=logging.getLogger().getEffectiveLevel(),
         )
+        #: Rank 0 shares the cores with the children while the group lives (see build_shard).
+        self._driver_threads = torch.get_num_threads()
         #: Called (from a supervisor thread) before a failing worker exits, e.g. to mark
         #: health NOT_SERVING.
         self.on_failure: list[Callable[[str], None]] = []
@@ -219,11 +221,13 @@ class RankGroup:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(max(0.0, deadline - time.monotonic()))
         self._kill_children()
+        torch.set_num_threads(self._driver_threads)
 
     def abort(self) -> None:
         """Rank 0 failed to start: kill the children and leave the process group, if joined."""
         self._closing = True
         self._kill_children()
+        torch.set_num_threads(self._driver_threads)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -6,20 +6,24 @@ The worker serves the single-rank tokens; a rank that dies takes the worker down
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from headrace.sdk.client import Client
+from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.launch import start_router
 from headrace.worker.llm import LLM
 
-from tests.e2e.processes import ServerProcess, start_worker
+from tests.e2e.processes import ServerProcess, load_report, start_worker, wait_serving
 
 PROMPTS = ["the quick brown fox", "a story about the sea", "to be or not", "hello"]
 #: How soon after a rank dies the whole worker must be gone.
@@ -88,12 +92,59 @@ def test_a_rank_killed_mid_run_takes_the_worker_down(tiny_model: Path, tmp_path:
     assert wait_gone(ranks, 2.0) == []
 
 
+def test_router_fails_over_when_a_rank_of_a_parallel_worker_dies(
+    tiny_model: Path, offline: LLM, tmp_path: Path
+) -> None:
+    """Streams spread over a single-rank worker and a TP=2 worker; one rank of the TP worker
+    is killed mid-generation. Every stream completes, equal to the run without a failure."""
+    prompts = [f"failover story {i}" for i in range(20)]
+    config = GenerationConfig(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = [r.token_ids for r in offline.generate(prompts, config)]
+    (tmp_path / "a").mkdir()
+    single = start_worker(tiny_model, tmp_path / "a")
+    parallel, ranks = start_parallel_worker(tiny_model, tmp_path, "-tp", "2")
+    router = start_router([single.target, parallel.target], log_path=tmp_path / "router.log")
+    with single, parallel, router:
+        assert wait_serving(router.target)
+
+        async def run() -> list[list[int]]:
+            async with AsyncClient(router.target) as client:
+                streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+
+                async def one(i: int) -> None:
+                    async for chunk in client.stream(prompts[i], config):
+                        streamed[i].extend(chunk.token_ids)
+
+                tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+                while sum(map(len, streamed.values())) < len(prompts) * 10:
+                    await asyncio.sleep(0.01)
+                assert load_report(parallel.target).running_requests > 0
+                os.kill(ranks[0], signal.SIGKILL)
+                await asyncio.gather(*tasks)
+                return [streamed[i] for i in range(len(prompts))]
+
+        got = asyncio.run(run())
+        assert parallel.proc.wait(timeout=EXIT_WITHIN_S) != 0
+    assert got == want
+    assert "resuming request" in (tmp_path / "router.log").read_text()
+
+
 def test_killing_rank_zero_leaves_no_rank_behind(tiny_model: Path, tmp_path: Path) -> None:
     server, ranks = start_parallel_worker(tiny_model, tmp_path, "-pp", "2")
     with server:
         server.proc.kill()
         server.proc.wait()
         assert wait_gone(ranks, EXIT_WITHIN_S) == []
+
+
+def test_a_size_the_model_cannot_split_is_a_clear_cli_error(tiny_model: Path) -> None:
+    command = [sys.executable, "-m", "headrace.sdk.cli", "worker", "--model", str(tiny_model)]
+    done = subprocess.run([*command, "-tp", "3", "--port", "0"], capture_output=True, timeout=120)
+    assert done.returncode == 1
+    assert (
+        "headrace: error: tensor_parallel_size: 3: num_attention_heads (4) is not divisible"
+        in done.stderr.decode()
+    )
 
 
 def watch_health(target: str, statuses: queue.SimpleQueue[int]) -> None:

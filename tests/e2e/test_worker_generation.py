@@ -9,6 +9,7 @@ import queue
 import subprocess
 import sys
 import textwrap
+import time
 
 import grpc
 import pytest
@@ -146,13 +147,23 @@ def test_cancelling_the_rpc_frees_blocks(worker: ServerProcess) -> None:
         for response in call:
             num_chunks += len(response.chunks)
             if num_chunks >= 4:
-                assert load_report(worker.target).free_kv_blocks < (
-                    load_report(worker.target).total_kv_blocks
-                )
+                assert _some_blocks_in_use(worker.target)
                 call.cancel()
                 break
     report = wait_all_blocks_free(worker.target)
     assert report.free_kv_blocks == report.total_kv_blocks
+
+
+def _some_blocks_in_use(target: str, timeout_s: float = 5.0) -> bool:
+    """Polls: the load report is a snapshot the engine refreshes every few milliseconds while
+    busy, so the first one read right after the first tokens may predate them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        report = load_report(target)
+        if report.free_kv_blocks < report.total_kv_blocks:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 CLIENT_THAT_DIES = textwrap.dedent(
