@@ -64,7 +64,7 @@ class RankSetup:
 
     @property
     def world_size(self) -> int:
-        return self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+        return self.config.world_size
 
     def device(self, rank: int) -> torch.device:
         base = self.config.torch_device()
@@ -81,7 +81,6 @@ class Shard:
     runner: ModelRunner
     #: A gloo group over all ranks for host-side messages (step plans), also under NCCL.
     plan_group: Any
-    hf_config: Any
 
 
 def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
@@ -113,7 +112,7 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
         num_blocks,
         local_blocks,
     )
-    return Shard(parallel, runner, plan_group, loaded.hf_config)
+    return Shard(parallel, runner, plan_group)
 
 
 def _init_process_groups(
@@ -149,7 +148,7 @@ class RankGroup:
         dtype: torch.dtype,
         max_model_len: int,
     ) -> None:
-        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        world_size = config.world_size
         self.store = dist.TCPStore(
             "127.0.0.1",
             0,
