@@ -142,7 +142,7 @@ def check_configs(shapes: list[ParallelShape], settings: RunSettings, hf_config:
     for shape in shapes:
         config = engine_config(shape, settings)
         try:
-            check_model_splits(config, settings.model_path, hf_config, config.torch_device())
+            check_model_splits(config, hf_config, config.torch_device())
         except HeadraceError as exc:
             raise InvalidArgumentError("configs", f"{shape.label}: {exc}") from None
 

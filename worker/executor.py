@@ -104,7 +104,7 @@ def start_executor(
         if device.type == "cuda":
             runner.warm_up(max_model_len)
         return Executor(runner, ParallelConfig())
-    check_model_splits(config, model_path, hf_config, device)
+    check_model_splits(config, hf_config, device)
     ranks = RankGroup(config, model_path, dtype, max_model_len)
     try:
         shard = build_shard(ranks.setup, DRIVER_RANK, ranks.store)
@@ -115,9 +115,7 @@ def start_executor(
     return Executor(shard.runner, shard.parallel, distributed)
 
 
-def check_model_splits(
-    config: EngineConfig, model_path: Path, hf_config: Any, device: torch.device
-) -> None:
+def check_model_splits(config: EngineConfig, hf_config: Any, device: torch.device) -> None:
     """Refuse sizes the model cannot be split by, naming the flag and the model's numbers."""
     model = ModelConfig.from_hf(hf_config)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size

@@ -191,10 +191,6 @@ class RankGroup:
         process.stdin.close()
         return process
 
-    @property
-    def pids(self) -> list[int]:
-        return [process.pid for process in self.processes]
-
     def _supervise(self, rank: int, process: subprocess.Popen[bytes]) -> None:
         code = process.wait()
         if not self._closing:
