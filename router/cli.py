@@ -76,7 +76,7 @@ def add_up_command(subparsers: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     from headrace.sdk.launch import ServerProcess, start_router, start_worker
     from headrace.sdk.serving import wait_serving
-    from headrace.worker.model_store import DEFAULT_MODEL
+    from headrace.worker.models.store import DEFAULT_MODEL
 
     setup_logging(args.log_level)
     model = args.model or DEFAULT_MODEL

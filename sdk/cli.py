@@ -62,7 +62,7 @@ def setup_logging(level: str) -> None:
 
 
 def _models_list(args: argparse.Namespace) -> int:
-    from headrace.worker.model_store import DEFAULT_MODEL, KNOWN_MODELS, is_prepared, model_dir
+    from headrace.worker.models.store import DEFAULT_MODEL, KNOWN_MODELS, is_prepared, model_dir
 
     rows = [("NAME", "PREPARED", "PATH")]
     for name in sorted(KNOWN_MODELS):
@@ -76,7 +76,7 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _models_prepare(args: argparse.Namespace) -> int:
-    from headrace.worker.model_store import DEFAULT_MODEL, prepare_model
+    from headrace.worker.models.store import DEFAULT_MODEL, prepare_model
 
     print(prepare_model(args.name or DEFAULT_MODEL, force=args.force))
     return 0
@@ -95,7 +95,7 @@ def _add_models(subparsers: SubParsers) -> None:
 
 def _worker(args: argparse.Namespace) -> int:
     from headrace.worker.config import EngineConfig
-    from headrace.worker.server import ServerOptions, run
+    from headrace.worker.serving.server import ServerOptions, run
 
     setup_logging(args.log_level)
     engine_config = EngineConfig(
@@ -125,7 +125,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _add_worker(subparsers: SubParsers) -> None:
-    from headrace.worker.model_store import DEFAULT_MODEL
+    from headrace.worker.models.store import DEFAULT_MODEL
 
     worker = subparsers.add_parser(
         "worker",

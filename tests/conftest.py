@@ -12,7 +12,7 @@ import torch
 # the first kernel module is imported (triton.jit reads it when it decorates).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from headrace.worker.model_store import CACHE_ENV, DEFAULT_MODEL, model_dir, prepare_model
+from headrace.worker.models.store import CACHE_ENV, DEFAULT_MODEL, model_dir, prepare_model
 
 
 @pytest.fixture(scope="session")

@@ -10,21 +10,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from headrace.worker.async_engine import AsyncEngine, OutputStream
     from headrace.worker.config import EngineConfig
-    from headrace.worker.engine import Engine, RequestOutput, SampleDelta
-    from headrace.worker.llm import LLM, Completion, GenerationResult
+    from headrace.worker.engine.async_engine import AsyncEngine, OutputStream
+    from headrace.worker.engine.engine import Engine, RequestOutput, SampleDelta
+    from headrace.worker.engine.llm import LLM, Completion, GenerationResult
 
 _EXPORTS = {
-    "AsyncEngine": "async_engine",
-    "OutputStream": "async_engine",
+    "AsyncEngine": "engine.async_engine",
+    "OutputStream": "engine.async_engine",
     "EngineConfig": "config",
-    "Engine": "engine",
-    "RequestOutput": "engine",
-    "SampleDelta": "engine",
-    "LLM": "llm",
-    "Completion": "llm",
-    "GenerationResult": "llm",
+    "Engine": "engine.engine",
+    "RequestOutput": "engine.engine",
+    "SampleDelta": "engine.engine",
+    "LLM": "engine.llm",
+    "Completion": "engine.llm",
+    "GenerationResult": "engine.llm",
 }
 
 __all__ = [

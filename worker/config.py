@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from headrace.kernels.backend import BACKEND_NAMES, triton_device_error, triton_interpreted
 from headrace.sdk.errors import InvalidArgumentError
-from headrace.worker.parallel import check_parallel_sizes
+from headrace.worker.distributed.parallel import check_parallel_sizes
 
 _DTYPES = {
     "float32": torch.float32,

@@ -14,8 +14,8 @@ from typing import cast
 
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine import Engine
-from headrace.worker.model_store import DEFAULT_MODEL
+from headrace.worker.engine.engine import Engine
+from headrace.worker.models.store import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from headrace.worker.llm import LLM
+from headrace.worker.engine.llm import LLM
 
 from tests.e2e.processes import ServerProcess, start_worker
 from tests.factories import cached_checkpoint

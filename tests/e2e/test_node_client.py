@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import start_router
-from headrace.worker.llm import LLM
+from headrace.worker.engine.llm import LLM
 
 from tests.e2e.processes import ServerProcess, wait_serving
 

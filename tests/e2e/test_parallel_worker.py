@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import start_router
-from headrace.worker.llm import LLM
+from headrace.worker.engine.llm import LLM
 
 from tests.e2e.processes import ServerProcess, load_report, start_worker, wait_serving
 

@@ -23,7 +23,7 @@ from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError
 from headrace.sdk.launch import ServerProcess, start_router
-from headrace.worker.llm import LLM
+from headrace.worker.engine.llm import LLM
 
 from tests.e2e.processes import load_report, start_worker, wait_all_blocks_free, wait_serving
 

@@ -19,7 +19,7 @@ from headrace.sdk import wire
 from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import DeadlineExceededError
-from headrace.worker.llm import LLM
+from headrace.worker.engine.llm import LLM
 
 from tests.e2e.processes import ServerProcess, load_report, wait_all_blocks_free
 

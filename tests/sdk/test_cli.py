@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from headrace.sdk.cli import main
-from headrace.worker.model_store import CACHE_ENV, DEFAULT_MODEL, PREPARED_MARKER, model_dir
+from headrace.worker.models.store import CACHE_ENV, DEFAULT_MODEL, PREPARED_MARKER, model_dir
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-from headrace.worker.block_manager import BlockManager
+from headrace.worker.scheduling.block_manager import BlockManager
 
 from tests.worker.seqs import make_seq
 

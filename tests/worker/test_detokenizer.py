@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from headrace.sdk.config import GenerationConfig
-from headrace.worker.detokenizer import PROMPT_TAIL_TOKENS, Detokenizer, TextDelta
+from headrace.worker.sampling.detokenizer import PROMPT_TAIL_TOKENS, Detokenizer, TextDelta
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.embedding import VocabParallelEmbedding
 from headrace.worker.layers.weights import CheckpointTensor, SafeSlice
-from headrace.worker.loader import CheckpointError, checkpoint_files
+from headrace.worker.models.loader import CheckpointError, checkpoint_files
 from headrace.worker.models.registry import load_model
-from headrace.worker.parallel import ParallelConfig
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

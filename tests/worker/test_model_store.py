@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 from headrace.sdk.errors import NotFoundError
-from headrace.worker import model_store
-from headrace.worker.model_store import (
+from headrace.worker.models import store as model_store
+from headrace.worker.models.store import (
     CACHE_ENV,
     DEFAULT_MODEL,
     KNOWN_MODELS,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from headrace.kernels import AttentionMetadata
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.embedding import VocabParallelEmbedding
 from headrace.worker.layers.linear import (
     MergedColumnParallelLinear,
@@ -24,10 +25,9 @@ from headrace.worker.layers.linear import (
     RowParallelLinear,
 )
 from headrace.worker.layers.rotary import compute_inv_freq
-from headrace.worker.loader import CheckpointError
 from headrace.worker.models.config import ModelConfig
+from headrace.worker.models.loader import CheckpointError
 from headrace.worker.models.registry import UnsupportedModelError, load_model
-from headrace.worker.parallel import ParallelConfig
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, GPT2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

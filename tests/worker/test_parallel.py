@@ -18,7 +18,7 @@ import pytest
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine import Engine
+from headrace.worker.engine.engine import Engine
 
 from tests.factories import build_checkpoint, hf_greedy
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from headrace.worker.parallel import ParallelConfig, stage_layers
-from headrace.worker.pipeline import split_micro_batches
+from headrace.worker.distributed.parallel import ParallelConfig, stage_layers
+from headrace.worker.distributed.pipeline import split_micro_batches
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from headrace.sdk.config import GenerationConfig
-from headrace.worker.sampler import Sampler, compute_prompt_logprobs, process_logits
+from headrace.worker.sampling.sampler import Sampler, compute_prompt_logprobs, process_logits
 from headrace.worker.sequence import Sequence
 from transformers.generation.logits_process import (
     LogitsProcessor,

@@ -1,6 +1,6 @@
-from headrace.worker.block_manager import BlockManager
 from headrace.worker.config import EngineConfig
-from headrace.worker.scheduler import Scheduler, SchedulerOutput
+from headrace.worker.scheduling.block_manager import BlockManager
+from headrace.worker.scheduling.scheduler import Scheduler, SchedulerOutput
 from headrace.worker.sequence import FinishReason, SequenceStatus
 
 from tests.worker.seqs import make_seq

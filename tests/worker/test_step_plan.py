@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from headrace.worker.scheduler import ScheduledChunk
+from headrace.worker.distributed.step_plan import MirrorTable, PlanEncoder
+from headrace.worker.scheduling.scheduler import ScheduledChunk
 from headrace.worker.sequence import SequenceStatus
-from headrace.worker.step_plan import MirrorTable, PlanEncoder
 
 from tests.worker.seqs import make_seq
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from headrace.kernels.precision import linear
+from headrace.worker.distributed.parallel import ParallelConfig, all_gather, all_reduce
 from headrace.worker.layers.weights import (
     LoadedTensor,
     ShardId,
@@ -18,7 +19,6 @@ from headrace.worker.layers.weights import (
     load_into,
     new_parameter,
 )
-from headrace.worker.parallel import ParallelConfig, all_gather, all_reduce
 from torch import nn
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from headrace.kernels.precision import linear
+from headrace.worker.distributed.parallel import ParallelConfig, all_reduce, divide
 from headrace.worker.layers.weights import (
     LoadedTensor,
     ShardId,
@@ -23,7 +24,6 @@ from headrace.worker.layers.weights import (
     new_parameter,
     shard_rows,
 )
-from headrace.worker.parallel import ParallelConfig, all_reduce, divide
 from torch import nn
 
 

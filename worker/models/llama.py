@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from headrace.kernels import AttentionMetadata, KernelSet
+from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.attention import Attention
 from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from headrace.worker.layers.linear import (
@@ -28,9 +29,8 @@ from headrace.worker.layers.linear import (
 from headrace.worker.layers.norm import RMSNorm
 from headrace.worker.layers.rotary import RotaryEmbedding
 from headrace.worker.layers.weights import LoadedTensor, ShardId
-from headrace.worker.loader import load_weights
 from headrace.worker.models.config import ModelConfig
-from headrace.worker.parallel import ParallelConfig
+from headrace.worker.models.loader import load_weights
 from torch import nn
 
 

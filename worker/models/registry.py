@@ -11,12 +11,12 @@ from typing import Any, Protocol
 import torch
 from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.execution.model_runner import CausalLM
 from headrace.worker.layers.weights import LoadedTensor
-from headrace.worker.loader import iter_checkpoint
-from headrace.worker.model_runner import CausalLM
 from headrace.worker.models.config import UnsupportedModelError
 from headrace.worker.models.llama import LlamaForCausalLM
-from headrace.worker.parallel import ParallelConfig
+from headrace.worker.models.loader import iter_checkpoint
 
 __all__ = ["MODEL_REGISTRY", "LoadedModel", "UnsupportedModelError", "load_model"]
 

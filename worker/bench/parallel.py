@@ -1,9 +1,9 @@
 """Decode-step time of tensor- and pipeline-parallel workers, every config in one run.
 
-    python -m headrace.worker.bench_parallel --heads 8,4                       # TP=1 vs TP=2
-    python -m headrace.worker.bench_parallel --heads 8,4 --configs 1x2/1,1x2/2 # PP in flight
-    python -m headrace.worker.bench_parallel --configs 1x1,1x2:1,1x2:2         # micro-batches
-    python -m headrace.worker.bench_parallel --tiny                            # overhead only
+    python -m headrace.worker.bench.parallel --heads 8,4                       # TP=1 vs TP=2
+    python -m headrace.worker.bench.parallel --heads 8,4 --configs 1x2/1,1x2/2 # PP in flight
+    python -m headrace.worker.bench.parallel --configs 1x1,1x2:1,1x2:2         # micro-batches
+    python -m headrace.worker.bench.parallel --tiny                            # overhead only
 
 SmolLM2-135M (the default model) has 9 query / 3 KV heads, which TP=2 cannot split:
 ``--heads 8,4`` times a random-weight model of its exact shape with 8 / 4 heads instead.
@@ -38,11 +38,15 @@ from typing import Any
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError
-from headrace.worker.bench import build_random_checkpoint, build_tiny_checkpoint, make_workload
+from headrace.worker.bench.engine import (
+    build_random_checkpoint,
+    build_tiny_checkpoint,
+    make_workload,
+)
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine import Engine, RequestOutput
-from headrace.worker.executor import check_model_splits
-from headrace.worker.model_store import DEFAULT_MODEL, resolve_model
+from headrace.worker.engine.engine import Engine, RequestOutput
+from headrace.worker.execution.executor import check_model_splits
+from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +268,7 @@ def _first_difference(ours: list[int], theirs: list[int]) -> int:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m headrace.worker.bench_parallel",
+        prog="python -m headrace.worker.bench.parallel",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -22,15 +22,15 @@ from headrace.kernels import select_kernels
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
 from headrace.sdk.outputs import TokenLogprob, Usage
-from headrace.worker.block_manager import BlockManager
 from headrace.worker.config import EngineConfig
-from headrace.worker.detokenizer import Detokenizer
-from headrace.worker.executor import InFlightStep, start_executor
-from headrace.worker.model_runner import StepResult
-from headrace.worker.model_store import resolve_model
+from headrace.worker.execution.executor import InFlightStep, start_executor
+from headrace.worker.execution.model_runner import StepResult
 from headrace.worker.models.registry import model_factory, read_model_type
-from headrace.worker.sampler import Sampler, compute_prompt_logprobs
-from headrace.worker.scheduler import Scheduler, SchedulerOutput
+from headrace.worker.models.store import resolve_model
+from headrace.worker.sampling.detokenizer import Detokenizer
+from headrace.worker.sampling.sampler import Sampler, compute_prompt_logprobs
+from headrace.worker.scheduling.block_manager import BlockManager
+from headrace.worker.scheduling.scheduler import Scheduler, SchedulerOutput
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers import GenerationConfig as HFGenerationConfig

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headrace.worker.model_runner import ChunkInput
-from headrace.worker.scheduler import ScheduledChunk
+from headrace.worker.execution.model_runner import ChunkInput
+from headrace.worker.scheduling.scheduler import ScheduledChunk
 from headrace.worker.sequence import Sequence
 
 

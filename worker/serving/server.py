@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
-from headrace.worker.async_engine import AsyncEngine
 from headrace.worker.config import EngineConfig
-from headrace.worker.metrics import WorkerMetrics
-from headrace.worker.service import (
+from headrace.worker.engine.async_engine import AsyncEngine
+from headrace.worker.serving.metrics import WorkerMetrics
+from headrace.worker.serving.service import (
     GenerationService,
     ServingState,
     WorkerControlService,

@@ -1,8 +1,8 @@
 """What gRPC and the router cost: the same workload through the in-process streaming API,
 through a worker process + the SDK, and through a router in front of that worker.
 
-    python -m headrace.worker.bench_service            # tiny model, 256 concurrent requests
-    python -m headrace.worker.bench_service --model smollm2-135m-instruct --num-requests 64
+    python -m headrace.worker.bench.serve            # tiny model, 256 concurrent requests
+    python -m headrace.worker.bench.serve --model smollm2-135m-instruct --num-requests 64
 
 The tiny model (2 layers, hidden 64, the default model's tokenizer) makes the engine cheap,
 so the serving path's own overhead shows. Both sides run every request to max_tokens
@@ -22,8 +22,7 @@ from pathlib import Path
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import start_router, start_worker
-from headrace.worker.async_engine import AsyncEngine
-from headrace.worker.bench import (
+from headrace.worker.bench.engine import (
     Report,
     Workload,
     build_tiny_checkpoint,
@@ -31,7 +30,8 @@ from headrace.worker.bench import (
     quantile,
 )
 from headrace.worker.config import EngineConfig
-from headrace.worker.model_store import DEFAULT_MODEL, resolve_model
+from headrace.worker.engine.async_engine import AsyncEngine
+from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 
 def _config(workload: Workload) -> GenerationConfig:
@@ -78,7 +78,7 @@ def _round(name: str, start: float, results: list[tuple[int, float]]) -> Report:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m headrace.worker.bench_service")
+    parser = argparse.ArgumentParser(prog="python -m headrace.worker.bench.serve")
     parser.add_argument("--model", default=None, help="default: a tiny random model")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-requests", type=int, default=256)

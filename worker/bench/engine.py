@@ -1,8 +1,8 @@
 """Throughput benchmark: headrace against transformers on the same workload, in one run.
 
-    python -m headrace.worker.bench                      # headrace only
-    python -m headrace.worker.bench --baseline hf        # plus transformers' two modes
-    python -m headrace.worker.bench --tiny               # engine overhead with a tiny model
+    python -m headrace.worker.bench.engine                      # headrace only
+    python -m headrace.worker.bench.engine --baseline hf        # plus transformers' two modes
+    python -m headrace.worker.bench.engine --tiny               # engine overhead with a tiny model
 
 Default workload: SmolLM2-135M in bfloat16, 64 requests, prompt lengths uniform in 32-512
 tokens, 128 new tokens each, greedy, ignore_eos. Numbers are this machine's and this run's:
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine import Engine
-from headrace.worker.model_store import DEFAULT_MODEL, resolve_model
+from headrace.worker.engine.engine import Engine
+from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 
 @dataclass(slots=True)
@@ -227,7 +227,7 @@ def build_random_checkpoint(directory: Path, tokenizer_source: Path, **shape: An
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m headrace.worker.bench",
+        prog="python -m headrace.worker.bench.engine",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine import Engine, EngineLoad, Prompt, RequestOutput, SampleDelta
+from headrace.worker.engine.engine import Engine, EngineLoad, Prompt, RequestOutput, SampleDelta
 from headrace.worker.sequence import FinishReason
 
 logger = logging.getLogger(__name__)

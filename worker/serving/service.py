@@ -34,9 +34,9 @@ from headrace.sdk.errors import (
 )
 from headrace.sdk.outputs import FinishReason
 from headrace.sdk.telemetry import RequestTelemetry
-from headrace.worker.async_engine import AsyncEngine, OutputStream
-from headrace.worker.engine import RequestOutput, RequestTimes
-from headrace.worker.metrics import WorkerMetrics
+from headrace.worker.engine.async_engine import AsyncEngine, OutputStream
+from headrace.worker.engine.engine import RequestOutput, RequestTimes
+from headrace.worker.serving.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 #: One line per finished request (level INFO).

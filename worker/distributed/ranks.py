@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from headrace.kernels import select_kernels
 from headrace.worker.config import EngineConfig
-from headrace.worker.model_runner import ModelRunner, kv_cache_blocks
+from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.distributed.pipeline import PendingSends, StageRunner, receive_plan
+from headrace.worker.distributed.step_plan import MirrorTable
+from headrace.worker.execution.model_runner import ModelRunner, kv_cache_blocks
 from headrace.worker.models.registry import load_model
-from headrace.worker.parallel import ParallelConfig
-from headrace.worker.pipeline import PendingSends, StageRunner, receive_plan
-from headrace.worker.step_plan import MirrorTable
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class RankGroup:
             ).start()
 
     def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
-        command = [sys.executable, "-m", "headrace.worker.ranks", str(rank)]
+        command = [sys.executable, "-m", "headrace.worker.distributed.ranks", str(rank)]
         process = subprocess.Popen(command, stdin=subprocess.PIPE)
         assert process.stdin is not None
         process.stdin.write(pickle.dumps(self.setup))
@@ -284,6 +284,6 @@ def _exit_with_parent() -> None:
 
 if __name__ == "__main__":  # a child rank, started by RankGroup._spawn
     # Run the importable module's copy, so its classes are the ones the pickle names.
-    from headrace.worker import ranks
+    from headrace.worker.distributed import ranks
 
     ranks.rank_main(pickle.load(sys.stdin.buffer), int(sys.argv[1]))

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from headrace.worker.model_runner import ModelInputs, ModelRunner
-from headrace.worker.parallel import ParallelConfig
-from headrace.worker.step_plan import StepPlan
+from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.distributed.step_plan import StepPlan
+from headrace.worker.execution.model_runner import ModelInputs, ModelRunner
 
 #: Global rank of the process that schedules, samples and serves.
 DRIVER_RANK = 0

@@ -28,8 +28,8 @@ import heapq
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from headrace.worker.block_manager import BlockManager
 from headrace.worker.config import EngineConfig
+from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
 
 

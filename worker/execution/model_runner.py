@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from headrace.kernels import AttentionMetadata
 from headrace.worker.config import EngineConfig
-from headrace.worker.parallel import ParallelConfig
-from headrace.worker.scheduler import ScheduledChunk, SchedulerOutput
+from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.scheduling.scheduler import ScheduledChunk, SchedulerOutput
 from headrace.worker.sequence import Sequence
 
 

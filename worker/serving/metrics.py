@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from headrace.sdk.telemetry import NAMESPACE, RequestMetrics
-from headrace.worker.async_engine import AsyncEngine
+from headrace.worker.engine.async_engine import AsyncEngine
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector

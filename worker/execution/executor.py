@@ -19,7 +19,17 @@ import torch.distributed as dist
 from headrace.kernels import KernelSet
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
-from headrace.worker.model_runner import (
+from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.distributed.pipeline import (
+    DRIVER_RANK,
+    PendingSends,
+    StageRunner,
+    send_plan,
+    split_micro_batches,
+)
+from headrace.worker.distributed.ranks import RankGroup, Shard, build_shard
+from headrace.worker.distributed.step_plan import PlanEncoder
+from headrace.worker.execution.model_runner import (
     ModelRunner,
     PreparedBatch,
     StepResult,
@@ -28,17 +38,7 @@ from headrace.worker.model_runner import (
 )
 from headrace.worker.models.config import ModelConfig
 from headrace.worker.models.registry import load_model
-from headrace.worker.parallel import ParallelConfig
-from headrace.worker.pipeline import (
-    DRIVER_RANK,
-    PendingSends,
-    StageRunner,
-    send_plan,
-    split_micro_batches,
-)
-from headrace.worker.ranks import RankGroup, Shard, build_shard
-from headrace.worker.scheduler import SchedulerOutput
-from headrace.worker.step_plan import PlanEncoder
+from headrace.worker.scheduling.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import Completion, GenerationResult
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine import Engine, Prompt, RequestOutput
+from headrace.worker.engine.engine import Engine, Prompt, RequestOutput
 
 __all__ = ["LLM", "Completion", "GenerationResult", "apply_output"]
 

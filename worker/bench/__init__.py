@@ -1,0 +1,1 @@
+"""The ``headrace bench`` commands: engine, parallel, serve and kernels."""

@@ -1,0 +1,1 @@
+"""From logits to text: the batched sampler, incremental detokenization and stop checks."""
