@@ -54,7 +54,9 @@ class _RouterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         router = self._router
         yield _gauge("requests_queued", "Requests waiting for a worker.", len(router.queue))
-        yield _gauge("requests_active", "Requests admitted and not finished.", router.num_active)
+        yield _gauge(
+            "requests_active", "Requests admitted and not finished.", router.active.num_in_flight
+        )
         links = list(router.pool.links.values())
         yield _per_worker(
             "worker_up", "1 if the worker is in rotation (healthy, not draining).",

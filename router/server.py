@@ -67,8 +67,9 @@ class RouterServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
         await self.grpc.set_serving(False)
-        if not await self.router.wait_idle(self.options.grace_period_s):
-            logger.warning("grace period over; cancelling %d requests", self.router.num_active)
+        if not await self.router.active.wait_idle(self.options.grace_period_s):
+            active = self.router.active.num_in_flight
+            logger.warning("grace period over; cancelling %d requests", active)
         remaining_s = max(0.0, self.options.grace_period_s - (time.monotonic() - start))
         await self.grpc.stop(min(remaining_s, 1.0))
         await self.router.close()

@@ -14,7 +14,6 @@ place and resume elsewhere (see `RoutedRequest`).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -32,13 +31,13 @@ from headrace.router.request import RoutedRequest
 from headrace.router.workers import WorkerLink, WorkerPool
 from headrace.sdk import serving, status, tracing, wire
 from headrace.sdk.errors import (
-    DeadlineExceededError,
     HeadraceError,
     InvalidArgumentError,
     ResourceExhaustedError,
     UnavailableError,
 )
 from headrace.sdk.outputs import FinishReason
+from headrace.sdk.prompts import Prompt
 from headrace.sdk.telemetry import RequestTelemetry
 
 logger = logging.getLogger(__name__)
@@ -57,9 +56,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.metrics.watch(self)
         self.draining = False
-        self.num_active = 0  # admitted and not finished (queued or in flight)
-        self._idle = asyncio.Event()
-        self._idle.set()
+        #: Requests admitted and not finished (queued or on a worker).
+        self.active = serving.InFlight()
         self._no_worker_since: float | None = time.monotonic()
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -112,17 +110,13 @@ class Router:
             affinity_key=self._affinity_key(parsed.prompt),
             telemetry=telemetry,
         )
-        if parsed.timeout_s is not None:
-            expired = DeadlineExceededError(f"timeout of {parsed.timeout_s:g} s passed")
-            loop = asyncio.get_running_loop()
-            request.timer = loop.call_later(parsed.timeout_s, self.fail, request, expired)
-        self.num_active += 1
-        self._idle.clear()
+        request.timer = serving.start_timeout(parsed.timeout_s, lambda e: self.fail(request, e))
+        self.active.started()
         self.queue.push(request, parsed.priority, request.arrival_s, num_tokens)
         self._dispatch()
         return request
 
-    def _affinity_key(self, prompt: wire.Prompt) -> bytes:
+    def _affinity_key(self, prompt: Prompt) -> bytes:
         if isinstance(prompt, str):
             return prompt[: self.config.affinity_prefix_chars].encode()
         head = prompt[: self.config.affinity_prefix_tokens]
@@ -261,9 +255,7 @@ class Router:
         if request.timer is not None:
             request.timer.cancel()
         self._record_end(request, last)
-        self.num_active -= 1
-        if self.num_active == 0:
-            self._idle.set()
+        self.active.ended()
 
     def _record_end(self, request: RoutedRequest, last: pb.Chunk | None) -> None:
         reason, usage, error = FinishReason.ABORT, request.usage(), None
@@ -295,13 +287,6 @@ class Router:
             for request in self.queue.items():
                 self.fail(request, UnavailableError("no healthy worker"))
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
-
     async def model_info(self) -> pb.ModelInfo:
         for link in self.pool.healthy():
             stub = generation_pb2_grpc.GenerationStub(link.channel)
@@ -313,7 +298,7 @@ class Router:
         raise UnavailableError("no healthy worker")
 
 
-def _estimate_tokens(prompt: wire.Prompt) -> int:
+def _estimate_tokens(prompt: Prompt) -> int:
     if isinstance(prompt, str):
         return max(1, len(prompt) // CHARS_PER_TOKEN)
     return len(prompt)
@@ -371,7 +356,6 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        self._sessions = itertools.count()
 
     # grpc.aio needs the handlers themselves to be async generators, hence the loops.
     async def Generate(

@@ -37,10 +37,10 @@ from headrace.sdk import status, tracing, wire
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, UnavailableError
 from headrace.sdk.outputs import GenerationResult, StreamChunk
+from headrace.sdk.prompts import Prompt
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-Prompt = wire.Prompt
 T = TypeVar("T")
 
 #: Channel settings of the SDK; each one's reason beside it.

@@ -1,7 +1,8 @@
 """What a generation produces, as the SDK and the offline API both hand it to users.
 
-`StreamChunk` is one step of one sample (what `stream()` yields); `GenerationResult` folds
-chunks into whole samples (what `generate()` returns, offline and over gRPC alike).
+`SampleDelta` is what one sample gained in one step; the engine emits them, and `StreamChunk`
+(what `stream()` yields) is one with its request's fields added. `GenerationResult` folds
+deltas into whole samples (what `generate()` returns, offline and over gRPC alike).
 """
 
 from __future__ import annotations
@@ -40,18 +41,24 @@ class Usage:
 
 
 @dataclass(slots=True)
-class StreamChunk:
-    """What one sample of a request gained in one step, as `stream()` yields it."""
+class SampleDelta:
+    """What one sample of a request gained in one step."""
 
-    request_id: str
     #: Which sample (0 .. n-1).
     index: int
     token_ids: list[int]
     text: str
     #: One per token, when config.logprobs was set.
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    #: Set on the sample's last chunk.
+    #: Set on the sample's last delta.
     finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class StreamChunk(SampleDelta):
+    """One sample's delta as `stream()` yields it, with its request's fields."""
+
+    request_id: str
     #: True on the request's last chunk.
     finished: bool = False
     #: On the request's last chunk.
@@ -107,26 +114,30 @@ class GenerationResult:
     def logprobs(self) -> list[TokenLogprob] | None:
         return self.outputs[0].logprobs
 
-    def extend(
-        self,
-        index: int,
-        token_ids: list[int],
-        text: str,
-        logprobs: list[TokenLogprob],
-        finish_reason: FinishReason | None,
-    ) -> None:
-        """Append one step's progress of sample ``index``."""
-        completion = self.outputs[index]
-        completion.token_ids.extend(token_ids)
-        completion.text += text
+    def add(self, delta: SampleDelta) -> None:
+        """Append one step's progress of sample ``delta.index``."""
+        completion = self.outputs[delta.index]
+        completion.token_ids.extend(delta.token_ids)
+        completion.text += delta.text
         if completion.logprobs is not None:
-            completion.logprobs.extend(logprobs)
-        if finish_reason is not None:
-            completion.finish_reason = finish_reason
+            completion.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            completion.finish_reason = delta.finish_reason
+
+    def update(
+        self,
+        prompt_logprobs: list[TokenLogprob] | None = None,
+        usage: Usage | None = None,
+        error: HeadraceError | None = None,
+    ) -> None:
+        """Record the request-level fields a step delivered (None: not in this step)."""
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
+        if usage is not None:
+            self.usage = usage
+        if error is not None:
+            self.error = error
 
     def add_chunk(self, chunk: StreamChunk) -> None:
-        self.extend(chunk.index, chunk.token_ids, chunk.text, chunk.logprobs, chunk.finish_reason)
-        if chunk.prompt_logprobs is not None:
-            self.prompt_logprobs = chunk.prompt_logprobs
-        if chunk.usage is not None:
-            self.usage = chunk.usage
+        self.add(chunk)
+        self.update(chunk.prompt_logprobs, chunk.usage)

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from headrace.protos import generation_pb2
 from headrace.protos import generation_pb2 as pb
 from headrace.sdk import status, tracing
-from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.errors import DeadlineExceededError, InvalidArgumentError
 from headrace.sdk.telemetry import MetricsServer
 from prometheus_client import CollectorRegistry
 
@@ -155,6 +155,46 @@ async def serve(
     finally:
         if provider is not None:
             provider.shutdown()
+
+
+class InFlight:
+    """How many requests a server holds (admitted, not finished), and a wait for none.
+
+    Router and worker both drain with it: refuse new work, then `wait_idle(grace)`.
+    """
+
+    def __init__(self) -> None:
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def started(self) -> None:
+        self.num_in_flight += 1
+        self._idle.clear()
+
+    def ended(self) -> None:
+        self.num_in_flight -= 1
+        if self.num_in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request is in flight; False if timeout_s passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+def start_timeout(
+    timeout_s: float | None, expire: Callable[[DeadlineExceededError], object]
+) -> asyncio.TimerHandle | None:
+    """A request's own timeout: ``expire(DeadlineExceededError)`` after timeout_s seconds on
+    the running loop (None: no timeout). Cancel the handle when the request ends first."""
+    if timeout_s is None:
+        return None
+    error = DeadlineExceededError(f"timeout of {timeout_s:g} s passed")
+    return asyncio.get_running_loop().call_later(timeout_s, expire, error)
 
 
 def _bound_by_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:

@@ -15,9 +15,8 @@ from headrace.protos import generation_pb2 as pb
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, StreamChunk, TokenLogprob, Usage
+from headrace.sdk.prompts import Prompt
 from headrace.sdk.status import duration
-
-Prompt = str | list[int]
 
 _DEFAULT_CONFIG = GenerationConfig()
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))

@@ -10,21 +10,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from headrace.sdk.outputs import Completion, GenerationResult, SampleDelta
     from headrace.worker.config import EngineConfig
     from headrace.worker.engine.async_engine import AsyncEngine, OutputStream
-    from headrace.worker.engine.engine import Engine, RequestOutput, SampleDelta
-    from headrace.worker.engine.llm import LLM, Completion, GenerationResult
+    from headrace.worker.engine.engine import Engine
+    from headrace.worker.engine.llm import LLM
+    from headrace.worker.engine.outputs import RequestOutput
 
+#: Exported name -> the module that defines it.
 _EXPORTS = {
-    "AsyncEngine": "engine.async_engine",
-    "OutputStream": "engine.async_engine",
-    "EngineConfig": "config",
-    "Engine": "engine.engine",
-    "RequestOutput": "engine.engine",
-    "SampleDelta": "engine.engine",
-    "LLM": "engine.llm",
-    "Completion": "engine.llm",
-    "GenerationResult": "engine.llm",
+    "AsyncEngine": "headrace.worker.engine.async_engine",
+    "OutputStream": "headrace.worker.engine.async_engine",
+    "EngineConfig": "headrace.worker.config",
+    "Engine": "headrace.worker.engine.engine",
+    "RequestOutput": "headrace.worker.engine.outputs",
+    "LLM": "headrace.worker.engine.llm",
+    "Completion": "headrace.sdk.outputs",
+    "GenerationResult": "headrace.sdk.outputs",
+    "SampleDelta": "headrace.sdk.outputs",
 }
 
 __all__ = [
@@ -44,4 +47,4 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'headrace.worker' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"headrace.worker.{module}"), name)
+    return getattr(importlib.import_module(module), name)

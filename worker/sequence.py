@@ -1,4 +1,8 @@
-"""One sample of one request as the engine tracks it, from admission to finish."""
+"""One sample of one request as the engine tracks it, from admission to finish.
+
+The record every part of the worker reads (scheduler, block pool, runner, sampler). Its
+`status` and `finish_reason` have one writer, the scheduler; everyone else asks.
+"""
 
 from __future__ import annotations
 
@@ -16,15 +20,12 @@ __all__ = ["FinishReason", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(IntEnum):
-    """Ordered so that `is_finished` is one comparison."""
+    """Ordered so that `Sequence.is_finished` is one comparison."""
 
-    WAITING = 0  # queued, or preempted and waiting to be recomputed
-    RUNNING = 1
-    FINISHED = 2
-
-    @property
-    def is_finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED
+    NEW = 0  # made, not given to the scheduler yet (samples 1..n-1 wait for sample 0)
+    WAITING = 1  # queued, or preempted and waiting to be recomputed
+    RUNNING = 2
+    FINISHED = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -45,7 +46,7 @@ class Sequence:
     sample_seed: int | None
     #: Token ids that end this sample: the model's EOS (unless ignore_eos) and stop_token_ids.
     stop_token_ids: frozenset[int]
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: SequenceStatus = SequenceStatus.NEW
     #: Tokens whose K/V are in the cache (or were served from the prefix cache).
     num_computed_tokens: int = 0
     #: Prompt tokens served from the prefix cache at first admission (for usage reporting).
@@ -74,10 +75,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_finished(self) -> bool:

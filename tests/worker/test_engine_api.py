@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -47,16 +48,15 @@ def test_min_tokens_holds_back_a_stop_token(llm, expected):
     assert len(result.token_ids) >= 4
 
 
-def test_eos_ends_the_sample_unless_ignored(llm, expected):
-    eos = min(llm.engine.eos_token_ids)
+def test_eos_ends_the_sample_unless_ignored(llm, expected, monkeypatch):
     result = llm.generate([PROMPT], greedy(ignore_eos=True))[0]
     assert len(result.token_ids) == 12
     # Make the oracle's 3rd token an EOS for this engine: the sample must stop there.
-    llm.engine.eos_token_ids = frozenset({expected[2]})
-    try:
-        stopped = llm.generate([PROMPT], GenerationConfig(temperature=0.0, max_tokens=12))[0]
-    finally:
-        llm.engine.eos_token_ids = frozenset({eos})
+    intake = llm.engine.intake
+    monkeypatch.setattr(
+        intake, "spec", dataclasses.replace(intake.spec, eos_token_ids=frozenset({expected[2]}))
+    )
+    stopped = llm.generate([PROMPT], GenerationConfig(temperature=0.0, max_tokens=12))[0]
     assert stopped.token_ids[-1] == expected[2] and stopped.finish_reason == "stop"
 
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 from headrace.sdk.config import GenerationConfig
-from headrace.worker.sampling.sampler import Sampler, compute_prompt_logprobs, process_logits
+from headrace.worker.sampling.logprobs import compute_prompt_logprobs
+from headrace.worker.sampling.sampler import Sampler, process_logits
 from headrace.worker.sequence import Sequence
 from transformers.generation.logits_process import (
     LogitsProcessor,
@@ -125,7 +126,9 @@ def test_presence_and_frequency_penalties_follow_openai_over_output_only() -> No
     for row, (seq, (presence, frequency)) in enumerate(zip(seqs, settings, strict=True)):
         expected = logits[row].clone()
         for token_id in range(vocab):
-            count = seq.output_token_ids.count(token_id)  # prompt tokens do not count
+            count = seq.token_ids[seq.num_prompt_tokens :].count(
+                token_id
+            )  # prompt tokens do not count
             expected[token_id] -= count * frequency + (count > 0) * presence
         torch.testing.assert_close(processed[row], expected)
 

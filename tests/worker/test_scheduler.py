@@ -1,6 +1,7 @@
 from headrace.worker.config import EngineConfig
 from headrace.worker.scheduling.block_manager import BlockManager
-from headrace.worker.scheduling.scheduler import Scheduler, SchedulerOutput
+from headrace.worker.scheduling.output import SchedulerOutput
+from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import FinishReason, SequenceStatus
 
 from tests.worker.seqs import make_seq
@@ -131,8 +132,9 @@ def test_finish_frees_blocks_wherever_the_sequence_is():
     scheduler.finish(running, FinishReason.ABORT)
     scheduler.finish(waiting, FinishReason.ABORT)
     assert scheduler.block_manager.num_free_blocks == 8
-    assert not scheduler.has_work()
-    assert scheduler.schedule().is_empty
+    assert not scheduler.running and scheduler.num_waiting == 0
+    step = scheduler.schedule()
+    assert step.chunks == [] and step.out_of_blocks == []
 
 
 def test_sequence_outgrowing_the_whole_pool_finishes_instead_of_preempting_itself_forever():
@@ -143,7 +145,8 @@ def test_sequence_outgrowing_the_whole_pool_finishes_instead_of_preempting_itsel
     step = run_step(scheduler)
     assert step.out_of_blocks == [seq] and step.chunks == [] and step.preempted == []
     assert seq.finish_reason == FinishReason.LENGTH
-    assert scheduler.block_manager.num_free_blocks == 2 and not scheduler.has_work()
+    assert scheduler.block_manager.num_free_blocks == 2
+    assert not scheduler.running and scheduler.num_waiting == 0
 
 
 # --- steps in flight (pipeline parallel) -----------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from headrace.worker.distributed.step_plan import MirrorTable, PlanEncoder
-from headrace.worker.scheduling.scheduler import ScheduledChunk
+from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.sequence import SequenceStatus
 
 from tests.worker.seqs import make_seq
@@ -74,5 +74,5 @@ def test_micro_batches_name_their_chunks_and_rows():
     mirrors.apply(plan)
     assert [mb.chunks for mb in plan.micro_batches] == [[(a.seq_id, 0, 3)], [(b.seq_id, 0, 2)]]
     assert [mb.logit_rows for mb in plan.micro_batches] == [[2], []]
-    ((seq_b, start, num_new),) = mirrors.chunks(plan.micro_batches[1])
-    assert (seq_b.token_ids, start, num_new) == (b.token_ids, 0, 2)
+    (mirror_b,) = mirrors.chunks(plan.micro_batches[1])
+    assert (mirror_b.seq.token_ids, mirror_b.start, mirror_b.num_new_tokens) == (b.token_ids, 0, 2)

@@ -44,8 +44,9 @@ from headrace.worker.bench.engine import (
     make_workload,
 )
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine.engine import Engine, RequestOutput
-from headrace.worker.execution.executor import check_model_splits
+from headrace.worker.distributed.executor import check_model_splits
+from headrace.worker.engine.engine import Engine
+from headrace.worker.engine.outputs import RequestOutput
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.distributed.step_plan import StepPlan
-from headrace.worker.execution.model_runner import ModelInputs, ModelRunner
+from headrace.worker.execution.batch import ModelInputs
+from headrace.worker.execution.model_runner import ModelRunner
 
 #: Global rank of the process that schedules, samples and serves.
 DRIVER_RANK = 0

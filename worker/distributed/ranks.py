@@ -35,7 +35,8 @@ from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.distributed.pipeline import PendingSends, StageRunner, receive_plan
 from headrace.worker.distributed.step_plan import MirrorTable
-from headrace.worker.execution.model_runner import ModelRunner, kv_cache_blocks
+from headrace.worker.execution.kv_cache import kv_cache_blocks
+from headrace.worker.execution.model_runner import ModelRunner
 from headrace.worker.models.registry import load_model
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headrace.worker.execution.model_runner import ChunkInput
-from headrace.worker.scheduling.scheduler import ScheduledChunk
+from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.sequence import Sequence
 
 
@@ -54,6 +53,15 @@ class SeqMirror:
 
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorChunk:
+    """One chunk of a micro-batch on a non-scheduling rank (a `BatchChunk`)."""
+
+    seq: SeqMirror
+    start: int
+    num_new_tokens: int
 
 
 @dataclass(slots=True)
@@ -115,5 +123,5 @@ class MirrorTable:
             mirror.token_ids.extend(update.new_token_ids)
             mirror.block_ids.extend(update.new_block_ids)
 
-    def chunks(self, micro_batch: MicroBatchPlan) -> list[ChunkInput]:
-        return [(self.seqs[seq_id], start, n) for seq_id, start, n in micro_batch.chunks]
+    def chunks(self, micro_batch: MicroBatchPlan) -> list[MirrorChunk]:
+        return [MirrorChunk(self.seqs[seq_id], start, n) for seq_id, start, n in micro_batch.chunks]

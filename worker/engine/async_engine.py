@@ -16,14 +16,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError
+from headrace.sdk.outputs import FinishReason, SampleDelta
+from headrace.sdk.prompts import Prompt
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine.engine import Engine, EngineLoad, Prompt, RequestOutput, SampleDelta
-from headrace.worker.sequence import FinishReason
+from headrace.worker.engine.engine import Engine
+from headrace.worker.engine.outputs import EngineLoad, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,11 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def on_fatal(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` (from another thread) just before a fault the worker
+        cannot survive ends the process: a rank of a parallel worker died."""
+        self.engine.on_fatal(callback)
 
     def shutdown(self) -> None:
         self._commands.put(_STOP)

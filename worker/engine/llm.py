@@ -13,8 +13,10 @@ from typing import Any
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import Completion, GenerationResult
+from headrace.sdk.prompts import Prompt
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine.engine import Engine, Prompt, RequestOutput
+from headrace.worker.engine.engine import Engine
+from headrace.worker.engine.outputs import RequestOutput
 
 __all__ = ["LLM", "Completion", "GenerationResult", "apply_output"]
 
@@ -85,13 +87,8 @@ class LLM:
 def apply_output(result: GenerationResult, output: RequestOutput) -> None:
     """Fold one engine step's output for a request into its result."""
     for delta in output.samples:
-        result.extend(delta.index, delta.token_ids, delta.text, delta.logprobs, delta.finish_reason)
-    if output.prompt_logprobs is not None:
-        result.prompt_logprobs = output.prompt_logprobs
-    if output.usage is not None:
-        result.usage = output.usage
-    if output.error is not None:
-        result.error = output.error
+        result.add(delta)
+    result.update(output.prompt_logprobs, output.usage, output.error)
 
 
 def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:

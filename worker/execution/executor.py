@@ -1,10 +1,9 @@
 """Runs scheduled steps: on one process, or across a tensor/pipeline-parallel worker's ranks.
 
 `start_executor` is the one place the engine builds its model: with a single rank it loads the
-model here and the `ModelRunner` executes steps directly; with several it first checks that
-the model splits as asked (before any process starts, so a bad size is one clear error),
-then starts the other ranks and builds rank 0's own shard. `DistributedExecutor` then sends
-each step's plan to every rank and runs rank 0's part of the pipeline.
+model here and the `ModelRunner` executes steps directly; with several it hands over to
+`distributed.executor`, which starts the other ranks. Either way the engine submits steps and
+collects their results in order; on one rank a step's result is ready at submission.
 """
 
 from __future__ import annotations
@@ -15,44 +14,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from headrace.kernels import KernelSet
-from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
+from headrace.worker.distributed.executor import DistributedExecutor, PendingStep, start_distributed
 from headrace.worker.distributed.parallel import ParallelConfig
-from headrace.worker.distributed.pipeline import (
-    DRIVER_RANK,
-    PendingSends,
-    StageRunner,
-    send_plan,
-    split_micro_batches,
-)
-from headrace.worker.distributed.ranks import RankGroup, Shard, build_shard
-from headrace.worker.distributed.step_plan import PlanEncoder
-from headrace.worker.execution.model_runner import (
-    ModelRunner,
-    PreparedBatch,
-    StepResult,
-    kv_cache_blocks,
-    merge_results,
-)
-from headrace.worker.models.config import ModelConfig
+from headrace.worker.execution.batch import StepResult
+from headrace.worker.execution.kv_cache import kv_cache_blocks
+from headrace.worker.execution.model_runner import ModelRunner
 from headrace.worker.models.registry import load_model
-from headrace.worker.scheduling.scheduler import SchedulerOutput
+from headrace.worker.scheduling.output import SchedulerOutput
 
 
 @dataclass(slots=True)
 class InFlightStep:
-    """A step submitted to the ranks whose logits have not been collected yet."""
+    """A submitted step whose result the engine has not collected yet."""
 
     step: SchedulerOutput
-    batches: list[PreparedBatch]
-    #: The logits, when rank 0 computed them itself (one stage); else they are still coming.
-    logits: list[torch.Tensor | None] | None
-    #: Rank 0's sends of this step (plan, activations), waited for at collection.
-    sends: PendingSends | None = None
-    #: The whole result, on a single rank.
+    #: The whole result, on a single rank (it ran at submission).
     result: StepResult | None = None
+    #: Rank 0's part of a step running across ranks.
+    pending: PendingStep | None = None
 
 
 @dataclass(slots=True)
@@ -67,15 +48,15 @@ class Executor:
 
     def submit(self, step: SchedulerOutput) -> InFlightStep:
         if self.distributed is not None:
-            return self.distributed.submit(step)
-        return InFlightStep(step, [], None, result=self.runner.execute(step))
+            return InFlightStep(step, pending=self.distributed.submit(step))
+        return InFlightStep(step, result=self.runner.execute(step))
 
     def collect(self, in_flight: InFlightStep) -> StepResult:
         """The step's result; steps must be collected in the order they were submitted."""
         if in_flight.result is not None:
             return in_flight.result
-        assert self.distributed is not None
-        return self.distributed.collect(in_flight)
+        assert self.distributed is not None and in_flight.pending is not None
+        return self.distributed.collect(in_flight.pending)
 
     def close(self) -> None:
         if self.distributed is not None:
@@ -83,9 +64,10 @@ class Executor:
             self.distributed = None
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` just before a rank failure ends the process."""
+        """Call ``callback(reason)`` just before a rank failure ends the process (a single
+        rank has no such failure: a fault in its step fails the step's requests only)."""
         if self.distributed is not None:
-            self.distributed.ranks.on_failure.append(callback)
+            self.distributed.on_failure(callback)
 
 
 def start_executor(
@@ -97,97 +79,12 @@ def start_executor(
     max_model_len: int,
     hf_config: Any,
 ) -> Executor:
-    if config.world_size == 1:
-        loaded = load_model(model_path, dtype, device, kernels=kernels)
-        num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
-        runner = ModelRunner(loaded.model, device, dtype, config.block_size, num_blocks)
-        if device.type == "cuda":
-            runner.warm_up(max_model_len)
-        return Executor(runner, ParallelConfig())
-    check_model_splits(config, hf_config, device)
-    ranks = RankGroup(config, model_path, dtype, max_model_len)
-    try:
-        shard = build_shard(ranks.setup, DRIVER_RANK, ranks.store)
-    except BaseException:
-        ranks.abort()
-        raise
-    distributed = DistributedExecutor(shard, ranks, config.pipeline_micro_batches)
-    return Executor(shard.runner, shard.parallel, distributed)
-
-
-def check_model_splits(config: EngineConfig, hf_config: Any, device: torch.device) -> None:
-    """Refuse sizes the model cannot be split by, naming the flag and the model's numbers."""
-    model = ModelConfig.from_hf(hf_config)
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    problems = []
-    if model.num_heads % tp:
-        problems.append(f"num_attention_heads ({model.num_heads}) is not divisible by it")
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        problems.append(
-            f"num_key_value_heads ({model.num_kv_heads}) neither divides it nor is divisible by it"
-        )
-    if model.intermediate_size % tp:
-        problems.append(f"intermediate_size ({model.intermediate_size}) is not divisible by it")
-    if problems:
-        raise InvalidArgumentError("tensor_parallel_size", f"{tp}: " + "; ".join(problems))
-    if pp > model.num_layers:
-        raise InvalidArgumentError(
-            "pipeline_parallel_size",
-            f"{pp} exceeds the model's {model.num_layers} layers (each stage needs one)",
-        )
+    if config.world_size > 1:
+        distributed = start_distributed(config, model_path, dtype, device, max_model_len, hf_config)
+        return Executor(distributed.shard.runner, distributed.shard.parallel, distributed)
+    loaded = load_model(model_path, dtype, device, kernels=kernels)
+    num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
+    runner = ModelRunner(loaded.model, device, dtype, config.block_size, num_blocks)
     if device.type == "cuda":
-        first = device.index or 0
-        available = torch.cuda.device_count() - first
-        if config.world_size > available:
-            raise InvalidArgumentError(
-                "tensor_parallel_size",
-                f"{tp} x pipeline_parallel_size {pp} needs {config.world_size} GPUs from "
-                f"cuda:{first}; {available} are visible",
-            )
-
-
-class DistributedExecutor:
-    """Rank 0's side of a step: plan, broadcast, run stage 0, collect the logits."""
-
-    def __init__(self, shard: Shard, ranks: RankGroup, num_micro_batches: int) -> None:
-        self.shard = shard
-        self.ranks = ranks
-        self.num_micro_batches = num_micro_batches
-        self.encoder = PlanEncoder()
-        self.stage = StageRunner(shard.runner, shard.parallel)
-
-    def submit(self, step: SchedulerOutput) -> InFlightStep:
-        """Send the plan and run rank 0's stage; later stages run on while rank 0 goes on."""
-        chunks = step.chunks
-        parts = split_micro_batches([c.num_new_tokens for c in chunks], self.num_micro_batches)
-        micro_batches = [chunks[part.start : part.stop] for part in parts]
-        batches = [self.shard.runner.prepare(mb) for mb in micro_batches]
-        rows = [batch.logit_rows for batch in batches]
-        sends = PendingSends(self.shard.parallel)
-        try:
-            send_plan(self.encoder.encode(micro_batches, rows), sends, self.shard.plan_group)
-            logits = self.stage.run([batch.inputs for batch in batches], rows, sends)
-        except Exception as exc:  # the ranks are out of step now; nothing can be retried
-            self.ranks.fail(f"step failed on rank 0: {exc!r}")
-        return InFlightStep(step, batches, logits, sends)
-
-    def collect(self, in_flight: InFlightStep) -> StepResult:
-        batches, logits = in_flight.batches, in_flight.logits
-        try:
-            if logits is None:
-                logits = self.stage.receive_logits([batch.logit_rows for batch in batches])
-            if in_flight.sends is not None:
-                in_flight.sends.wait()
-        except Exception as exc:
-            self.ranks.fail(f"step failed on rank 0: {exc!r}")
-        return merge_results([b.result(lg) for b, lg in zip(batches, logits, strict=True)])
-
-    def close(self) -> None:
-        """Tell every rank to stop, wait for them, and leave the process group."""
-        try:
-            sends = PendingSends(self.shard.parallel)
-            send_plan(None, sends, self.shard.plan_group)
-            sends.wait()
-        finally:
-            self.ranks.close()
-            dist.destroy_process_group()
+        runner.warm_up(max_model_len)
+    return Executor(runner, ParallelConfig())

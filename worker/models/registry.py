@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
-from headrace.worker.execution.model_runner import CausalLM
-from headrace.worker.layers.weights import LoadedTensor
 from headrace.worker.models.config import UnsupportedModelError
+from headrace.worker.models.interface import CausalLM, LoadableModel
 from headrace.worker.models.llama import LlamaForCausalLM
 from headrace.worker.models.loader import iter_checkpoint
 
 __all__ = ["MODEL_REGISTRY", "LoadedModel", "UnsupportedModelError", "load_model"]
-
-
-class LoadableModel(CausalLM, Protocol):
-    def load_weights(self, tensors: Iterable[tuple[str, LoadedTensor]]) -> None: ...
-
-    def eval(self) -> Any: ...
 
 
 #: Builds a model with uninitialised weights from (HF config, parallel config, dtype, kernels).

@@ -30,38 +30,8 @@ from dataclasses import dataclass, field
 
 from headrace.worker.config import EngineConfig
 from headrace.worker.scheduling.block_manager import BlockManager
+from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """Run tokens [start, start + num_new_tokens) of seq this step."""
-
-    seq: Sequence
-    #: Position of the first new token (the sequence's computed-token count before the step).
-    start: int
-    num_new_tokens: int
-    #: The chunk reaches the sequence's newest token, so the step samples its successor.
-    samples: bool
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """The whole scheduler -> model runner contract for one step."""
-
-    #: Single-token chunks first (decodes), then multi-token prefill chunks.
-    chunks: list[ScheduledChunk]
-    #: How many leading chunks have exactly one new token.
-    num_decode_seqs: int
-    num_batched_tokens: int
-    #: Sequences preempted while building this step (already back in the waiting queue).
-    preempted: list[Sequence] = field(default_factory=list)
-    #: Sequences that outgrew the whole KV pool: finished with reason LENGTH, blocks freed.
-    out_of_blocks: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks and not self.out_of_blocks
 
 
 @dataclass(slots=True)
@@ -127,9 +97,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
 
     def _peek_waiting(self) -> Sequence | None:
         while self._waiting and self._waiting[0][2].status != SequenceStatus.WAITING:

@@ -21,13 +21,9 @@ from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
+from headrace.worker.serving.control import WorkerControlService
 from headrace.worker.serving.metrics import WorkerMetrics
-from headrace.worker.serving.service import (
-    GenerationService,
-    ServingState,
-    WorkerControlService,
-    model_info,
-)
+from headrace.worker.serving.service import GenerationService, ServingState, model_info
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +63,7 @@ class WorkerServer:
             )
         self.port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(True)
-        self.engine.engine.executor.on_failure(self._rank_failed(asyncio.get_running_loop()))
+        self.engine.on_fatal(self._rank_failed(asyncio.get_running_loop()))
         return self.port
 
     def _rank_failed(self, loop: asyncio.AbstractEventLoop) -> Callable[[str], None]:

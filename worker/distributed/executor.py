@@ -1,0 +1,143 @@
+"""Rank 0's side of a tensor/pipeline-parallel worker: start the ranks, then run each step
+across them.
+
+`start_distributed` first checks that the model splits as asked (before any process starts,
+so a bad size is one clear error), then starts the other ranks and builds rank 0's own shard.
+`DistributedExecutor` sends each step's plan to every rank, runs rank 0's stage, and later
+collects the logits the last stage sends back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.config import EngineConfig
+from headrace.worker.distributed.pipeline import (
+    DRIVER_RANK,
+    PendingSends,
+    StageRunner,
+    send_plan,
+    split_micro_batches,
+)
+from headrace.worker.distributed.ranks import RankGroup, Shard, build_shard
+from headrace.worker.distributed.step_plan import PlanEncoder
+from headrace.worker.execution.batch import PreparedBatch, StepResult, merge_results
+from headrace.worker.models.config import ModelConfig
+from headrace.worker.scheduling.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """Rank 0's part of a step submitted to the ranks, whose logits are not collected yet."""
+
+    batches: list[PreparedBatch]
+    #: The logits, when rank 0 computed them itself (one stage); else they are still coming.
+    logits: list[torch.Tensor | None] | None
+    #: Rank 0's sends of this step (plan, activations), waited for at collection.
+    sends: PendingSends
+
+
+def start_distributed(
+    config: EngineConfig,
+    model_path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    hf_config: Any,
+) -> DistributedExecutor:
+    """Check the split, start ranks 1..world-1, and build rank 0's shard."""
+    check_model_splits(config, hf_config, device)
+    ranks = RankGroup(config, model_path, dtype, max_model_len)
+    try:
+        shard = build_shard(ranks.setup, DRIVER_RANK, ranks.store)
+    except BaseException:
+        ranks.abort()
+        raise
+    return DistributedExecutor(shard, ranks, config.pipeline_micro_batches)
+
+
+def check_model_splits(config: EngineConfig, hf_config: Any, device: torch.device) -> None:
+    """Refuse sizes the model cannot be split by, naming the flag and the model's numbers."""
+    model = ModelConfig.from_hf(hf_config)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    problems = []
+    if model.num_heads % tp:
+        problems.append(f"num_attention_heads ({model.num_heads}) is not divisible by it")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        problems.append(
+            f"num_key_value_heads ({model.num_kv_heads}) neither divides it nor is divisible by it"
+        )
+    if model.intermediate_size % tp:
+        problems.append(f"intermediate_size ({model.intermediate_size}) is not divisible by it")
+    if problems:
+        raise InvalidArgumentError("tensor_parallel_size", f"{tp}: " + "; ".join(problems))
+    if pp > model.num_layers:
+        raise InvalidArgumentError(
+            "pipeline_parallel_size",
+            f"{pp} exceeds the model's {model.num_layers} layers (each stage needs one)",
+        )
+    if device.type == "cuda":
+        first = device.index or 0
+        available = torch.cuda.device_count() - first
+        if config.world_size > available:
+            raise InvalidArgumentError(
+                "tensor_parallel_size",
+                f"{tp} x pipeline_parallel_size {pp} needs {config.world_size} GPUs from "
+                f"cuda:{first}; {available} are visible",
+            )
+
+
+class DistributedExecutor:
+    """Rank 0's side of a step: plan, send, run stage 0, collect the logits."""
+
+    def __init__(self, shard: Shard, ranks: RankGroup, num_micro_batches: int) -> None:
+        self.shard = shard
+        self.ranks = ranks
+        self.num_micro_batches = num_micro_batches
+        self.encoder = PlanEncoder()
+        self.stage = StageRunner(shard.runner, shard.parallel)
+
+    def submit(self, step: SchedulerOutput) -> PendingStep:
+        """Send the plan and run rank 0's stage; later stages run on while rank 0 goes on."""
+        chunks = step.chunks
+        parts = split_micro_batches([c.num_new_tokens for c in chunks], self.num_micro_batches)
+        micro_batches = [chunks[part.start : part.stop] for part in parts]
+        batches = [self.shard.runner.prepare(mb) for mb in micro_batches]
+        rows = [batch.logit_rows for batch in batches]
+        sends = PendingSends(self.shard.parallel)
+        try:
+            send_plan(self.encoder.encode(micro_batches, rows), sends, self.shard.plan_group)
+            logits = self.stage.run([batch.inputs for batch in batches], rows, sends)
+        except Exception as exc:  # the ranks are out of step now; nothing can be retried
+            self.ranks.fail(f"step failed on rank 0: {exc!r}")
+        return PendingStep(batches, logits, sends)
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        batches, logits = pending.batches, pending.logits
+        try:
+            if logits is None:
+                logits = self.stage.receive_logits([batch.logit_rows for batch in batches])
+            pending.sends.wait()
+        except Exception as exc:
+            self.ranks.fail(f"step failed on rank 0: {exc!r}")
+        return merge_results([b.result(lg) for b, lg in zip(batches, logits, strict=True)])
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` just before a rank failure ends the process."""
+        self.ranks.on_failure.append(callback)
+
+    def close(self) -> None:
+        """Tell every rank to stop, wait for them, and leave the process group."""
+        try:
+            sends = PendingSends(self.shard.parallel)
+            send_plan(None, sends, self.shard.plan_group)
+            sends.wait()
+        finally:
+            self.ranks.close()
+            dist.destroy_process_group()

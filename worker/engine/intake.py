@@ -1,0 +1,144 @@
+"""Request intake: a request as callers give it becomes the sequences the scheduler runs.
+
+`RequestIntake.build` checks everything about a request that can be checked before it runs
+(the config's type, the prompt, its token ids, whether it can ever fit the context and the
+KV pool), tokenizes a text prompt, and makes one `Sequence` per sample. Bad input raises
+`InvalidArgumentError` naming the field and changes nothing. Samples 1..n-1 of a request
+wait (status NEW) until sample 0 has computed the shared prompt, so they find its blocks in
+the prefix cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.prompts import Prompt
+from headrace.worker.engine.model_spec import ModelSpec
+from headrace.worker.engine.outputs import RequestTimes
+from headrace.worker.sampling.detokenizer import Detokenizer
+from headrace.worker.scheduling.block_manager import BlockManager
+from headrace.worker.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    """One request inside the engine: its samples and what has been reported of it."""
+
+    request_id: str
+    config: GenerationConfig
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    #: Samples 1..n-1 wait here until sample 0 has computed the shared prompt.
+    pending_siblings: list[Sequence]
+    times: RequestTimes
+    prompt_logprobs_sent: bool = False
+    prompt_token_ids_sent: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class RequestIntake:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        vocab_size: int,
+        block_manager: BlockManager,
+        detokenizer: Detokenizer,
+    ) -> None:
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.block_manager = block_manager
+        self.detokenizer = detokenizer
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    def build(
+        self, request_id: str, prompt: Prompt, config: GenerationConfig, priority: int
+    ) -> EngineRequest:
+        """The request's sequences, or InvalidArgumentError naming what is wrong."""
+        if not isinstance(config, GenerationConfig):
+            raise InvalidArgumentError("config", "must be a GenerationConfig")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidArgumentError("priority", f"must be an integer, got {priority!r}")
+        prompt_token_ids = self.prompt_token_ids(prompt)
+        self._check_fits(prompt_token_ids)
+        self._check_token_ids("config.stop_token_ids", list(config.stop_token_ids))
+        return self._new_request(request_id, prompt_token_ids, config, priority)
+
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgumentError("prompt", "must not be empty")
+            return list(self.spec.tokenizer.encode(prompt))
+        if not isinstance(prompt, list | tuple):
+            raise InvalidArgumentError("prompt", "must be a string or a list of token ids")
+        if not prompt:
+            raise InvalidArgumentError("prompt_token_ids", "must not be empty")
+        token_ids = list(prompt)
+        self._check_token_ids("prompt_token_ids", token_ids)
+        return token_ids
+
+    def _check_token_ids(self, field_name: str, token_ids: list[int]) -> None:
+        for i, token_id in enumerate(token_ids):
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise InvalidArgumentError(field_name, f"[{i}] is not an integer: {token_id!r}")
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidArgumentError(
+                    field_name,
+                    f"[{i}] = {token_id} is outside the vocabulary [0, {self.vocab_size})",
+                )
+
+    def _check_fits(self, prompt_token_ids: list[int]) -> None:
+        num_tokens, max_model_len = len(prompt_token_ids), self.spec.max_model_len
+        if num_tokens + 1 > max_model_len:
+            raise InvalidArgumentError(
+                "prompt",
+                f"has {num_tokens} tokens; the model's context is {max_model_len} and must "
+                "hold the prompt plus at least one generated token",
+            )
+        num_blocks = self.block_manager.num_blocks_for(num_tokens + 1)
+        if num_blocks > self.block_manager.num_blocks:
+            raise InvalidArgumentError(
+                "prompt",
+                f"needs {num_blocks} KV blocks but the cache has {self.block_manager.num_blocks}",
+            )
+
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], config: GenerationConfig, priority: int
+    ) -> EngineRequest:
+        stop_ids = frozenset(config.stop_token_ids)
+        if not config.ignore_eos:
+            stop_ids |= self.spec.eos_token_ids
+        arrival = next(self._arrivals)
+        seqs = [
+            Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=request_id,
+                sample_index=i,
+                config=config,
+                token_ids=list(prompt_token_ids),
+                num_prompt_tokens=len(prompt_token_ids),
+                priority=priority,
+                arrival=arrival,
+                sample_seed=sample_seed(config.seed, i),
+                stop_token_ids=stop_ids,
+                wants_prompt_logprobs=(i == 0 and config.prompt_logprobs is not None),
+                detok_state=self.detokenizer.new_state(prompt_token_ids, config),
+            )
+            for i in range(config.n)
+        ]
+        times = RequestTimes(arrival_s=time.monotonic())
+        return EngineRequest(request_id, config, prompt_token_ids, seqs, seqs[1:], times)
+
+
+def sample_seed(seed: int | None, sample_index: int) -> int | None:
+    """Sample 0 uses the request's seed as is, so n=1 and sample 0 of n agree."""
+    if seed is None or sample_index == 0:
+        return seed
+    return hash((seed, sample_index)) & (2**63 - 1)

@@ -1,0 +1,86 @@
+"""`ModelSpec`: what the engine settles about its model before building it.
+
+The checkpoint folder, its transformers config, the dtype to run in, the longest sequence,
+the tokenizer and the EOS ids: read once, checked once (a bad `max_model_len` fails here,
+naming the field), then passed to whatever needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.config import EngineConfig
+from headrace.worker.models.registry import model_factory, read_model_type
+from headrace.worker.models.store import resolve_model
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import GenerationConfig as HFGenerationConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    #: The local Hugging Face checkpoint folder.
+    path: Path
+    #: Its transformers config.
+    hf_config: Any
+    #: The dtype weights, KV cache and activations use.
+    dtype: torch.dtype
+    #: Longest sequence (prompt + output).
+    max_model_len: int
+    tokenizer: PreTrainedTokenizerBase
+    #: Token ids that end a sample unless ignore_eos (generation_config.json and tokenizer).
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelSpec:
+        path = resolve_model(config.model)
+        model_factory(read_model_type(path))  # before transformers reads the type
+        hf_config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(
+            path=path,
+            hf_config=hf_config,
+            dtype=config.torch_dtype(_checkpoint_dtype(hf_config)),
+            max_model_len=_max_model_len(config, hf_config),
+            tokenizer=tokenizer,
+            eos_token_ids=_eos_token_ids(path, tokenizer),
+        )
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
+    limit = config.max_model_len or model_max
+    if limit > model_max:
+        raise InvalidArgumentError(
+            "max_model_len", f"{limit} exceeds the model's context of {model_max}"
+        )
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < limit:
+        raise InvalidArgumentError(
+            "max_num_batched_tokens",
+            f"without chunked prefill it must be >= max_model_len ({limit}) so every "
+            "prompt fits one step",
+        )
+    return limit
+
+
+def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        generation = HFGenerationConfig.from_pretrained(path)
+        eos = generation.eos_token_id
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    except OSError:
+        pass  # no generation_config.json
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,145 @@
+"""One step as tensors: the flattened varlen batch every rank runs, and what comes back.
+
+`ModelInputs` is identical on every rank of a step. `PreparedBatch` adds what only the
+scheduling rank needs to read the logits back: which rows sample and which score the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from headrace.kernels import AttentionMetadata
+from headrace.worker.scheduling.output import ScheduledChunk
+from headrace.worker.sequence import Sequence
+
+
+class SeqTokens(Protocol):
+    """What building a batch reads of a sequence: an engine `Sequence`, or a rank's mirror."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def block_ids(self) -> list[int]: ...
+
+
+class BatchChunk(Protocol):
+    """What building a batch reads of one chunk: a `ScheduledChunk`, or a rank's mirror chunk
+    (the same fields, rebuilt from the step plan)."""
+
+    @property
+    def seq(self) -> SeqTokens: ...
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def num_new_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    """The flattened batch of one forward pass; identical on every rank of a step."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.metadata.slot_mapping)
+
+
+@dataclass(slots=True)
+class PromptLogitsSpan:
+    """Logits at prompt positions [first_position, first_position + len(logits))."""
+
+    seq: Sequence
+    first_position: int
+    logits: torch.Tensor  # [k, V] float32
+    target_ids: torch.Tensor  # [k]: the prompt token that follows each position
+
+
+@dataclass(slots=True)
+class StepResult:
+    #: Chunks that sample, in the order of sample_logits' rows.
+    sample_chunks: list[ScheduledChunk]
+    sample_logits: torch.Tensor | None  # [S, V] float32
+    prompt_spans: list[PromptLogitsSpan] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """Batch rows whose logits score prompt tokens (prompt_logprobs) for one chunk."""
+
+    chunk: ScheduledChunk
+    #: The first prompt position scored; its logits row is `first_row`.
+    first_position: int
+    first_row: int
+    num_rows: int
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """ModelInputs plus the bookkeeping only the scheduling rank needs to read the logits."""
+
+    inputs: ModelInputs
+    sample_rows: list[int]
+    sample_chunks: list[ScheduledChunk]
+    prompt_rows: list[PromptRows]
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """Rows that go through the LM head: sampling rows, then prompt-logprob rows."""
+        prompt = [r for p in self.prompt_rows for r in range(p.first_row, p.first_row + p.num_rows)]
+        return self.sample_rows + prompt
+
+    def result(self, logits: torch.Tensor | None) -> StepResult:
+        """Split the logits of `logit_rows` into what the sampler and prompt logprobs read."""
+        if logits is None:
+            return StepResult(self.sample_chunks, None)
+        num_samples = len(self.sample_rows)
+        result = StepResult(self.sample_chunks, logits[:num_samples] if num_samples else None)
+        offset = num_samples
+        for rows in self.prompt_rows:
+            seq, first, count = rows.chunk.seq, rows.first_position, rows.num_rows
+            targets = seq.token_ids[first + 1 : first + 1 + count]
+            result.prompt_spans.append(
+                PromptLogitsSpan(
+                    seq,
+                    first,
+                    logits[offset : offset + count],
+                    torch.tensor(targets, dtype=torch.long, device=logits.device),
+                )
+            )
+            offset += count
+        return result
+
+
+def merge_results(results: list[StepResult]) -> StepResult:
+    """One step's result from its micro-batches' results, in micro-batch order."""
+    if len(results) == 1:
+        return results[0]
+    sampled = [r.sample_logits for r in results if r.sample_logits is not None]
+    return StepResult(
+        [chunk for r in results for chunk in r.sample_chunks],
+        torch.cat(sampled) if sampled else None,
+        [span for r in results for span in r.prompt_spans],
+    )
+
+
+def prompt_logprob_rows(chunk: ScheduledChunk, first_row: int) -> PromptRows | None:
+    """The rows of ``chunk`` (whose first token is batch row ``first_row``) that score prompt
+    positions whose next-token logprob is still missing, or None.
+
+    Position p's logits score prompt token p + 1, so positions run up to num_prompt_tokens - 2.
+    Positions already scored (before a preemption) are not scored again.
+    """
+    seq, start = chunk.seq, chunk.start
+    first = max(start, len(seq.prompt_logprobs))
+    last = min(start + chunk.num_new_tokens, seq.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    return PromptRows(chunk, first, first_row + first - start, last - first)

@@ -1,0 +1,40 @@
+"""The model interface: what the model runner, the KV-cache sizing and the loader need of a
+model. Models implement it; the runner imports it, never a model, and models never import the
+runner or the scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch
+from headrace.kernels import AttentionMetadata
+from headrace.worker.layers.weights import LoadedTensor
+
+
+class CausalLM(Protocol):
+    #: Layers, KV heads and hidden size held by this rank (its pipeline stage and TP shard).
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    hidden_size: int
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        carry: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class LoadableModel(CausalLM, Protocol):
+    """A model as the registry builds it: weights still to load."""
+
+    def load_weights(self, tensors: Iterable[tuple[str, LoadedTensor]]) -> None: ...
+
+    def eval(self) -> Any: ...

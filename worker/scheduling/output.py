@@ -1,0 +1,38 @@
+"""The scheduler -> model runner contract: what one engine step runs.
+
+Both sides import this module and never each other: the scheduler fills a `SchedulerOutput`,
+the runner (and the ranks' step plans) read it. Plain data, no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headrace.worker.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """Run tokens [start, start + num_new_tokens) of seq this step."""
+
+    seq: Sequence
+    #: Position of the first new token (the sequence's computed-token count before the step).
+    start: int
+    num_new_tokens: int
+    #: The chunk reaches the sequence's newest token, so the step samples its successor.
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The whole scheduler -> model runner contract for one step."""
+
+    #: Single-token chunks first (decodes), then multi-token prefill chunks.
+    chunks: list[ScheduledChunk]
+    #: How many leading chunks have exactly one new token.
+    num_decode_seqs: int
+    num_batched_tokens: int
+    #: Sequences preempted while building this step (already back in the waiting queue).
+    preempted: list[Sequence] = field(default_factory=list)
+    #: Sequences that outgrew the whole KV pool: finished with reason LENGTH, blocks freed.
+    out_of_blocks: list[Sequence] = field(default_factory=list)
