@@ -410,17 +410,26 @@ def _decode(
         num_stages=DECODE_NUM_STAGES,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(batch, num_heads)](
-            target,
-            lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
-        )
+        _merge_splits(target, lse, out)
+
+
+def _merge_splits(
+    partial: torch.Tensor,  # [B, H, S, D] float32: each split's normalised output
+    lse: torch.Tensor,  # [B, H, S] float32: each split's log-sum-exp
+    out: torch.Tensor,  # [T, H, D]; rows [0, B) are written
+) -> None:
+    batch, num_heads, num_splits, head_dim = partial.shape
+    _merge_splits_kernel[(batch, num_heads)](
+        partial,
+        lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(MAX_SPLITS),
+    )
 
 
 def _extend(

@@ -1,0 +1,255 @@
+"""The router's logic without processes: admission, priority dispatch, streaming back,
+cancellation and resuming after a worker loss, over fake worker links."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import grpc
+import pytest
+from headrace.protos import generation_pb2 as pb
+from headrace.router.config import RouterConfig
+from headrace.router.request import RoutedRequest
+from headrace.router.service import Router
+from headrace.sdk import wire
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import ResourceExhaustedError, UnavailableError
+
+PROMPT_IDS = [11, 12, 13, 14]
+
+
+class FakeLink:
+    """A worker link the test drives by hand: it records what the router sends."""
+
+    def __init__(self, target: str, room: int = 8) -> None:
+        self.target = target
+        self.healthy = True
+        self.room = room
+        self.inflight: dict[str, RoutedRequest] = {}
+        self.sent: list[pb.Request] = []
+        self.cancelled: list[str] = []
+        self.queued_tokens = 0
+        self.free_kv_blocks = 100
+        self._wire_ids = itertools.count()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.inflight)
+
+    def has_room(self, request: RoutedRequest) -> bool:
+        return self.healthy and len(self.inflight) < self.room
+
+    def send(self, request: RoutedRequest) -> None:
+        request.wire_id = f"{self.target}-{next(self._wire_ids)}"
+        request.worker = self  # type: ignore[assignment]
+        self.inflight[request.wire_id] = request
+        self.sent.append(request.for_worker(request.wire_id))
+
+    def cancel(self, request: RoutedRequest) -> None:
+        self.cancelled.append(request.wire_id)
+
+    def forget(self, request: RoutedRequest) -> None:
+        self.inflight.pop(request.wire_id, None)
+
+    def lose(self) -> list[RoutedRequest]:
+        """The worker died: out of rotation, its requests handed back."""
+        self.healthy = False
+        orphans = list(self.inflight.values())
+        self.inflight.clear()
+        for request in orphans:
+            request.worker = None
+        return orphans
+
+
+def make_router(*links: FakeLink, **options: Any) -> Router:
+    router = Router(RouterConfig(workers=tuple(link.target for link in links), **options))
+    router.pool.links = {link.target: link for link in links}  # type: ignore[misc]
+    return router
+
+
+def make_request(
+    request_id: str = "r1", priority: int = 0, prompt: list[int] | str = PROMPT_IDS, **config: Any
+) -> pb.Request:
+    generation = GenerationConfig(**{"max_tokens": 8, "temperature": 0.0, **config})
+    return wire.request_to_wire(request_id, prompt, generation, priority=priority)
+
+
+def chunk(link: FakeLink, index: int, **fields: Any) -> pb.GenerateResponse:
+    """A worker's response carrying one chunk for the index-th request it was sent."""
+    wire_id = link.sent[index].request_id
+    return pb.GenerateResponse(chunks=[pb.Chunk(request_id=wire_id, **fields)])
+
+
+def drain(outbox: asyncio.Queue[list[pb.Chunk]]) -> list[pb.Chunk]:
+    chunks: list[pb.Chunk] = []
+    while not outbox.empty():
+        chunks.extend(outbox.get_nowait())
+    return chunks
+
+
+def test_admit_dispatches_to_a_worker_with_room():
+    link = FakeLink("a:1")
+    router = make_router(link)
+    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    request = router.admit(make_request("client-1"), outbox)
+    assert link.inflight == {request.wire_id: request}
+    sent = link.sent[0]
+    assert sent.request_id == request.wire_id != "client-1"
+    assert list(sent.token_ids.ids) == PROMPT_IDS and sent.return_prompt_token_ids
+    assert router.active.num_in_flight == 1 and len(router.queue) == 0
+
+
+def test_admit_refuses_without_a_healthy_worker_or_while_draining():
+    link = FakeLink("a:1")
+    router = make_router(link)
+    link.healthy = False
+    with pytest.raises(UnavailableError, match="no healthy worker"):
+        router.admit(make_request(), asyncio.Queue())
+    link.healthy = True
+    router.draining = True
+    with pytest.raises(UnavailableError, match="draining"):
+        router.admit(make_request(), asyncio.Queue())
+    assert router.active.num_in_flight == 0
+
+
+def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint():
+    router = make_router(FakeLink("a:1", room=0), max_queued_requests=2, retry_after_s=2.5)
+    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    router.admit(make_request("1"), outbox)
+    router.admit(make_request("2"), outbox)
+    with pytest.raises(ResourceExhaustedError) as refused:
+        router.admit(make_request("3"), outbox)
+    assert refused.value.retry_after_s == 2.5
+    assert len(router.queue) == 2
+
+
+def test_dispatch_takes_the_highest_priority_first_when_room_appears():
+    link = FakeLink("a:1", room=0)
+    router = make_router(link)
+    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    for request_id, priority in [("low", 0), ("high", 5), ("mid", 1)]:
+        router.admit(make_request(request_id, priority), outbox)
+    assert link.sent == []
+    link.room = 3
+    router.on_change()  # a load report: the worker has room now
+    order = [link.inflight[sent.request_id].client_id for sent in link.sent]
+    assert order == ["high", "mid", "low"]
+
+
+def test_chunks_go_back_under_the_client_id_and_a_finished_one_frees_room():
+    link = FakeLink("a:1", room=1)
+    router = make_router(link)
+    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    router.admit(make_request("first"), outbox)
+    router.admit(make_request("second"), outbox)
+    assert len(link.sent) == 1  # the second waits for room
+    router.on_response(link, chunk(link, 0, token_ids=[7, 8], prompt_token_ids=PROMPT_IDS))
+    router.on_response(
+        link,
+        chunk(
+            link,
+            0,
+            token_ids=[9],
+            finished=True,
+            finish_reason=pb.FINISH_REASON_LENGTH,
+            usage=pb.Usage(prompt_tokens=4, generated_tokens=3),
+        ),
+    )
+    got = drain(outbox)
+    assert [c.request_id for c in got] == ["first", "first"]
+    assert [list(c.token_ids) for c in got] == [[7, 8], [9]]
+    assert not got[0].prompt_token_ids  # the client did not ask for them
+    assert got[1].finished and got[1].usage.generated_tokens == 3
+    assert len(link.sent) == 2 and link.inflight[link.sent[1].request_id].client_id == "second"
+    assert router.active.num_in_flight == 1
+
+
+def test_a_request_resumes_on_another_worker_with_the_tokens_already_streamed():
+    a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
+    router = make_router(a, b)
+    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    router.admit(make_request("r", max_tokens=8, min_tokens=5, seed=3), outbox)
+    router.on_response(a, chunk(a, 0, token_ids=[20, 21, 22], prompt_token_ids=PROMPT_IDS))
+    b.room = 1
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    assert router.metrics.failovers._value.get() == 1
+    resumed = b.sent[0]
+    assert list(resumed.token_ids.ids) == [*PROMPT_IDS, 20, 21, 22]
+    assert resumed.config.max_tokens == 5 and resumed.config.min_tokens == 2
+    assert resumed.config.seed == 3
+    router.on_response(
+        b,
+        chunk(
+            b,
+            0,
+            token_ids=[23],
+            finished=True,
+            finish_reason=pb.FINISH_REASON_STOP,
+            usage=pb.Usage(prompt_tokens=7, generated_tokens=1),
+            prompt_token_ids=[*PROMPT_IDS, 20, 21, 22],
+        ),
+    )
+    got = drain(outbox)
+    assert [list(c.token_ids) for c in got] == [[20, 21, 22], [23]]
+    # The client's view: its own prompt, every token it got, whichever worker made it.
+    assert got[-1].usage.prompt_tokens == 4 and got[-1].usage.generated_tokens == 4
+
+
+def test_a_text_prompt_resumes_from_the_token_ids_the_first_worker_reported():
+    a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
+    router = make_router(a, b)
+    router.admit(make_request("r", prompt="hello there"), asyncio.Queue())
+    assert a.sent[0].text == "hello there"
+    router.on_response(a, chunk(a, 0, token_ids=[5], prompt_token_ids=[1, 2, 3]))
+    b.room = 1
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    assert b.sent[0].WhichOneof("prompt") == "token_ids"
+    assert list(b.sent[0].token_ids.ids) == [1, 2, 3, 5]
+
+
+def test_requests_with_several_samples_fail_over_as_unavailable():
+    a, b = FakeLink("a:1"), FakeLink("b:2")
+    router = make_router(a, b)
+    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    router.admit(make_request("r", n=2, temperature=1.0), outbox)
+    owner = a if a.inflight else b
+    router.on_down(owner, owner.lose())  # type: ignore[arg-type]
+    (last,) = drain(outbox)
+    assert last.finished and last.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert router.active.num_in_flight == 0
+
+
+def test_cancel_ends_a_queued_request_here_and_asks_the_worker_for_a_dispatched_one():
+    link = FakeLink("a:1", room=1)
+    router = make_router(link)
+    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    running = router.admit(make_request("running"), outbox)
+    queued = router.admit(make_request("queued"), outbox)
+    router.cancel(queued)
+    (last,) = drain(outbox)
+    assert last.request_id == "queued" and last.finish_reason == pb.FINISH_REASON_CANCELLED
+    router.cancel(running)
+    assert link.cancelled == [running.wire_id]
+    assert not running.done  # the worker's last chunk ends it
+    router.on_response(
+        link, chunk(link, 0, finished=True, finish_reason=pb.FINISH_REASON_CANCELLED)
+    )
+    assert running.done and router.active.num_in_flight == 0
+
+
+def test_to_client_drops_prompt_logprobs_on_resume_once_sent():
+    request = make_router(FakeLink("a:1")).admit(
+        make_request("r", prompt_logprobs=1), asyncio.Queue()
+    )
+    request.to_client(
+        pb.Chunk(
+            token_ids=[9],
+            prompt_token_ids=PROMPT_IDS,
+            prompt_logprobs=[pb.TokenLogprob(token_id=12, logprob=-1.0)],
+        )
+    )
+    resumed = request.for_worker("w2")
+    assert not resumed.config.HasField("prompt_logprobs")
+    assert list(resumed.token_ids.ids) == [*PROMPT_IDS, 9]

@@ -1,0 +1,129 @@
+"""The tree is the architecture: these checks keep it so.
+
+Which package may import which (ARCHITECTURE.md's table), the worker's top kept to a few
+modules, and modules and functions short enough to read (Triton kernels excepted: a kernel is
+one launch and reads best whole).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("protos", "sdk", "router", "worker", "kernels")
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+#: Module-level imports each package (or worker sub-package) must never make. Lower parts
+#: never import higher ones; the router and the SDK never load torch.
+FORBIDDEN = {
+    "router": ("torch", "transformers", "triton", "headrace.worker", "headrace.kernels"),
+    "sdk": ("torch", "transformers", "triton", "headrace.worker", "headrace.router"),
+    "protos": ("torch", "headrace."),
+    "kernels": ("headrace.worker", "headrace.router", "headrace.sdk", "transformers"),
+    "worker/scheduling": (
+        "torch",
+        "headrace.worker.engine",
+        "headrace.worker.execution",
+        "headrace.worker.distributed",
+        "headrace.worker.sampling",
+        "headrace.worker.serving",
+        "headrace.worker.models",
+    ),
+    "worker/models": (
+        "headrace.worker.engine",
+        "headrace.worker.execution",
+        "headrace.worker.scheduling",
+        "headrace.worker.sampling",
+        "headrace.worker.serving",
+    ),
+    "worker/layers": (
+        "headrace.worker.engine",
+        "headrace.worker.execution",
+        "headrace.worker.scheduling",
+        "headrace.worker.sampling",
+        "headrace.worker.serving",
+        "headrace.worker.models",
+    ),
+    "worker/sampling": (
+        "headrace.worker.engine",
+        "headrace.worker.execution",
+        "headrace.worker.scheduling",
+        "headrace.worker.distributed",
+        "headrace.worker.serving",
+    ),
+    "worker/execution": ("headrace.worker.engine", "headrace.worker.serving"),
+    "worker/distributed": ("headrace.worker.engine", "headrace.worker.serving"),
+    "worker/engine": ("headrace.worker.serving", "headrace.worker.bench"),
+}
+
+
+def python_files(folder: str) -> Iterator[Path]:
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if "_pb2" not in path.name:
+            yield path
+
+
+def module_imports(path: Path) -> set[str]:
+    """Modules imported at module level (including under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    nodes: list[ast.stmt] = list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.If):
+            nodes.extend(node.body)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_no_package_imports_what_it_sits_below(folder: str) -> None:
+    offences = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in python_files(folder)
+        for name in sorted(module_imports(path))
+        for banned in FORBIDDEN[folder]
+        if name == banned.rstrip(".") or name.startswith(banned.rstrip(".") + ".")
+    ]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_worker_top_holds_only_a_few_modules() -> None:
+    top = sorted(path.name for path in (ROOT / "worker").glob("*.py"))
+    assert len(top) <= 4, top
+
+
+def test_modules_outside_kernels_stay_readable() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {num_lines} lines"
+        for folder in ("protos", "sdk", "router", "worker")
+        for path in python_files(folder)
+        if (num_lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "\n".join(long)
+
+
+def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
+
+
+def test_functions_stay_short() -> None:
+    long = []
+    for folder in (*PACKAGES, "tests"):
+        for path in python_files(folder):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                num_lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if num_lines > MAX_FUNCTION_LINES and not _is_triton_kernel(node):
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not long, "\n".join(long)
