@@ -50,10 +50,10 @@ pytest: install
 test: lint typecheck pytest
 
 bench: install
-	$(PY) -m headrace.worker.bench.engine --baseline hf
+	$(VENV)/bin/headrace bench engine --baseline hf
 
 bench-service: install
-	$(PY) -m headrace.worker.bench.serve
+	$(VENV)/bin/headrace bench serve
 
 # Regenerate protos/*_pb2*.py from protos/headrace/v1/*.proto (a test fails if they drift).
 protos: install

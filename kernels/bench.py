@@ -1,6 +1,6 @@
 """Kernel benchmark (CUDA): each Triton kernel against its baseline on the same data.
 
-    python -m headrace.kernels.bench [--contexts 2048 4096 8192] [--batch 64]
+    headrace bench kernels [--contexts 2048 4096 8192] [--batch 64]
 
 Baselines: paged decode / extend attention against `scaled_dot_product_attention` on the
 same K/V laid out contiguously (flash backend where it takes the shape), the other kernels
@@ -18,6 +18,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -204,13 +205,10 @@ def bench_small_kernels(num_tokens: int) -> list[Row]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """``headrace bench kernels`` (flags: --batch, --contexts); returns the summary."""
     if not torch.cuda.is_available():
-        raise SystemExit("the kernel benchmark needs a CUDA device")
+        raise SystemExit("headrace bench kernels: needs a CUDA device")
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
     copy = copy_bandwidth()
@@ -223,6 +221,19 @@ def main() -> None:
     rows.append(bench_decode(4, 32768, (32, 8, 128), 16))  # few long sequences: split-KV
     rows.append(bench_prefill(4, 2048, (32, 8, 128)))
     rows.extend(bench_small_kernels(4096))
+    _print_table(name, copy, peak, rows)
+    return {
+        "bench": "kernels",
+        "device": name,
+        "copy_tb_s": round(copy / 1e12, 3),
+        "rows": [
+            {**dataclasses.asdict(row), "ratio_baseline": round(row.baseline_ms / row.ours_ms, 3)}
+            for row in rows
+        ],
+    }
+
+
+def _print_table(name: str, copy: float, peak: float | None, rows: list[Row]) -> None:
     print(f"device: {name}; copy bandwidth {copy / 1e12:.2f} TB/s", end="")
     print(f"; datasheet {peak / 1e12:.2f} TB/s" if peak else "")
     print(
@@ -237,7 +248,3 @@ def main() -> None:
             f"{row.baseline_ms / row.ours_ms:9.2f} {bandwidth / 1e12:6.2f} "
             f"{100 * bandwidth / copy:6.1f} {peak_share}  {row.baseline}"
         )
-
-
-if __name__ == "__main__":
-    main()

@@ -6,6 +6,7 @@
     headrace router --workers A,B     schedule requests across workers (headrace[router])
     headrace up --workers N           a router and N workers on this machine
     headrace generate "prompt"        stream a generation from a server to the terminal
+    headrace bench BENCH              benchmarks: engine, parallel, serve, kernels
 
 Each command group is one ``_add_*`` function in `COMMAND_GROUPS` that adds its subparser
 and sets ``handler`` on its leaf commands; `worker`, `router`, `generate` and `up` are added
@@ -189,6 +190,12 @@ def _add_up(subparsers: SubParsers) -> None:
     add_up_command(subparsers)
 
 
+def _add_bench(subparsers: SubParsers) -> None:
+    from headrace.worker.bench.cli import add_bench_command
+
+    add_bench_command(subparsers)
+
+
 #: One entry per top-level command.
 COMMAND_GROUPS: tuple[Callable[[SubParsers], None], ...] = (
     _add_models,
@@ -196,6 +203,7 @@ COMMAND_GROUPS: tuple[Callable[[SubParsers], None], ...] = (
     _add_router,
     _add_up,
     add_generate_command,
+    _add_bench,
 )
 
 

@@ -1,9 +1,10 @@
-"""Decode-step time of tensor- and pipeline-parallel workers, every config in one run.
+"""``headrace bench parallel``: decode-step time of tensor- and pipeline-parallel workers,
+every config in one run.
 
-    python -m headrace.worker.bench.parallel --heads 8,4                       # TP=1 vs TP=2
-    python -m headrace.worker.bench.parallel --heads 8,4 --configs 1x2/1,1x2/2 # PP in flight
-    python -m headrace.worker.bench.parallel --configs 1x1,1x2:1,1x2:2         # micro-batches
-    python -m headrace.worker.bench.parallel --tiny                            # overhead only
+    headrace bench parallel --heads 8,4                          # TP=1 vs TP=2
+    headrace bench parallel --heads 8,4 --configs 1x2/1,1x2/2    # PP steps in flight
+    headrace bench parallel --configs 1x1,1x2:1,1x2:2            # micro-batches
+    headrace bench parallel --tiny                               # overhead only
 
 SmolLM2-135M (the default model) has 9 query / 3 KV heads, which TP=2 cannot split:
 ``--heads 8,4`` times a random-weight model of its exact shape with 8 / 4 heads instead.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -38,53 +38,20 @@ from typing import Any
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError
-from headrace.worker.bench.engine import (
+from headrace.worker.bench.cli import ParallelShape
+from headrace.worker.bench.common import (
+    TINY_MODEL,
+    Summary,
     build_random_checkpoint,
     build_tiny_checkpoint,
     make_workload,
+    quantile,
 )
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.executor import check_model_splits
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import RequestOutput
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelShape:
-    """One config to measure: how the worker splits the model."""
-
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    #: Pipeline micro-batches per step; None takes the engine's default (1).
-    micro_batches: int | None = None
-    #: Pipeline steps in flight; None lets the engine pick (one per stage).
-    steps_in_flight: int | None = None
-
-    @property
-    def label(self) -> str:
-        label = f"{self.tensor_parallel_size}x{self.pipeline_parallel_size}"
-        label += "" if self.micro_batches is None else f":{self.micro_batches}"
-        return label + ("" if self.steps_in_flight is None else f"/{self.steps_in_flight}")
-
-
-def parse_shape(text: str) -> ParallelShape:
-    """``"2x1"``, ``"1x2:2"``, ``"1x2/1"`` or ``"1x2:2/1"`` (TPxPP[:M][/S]) as a shape."""
-    rest, _, in_flight = text.strip().partition("/")
-    sizes, _, micro = rest.partition(":")
-    tp, _, pp = sizes.partition("x")
-    try:
-        return ParallelShape(
-            int(tp), int(pp), int(micro) if micro else None, int(in_flight) if in_flight else None
-        )
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"config {text!r} is not TPxPP[:M][/S], e.g. 2x1, 1x2:2 or 1x2:2/1"
-        ) from None
-
-
-def parse_shapes(text: str) -> list[ParallelShape]:
-    return [parse_shape(part) for part in text.split(",") if part.strip()]
 
 
 @dataclass(slots=True)
@@ -98,6 +65,8 @@ class ConfigResult:
     comm_s: list[float] = field(default_factory=list)
     #: Every request's greedy tokens up to the end of the timed steps, in request order.
     token_ids: list[list[int]] = field(default_factory=list)
+    #: From adding the batch to each request's first token, seconds.
+    ttft_s: list[float] = field(default_factory=list)
 
     @property
     def step_p50_s(self) -> float:
@@ -178,11 +147,15 @@ def _measure(engine: Engine, shape: ParallelShape, settings: RunSettings) -> Con
     for request_id, prompt in zip(request_ids, settings.prompts, strict=True):
         engine.add_request(request_id, prompt, config)
     tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    start, first_token_s = time.perf_counter(), dict[str, float]()
     while not all(tokens.values()):  # a request's first token ends its prefill
         _record(engine.step(), tokens)
+        for request_id, ids in tokens.items():
+            if ids:
+                first_token_s.setdefault(request_id, time.perf_counter() - start)
     for _ in range(settings.num_warmup_steps):
         _record(engine.step(), tokens)
-    result = ConfigResult(shape)
+    result = ConfigResult(shape, ttft_s=list(first_token_s.values()))
     comm_timer = engine.executor.parallel.comm_timer
     for _ in range(settings.num_decode_steps):
         comm_start, step_start = comm_timer.seconds, time.perf_counter()
@@ -267,37 +240,12 @@ def _first_difference(ours: list[int], theirs: list[int]) -> int:
 # --- main -----------------------------------------------------------------------------------
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m headrace.worker.bench.parallel",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch-size", type=int, default=16, help="concurrent decoding seqs")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--warmup-steps", type=int, default=3, help="decode steps not timed")
-    parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps")
-    parser.add_argument(
-        "--configs", type=parse_shapes, default="1x1,2x1", help="TPxPP[:M],...; first: baseline"
-    )
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model: overhead")
-    parser.add_argument(
-        "--heads",
-        type=_heads,
-        help="H,KV: --model's shape with these head counts and random weights (e.g. 8,4 so "
-        "SmolLM2-135M's 9/3 heads split over TP=2)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def _check_args(args: argparse.Namespace) -> None:
     for name in ("batch_size", "prompt_len", "decode_steps"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            raise InvalidArgumentError(name, f"--{name.replace('_', '-')} must be >= 1")
     if not args.configs:
-        parser.error("--configs names no config")
-    return args
+        raise InvalidArgumentError("configs", "--configs names no config")
 
 
 def smollm2_shaped(directory: Path, heads: tuple[int, int], source: Path) -> Path:
@@ -323,24 +271,13 @@ def smollm2_shaped(directory: Path, heads: tuple[int, int], source: Path) -> Pat
     )
 
 
-def _heads(text: str) -> tuple[int, int]:
-    try:
-        num_heads, num_kv_heads = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--heads {text!r} is not H,KV e.g. 8,4") from None
-    return num_heads, num_kv_heads
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = _parse_args(argv)
+def run(args: argparse.Namespace) -> Summary:
+    _check_args(args)
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            _run(args, Path(tmp))
-        except HeadraceError as exc:
-            sys.exit(f"bench_parallel: {exc}")
+        return _run(args, Path(tmp))
 
 
-def _run(args: argparse.Namespace, tmp: Path) -> None:
+def _run(args: argparse.Namespace, tmp: Path) -> Summary:
     from transformers import AutoConfig
 
     if args.tiny:
@@ -350,8 +287,9 @@ def _run(args: argparse.Namespace, tmp: Path) -> None:
     else:
         model_path = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(model_path)
+    prompt_lens = (args.prompt_len, args.prompt_len)
     prompts = make_workload(
-        int(hf_config.vocab_size), args.batch_size, args.prompt_len, args.prompt_len, 0, args.seed
+        int(hf_config.vocab_size), args.batch_size, prompt_lens, (1, 1), args.seed
     ).prompts
     settings = RunSettings(
         model_path=model_path,
@@ -363,7 +301,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> None:
         num_threads=torch.get_num_threads(),
     )
     check_configs(args.configs, settings, hf_config)
-    model_name = "tiny" if args.tiny else model_path.name
+    model_name = TINY_MODEL if args.tiny else model_path.name
     if args.heads:
         model_name = f"{args.model} shape, {args.heads[0]}/{args.heads[1]} heads, random weights"
     print(
@@ -378,7 +316,25 @@ def _run(args: argparse.Namespace, tmp: Path) -> None:
         results.append(run_config(shape, settings))
         print(f"  {shape.label}: done in {time.perf_counter() - start:.1f} s", flush=True)
     print(format_table(results))
+    return _summary(results, model_name)
 
 
-if __name__ == "__main__":
-    main()
+def _summary(results: list[ConfigResult], model_name: str) -> Summary:
+    """The baseline's figures at the top level, every config's under ``configs``."""
+    baseline = results[0]
+    summary: Summary = {"bench": "parallel", "model": model_name}
+    summary.update(_config_summary(baseline, baseline))
+    summary["configs"] = [_config_summary(result, baseline) for result in results]
+    return summary
+
+
+def _config_summary(result: ConfigResult, baseline: ConfigResult) -> Summary:
+    return {
+        "config": result.shape.label,
+        "tok_s": round(result.tokens_per_s, 2),
+        "step_p50_ms": round(result.step_p50_s * 1e3, 3),
+        "ttft_p50_ms": round(quantile(result.ttft_s, 0.5) * 1e3, 3),
+        "ttft_p99_ms": round(quantile(result.ttft_s, 0.99) * 1e3, 3),
+        "comm_share_p50": round(result.comm_share_p50, 4),
+        "ratio_baseline_tok_s": round(result.tokens_per_s / baseline.tokens_per_s, 3),
+    }

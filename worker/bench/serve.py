@@ -1,145 +1,155 @@
-"""What gRPC and the router cost: the same workload through the in-process streaming API,
-through a worker process + the SDK, and through a router in front of that worker.
+"""``headrace bench serve``: load against a running router or worker, or what serving costs.
 
-    python -m headrace.worker.bench.serve            # tiny model, 256 concurrent requests
-    python -m headrace.worker.bench.serve --model smollm2-135m-instruct --num-requests 64
+    headrace bench serve --target localhost:50051 --num-requests 500 --request-rate 20
+    headrace bench serve --target localhost:50051 --max-concurrency 64 --output-lens 64-256
+    headrace bench serve            # no target: a tiny worker and a router, started here
 
-The tiny model (2 layers, hidden 64, the default model's tokenizer) makes the engine cheap,
-so the serving path's own overhead shows. Both sides run every request to max_tokens
-(ignore_eos, greedy) and count the tokens they receive; each side runs `--rounds` times,
-alternating, and the best round counts (the machines are noisy).
+With ``--target`` it sends ``--num-requests`` random-token prompts (lengths uniform in
+``--prompt-lens``, outputs uniform in ``--output-lens``, greedy, ignore_eos) through the SDK's
+one multiplexed stream, arriving as a Poisson process at ``--request-rate`` per second (inf:
+all at once), at most ``--max-concurrency`` in flight, and reports tok/s (generated tokens
+over the run's wall time), TTFT (request sent -> first token) and ITL (between a request's
+successive chunks), p50 and p99.
+
+Without a target it starts a worker (the tiny random model unless ``--model``) and a router
+in front of it, and runs the same load ``--rounds`` times each way, alternating: in-process
+through `AsyncEngine` (the baseline), through the worker over gRPC, and through the router.
+``ratio_direct_in_process`` and ``ratio_router_direct`` compare the best rounds' tok/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import tempfile
+import random
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from headrace.protos import generation_pb2 as pb
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.launch import start_router, start_worker
-from headrace.worker.bench.engine import (
-    Report,
-    Workload,
-    build_tiny_checkpoint,
-    make_workload,
-    quantile,
-)
-from headrace.worker.config import EngineConfig
-from headrace.worker.engine.async_engine import AsyncEngine
-from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
+from headrace.worker.bench.common import Report, Summary, Workload, make_workload
+
+if TYPE_CHECKING:
+    from headrace.worker.engine.async_engine import AsyncEngine
 
 
-def _config(workload: Workload) -> GenerationConfig:
-    return GenerationConfig(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
+@dataclass(slots=True)
+class _Timings:
+    """What one request saw, in seconds."""
+
+    num_tokens: int = 0
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
 
 
-async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int) -> Report:
-    config = _config(workload)
-
-    async def one(i: int, prompt: list[int], start: float) -> tuple[int, float]:
-        num_tokens, first = 0, 0.0
-        async for output in engine.generate(f"r{round_no}-{i}", prompt, config):
-            if num_tokens == 0:
-                first = time.perf_counter() - start
-            num_tokens += sum(len(delta.token_ids) for delta in output.samples)
-        return num_tokens, first
-
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(i, p, start) for i, p in enumerate(workload.prompts)))
-    return _round("in-process AsyncEngine", start, results)
+def _arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
+    """When each request is sent, from the run's start: a Poisson process, or all at 0."""
+    if rate == float("inf"):
+        return [0.0] * num_requests
+    rng, now, offsets = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        now += rng.expovariate(rate)
+        offsets.append(now)
+    return offsets
 
 
-async def run_grpc(target: str, workload: Workload, name: str) -> Report:
-    config = _config(workload)
+async def run_load(
+    target: str, workload: Workload, args: argparse.Namespace, name: str = "load"
+) -> Report:
+    """Send the workload to ``target`` over one SDK client; the report of the run."""
+    offsets = _arrival_offsets(len(workload.prompts), args.request_rate, args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(workload.prompts))
 
-    async def one(client: AsyncClient, prompt: list[int], start: float) -> tuple[int, float]:
-        num_tokens, first = 0, 0.0
-        async for chunk in client.stream(prompt, config):
-            if num_tokens == 0:
-                first = time.perf_counter() - start
-            num_tokens += len(chunk.token_ids)
-        return num_tokens, first
+    async def one(client: AsyncClient, i: int, start: float) -> _Timings:
+        await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+        config = GenerationConfig(max_tokens=workload.max_tokens[i], temperature=0, ignore_eos=True)
+        timings = _Timings()
+        async with limit:
+            last = sent = time.perf_counter()
+            async for chunk in client.stream(workload.prompts[i], config):
+                now = time.perf_counter()
+                if chunk.token_ids and timings.ttft_s is None:
+                    timings.ttft_s = now - sent
+                elif chunk.token_ids:
+                    timings.itl_s.append(now - last)
+                last = now
+                timings.num_tokens += len(chunk.token_ids)
+        return timings
 
     async with AsyncClient(target) as client:
         await client.generate([100, 101], GenerationConfig(max_tokens=1))  # open the stream
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(client, p, start) for p in workload.prompts))
-    return _round(name, start, results)
+        results = await asyncio.gather(*(one(client, i, start) for i in range(len(offsets))))
+    return _report(name, start, results)
 
 
-def _round(name: str, start: float, results: list[tuple[int, float]]) -> Report:
-    seconds = time.perf_counter() - start
-    return Report(name, seconds, sum(n for n, _ in results), [t for _, t in results])
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m headrace.worker.bench.serve")
-    parser.add_argument("--model", default=None, help="default: a tiny random model")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.model is None:
-            model = str(build_tiny_checkpoint(Path(tmp), resolve_model(DEFAULT_MODEL)))
-        else:
-            model = str(resolve_model(args.model))
-        engine_args = ["--dtype", args.dtype, "--max-num-seqs", str(max(256, args.num_requests))]
-        engine = AsyncEngine(
-            EngineConfig(model=model, dtype=args.dtype, max_num_seqs=max(256, args.num_requests))
-        )
-        workload = make_workload(
-            engine.engine.vocab_size, args.num_requests, 16, 64, args.max_tokens, seed=0
-        )
-        print(
-            f"workload: {args.num_requests} concurrent requests, prompts 16-64 tokens, "
-            f"{args.max_tokens} new tokens each, model {Path(model).name}, dtype {args.dtype}"
-        )
-        rounds: dict[str, list[Report]] = {}
-        worker = start_worker(model, *engine_args, log_path=Path(tmp) / "worker.log")
-        router = start_router(
-            [worker.target], "--log-level", "warning", log_path=Path(tmp) / "router.log"
-        )
-        with worker, router:
-            numbers = itertools.count()
-            for _ in range(args.rounds):
-                for result in (
-                    asyncio.run(run_in_process(engine, workload, next(numbers))),
-                    asyncio.run(run_grpc(worker.target, workload, DIRECT)),
-                    asyncio.run(run_grpc(router.target, workload, ROUTED)),
-                ):
-                    print(result.describe())
-                    rounds.setdefault(result.name, []).append(result)
-        engine.shutdown()
-    _summary(rounds)
-
-
-DIRECT, ROUTED, IN_PROCESS = "gRPC worker + SDK", "router -> worker + SDK", "in-process AsyncEngine"
-
-
-def _summary(rounds: dict[str, list[Report]]) -> None:
-    best = {name: max(rs, key=lambda r: r.tokens_per_s) for name, rs in rounds.items()}
-    print("best rounds: " + ", ".join(f"{n} {r.tokens_per_s:.1f} tok/s" for n, r in best.items()))
-    print(
-        f"gRPC + SDK / in-process: {best[DIRECT].tokens_per_s / best[IN_PROCESS].tokens_per_s:.2f}x"
+def _report(name: str, start: float, results: list[_Timings]) -> Report:
+    return Report(
+        name,
+        time.perf_counter() - start,
+        sum(r.num_tokens for r in results),
+        ttft_s=[r.ttft_s for r in results if r.ttft_s is not None],
+        itl_s=[gap for r in results for gap in r.itl_s],
     )
-    print(f"router / direct: {best[ROUTED].tokens_per_s / best[DIRECT].tokens_per_s:.2f}x")
-    # TTFT the router adds: per percentile, routed minus direct, over all rounds.
-    for q in (0.5, 0.99):
-        direct = quantile([t for r in rounds[DIRECT] for t in r.ttft_s], q)
-        routed = quantile([t for r in rounds[ROUTED] for t in r.ttft_s], q)
-        print(
-            f"TTFT p{round(q * 100)}: direct {direct * 1e3:.0f} ms, via router "
-            f"{routed * 1e3:.0f} ms, added {(routed - direct) * 1e3:+.0f} ms"
-        )
 
 
-if __name__ == "__main__":
-    main()
+async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int) -> Report:
+    """The baseline: the same workload straight into the engine's streaming API."""
+
+    async def one(i: int) -> _Timings:
+        config = GenerationConfig(max_tokens=workload.max_tokens[i], temperature=0, ignore_eos=True)
+        timings, last = _Timings(), time.perf_counter()
+        sent = last
+        async for output in engine.generate(f"r{round_no}-{i}", workload.prompts[i], config):
+            now = time.perf_counter()
+            num_new = sum(len(delta.token_ids) for delta in output.samples)
+            if num_new and timings.ttft_s is None:
+                timings.ttft_s = now - sent
+            elif num_new:
+                timings.itl_s.append(now - last)
+            last, timings.num_tokens = now, timings.num_tokens + num_new
+        return timings
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
+    return _report(IN_PROCESS, start, results)
+
+
+IN_PROCESS, DIRECT, ROUTED = "in-process AsyncEngine", "gRPC worker + SDK", "router -> worker + SDK"
+
+
+def run(args: argparse.Namespace) -> Summary:
+    if args.target is None:
+        from headrace.worker.bench.serve_local import run_local
+
+        return run_local(args)
+    info = _model_info(args.target)
+    workload = make_workload(
+        info.vocab_size, args.num_requests, args.prompt_lens, args.output_lens, args.seed
+    )
+    print(describe_workload(args, info.name))
+    report = asyncio.run(run_load(args.target, workload, args))
+    print(report.describe())
+    summary: Summary = {"bench": "serve", "target": args.target, "model": info.name}
+    summary.update(report.summary())
+    return summary
+
+
+def _model_info(target: str) -> pb.ModelInfo:
+    async def ask() -> pb.ModelInfo:
+        async with AsyncClient(target) as client:
+            return await client.model_info()
+
+    return asyncio.run(ask())
+
+
+def describe_workload(args: argparse.Namespace, model: str) -> str:
+    rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g}/s"
+    return (
+        f"workload: {args.num_requests} requests ({rate}, concurrency "
+        f"{args.max_concurrency or 'unlimited'}), prompts {args.prompt_lens[0]}-"
+        f"{args.prompt_lens[1]} tokens, outputs {args.output_lens[0]}-{args.output_lens[1]} "
+        f"tokens; model {model}"
+    )

@@ -1,0 +1,46 @@
+"""`headrace bench`: the commands run end to end and end with the JSON line they promise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from headrace.worker.models.store import CACHE_ENV
+
+from tests.e2e.processes import ServerProcess
+
+
+def bench(*args: str, env: dict[str, str] | None = None) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "headrace.sdk.cli", "bench", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_bench_engine_tiny_prints_its_figures_as_json(prepared_cache: Path):
+    summary = bench(
+        "engine", "--tiny", "--num-requests", "8", "--max-tokens", "4",
+        env={CACHE_ENV: str(prepared_cache)},
+    )  # fmt: skip
+    assert summary["num_tokens"] == 8 * 4
+    for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "step_p50_ms", "host_overhead_p50_ms"):
+        assert summary[key] > 0, key
+    assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
+
+
+def test_bench_serve_loads_a_running_worker(worker: ServerProcess):
+    summary = bench(
+        "serve", "--target", worker.target, "--num-requests", "12", "--prompt-lens", "4-9",
+        "--output-lens", "3-5", "--request-rate", "200", "--max-concurrency", "4",
+    )  # fmt: skip
+    assert 12 * 3 <= summary["num_tokens"] <= 12 * 5
+    for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"):
+        assert summary[key] > 0, key

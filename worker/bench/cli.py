@@ -1,0 +1,203 @@
+"""``headrace bench``: one subcommand per benchmark, each printing its figures and, with
+``--json``, one JSON object as its last line.
+
+The flags of every bench are defined here, torch-free, so ``headrace --help`` (and a
+router-only install) never loads torch; each bench module's ``run(args) -> Summary`` is
+imported only when its command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from headrace.worker.models.store import DEFAULT_MODEL
+
+ArgumentAdder = Callable[[argparse.ArgumentParser], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelShape:
+    """One config to measure: how the worker splits the model."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    #: Pipeline micro-batches per step; None takes the engine's default (1).
+    micro_batches: int | None = None
+    #: Pipeline steps in flight; None lets the engine pick (one per stage).
+    steps_in_flight: int | None = None
+
+    @property
+    def label(self) -> str:
+        label = f"{self.tensor_parallel_size}x{self.pipeline_parallel_size}"
+        label += "" if self.micro_batches is None else f":{self.micro_batches}"
+        return label + ("" if self.steps_in_flight is None else f"/{self.steps_in_flight}")
+
+
+def parse_shape(text: str) -> ParallelShape:
+    """``"2x1"``, ``"1x2:2"``, ``"1x2/1"`` or ``"1x2:2/1"`` (TPxPP[:M][/S]) as a shape."""
+    rest, _, in_flight = text.strip().partition("/")
+    sizes, _, micro = rest.partition(":")
+    tp, _, pp = sizes.partition("x")
+    try:
+        return ParallelShape(
+            int(tp), int(pp), int(micro) if micro else None, int(in_flight) if in_flight else None
+        )
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"config {text!r} is not TPxPP[:M][/S], e.g. 2x1, 1x2:2 or 1x2:2/1"
+        ) from None
+
+
+def parse_shapes(text: str) -> list[ParallelShape]:
+    return [parse_shape(part) for part in text.split(",") if part.strip()]
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    try:
+        num_heads, num_kv_heads = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads {text!r} is not H,KV e.g. 8,4") from None
+    return num_heads, num_kv_heads
+
+
+def parse_lengths(text: str) -> tuple[int, int]:
+    """``"16-64"`` (inclusive) or ``"64"`` as (low, high)."""
+    low, _, high = text.partition("-")
+    try:
+        bounds = int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN-MAX") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 1 <= MIN <= MAX")
+    return bounds
+
+
+# --- the flags of each bench -----------------------------------------------------------------
+
+
+def engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
+    add("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    add("--tiny", action="store_true", help="a 2-layer hidden-64 random model (overhead)")
+    add("--num-requests", type=int, help="default: 64 (256 with --tiny)")
+    add("--min-prompt-len", type=int, help="default: 32 (16 with --tiny)")
+    add("--max-prompt-len", type=int, help="default: 512 (64 with --tiny)")
+    add("--max-tokens", type=int, help="new tokens per request; default: 128 (64 with --tiny)")
+    add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
+    add("--baseline", choices=["none", "hf"], default="none", help="also run transformers")
+    add("--attention-backend", choices=["auto", "triton", "reference"], default="auto")
+    add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add("--seed", type=int, default=0, help="seed of the random prompts")
+
+
+def parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
+    add("--dtype", default="float32", help="float32, bfloat16 or float16")
+    add("--batch-size", type=int, default=16, help="concurrent decoding sequences")
+    add("--prompt-len", type=int, default=64, help="tokens per prompt")
+    add("--warmup-steps", type=int, default=3, help="decode steps not timed")
+    add("--decode-steps", type=int, default=32, help="timed decode steps")
+    add("--configs", type=parse_shapes, default="1x1,2x1", help="TPxPP[:M][/S],... first: base")
+    add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
+    add("--tiny", action="store_true", help="a 2-layer hidden-64 random model (overhead)")
+    add(
+        "--heads",
+        type=parse_heads,
+        help="H,KV: --model's shape with these head counts and random weights (e.g. 8,4 so "
+        "SmolLM2-135M's 9/3 heads split over TP=2)",
+    )
+    add("--seed", type=int, default=0, help="seed of the random prompts")
+
+
+def serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--target", help="HOST:PORT of a running router or worker (default: start our own)")
+    add("--num-requests", type=int, default=256, help="requests to send")
+    add("--prompt-lens", type=parse_lengths, default=(16, 64), help="prompt tokens: N or MIN-MAX")
+    add("--output-lens", type=parse_lengths, default=(64, 64), help="new tokens: N or MIN-MAX")
+    add("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    add("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
+    add("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
+    add("--model", help="without --target: the worker's model (default: a tiny random one)")
+    add("--dtype", default="float32", help="without --target: the worker's dtype")
+    add("--rounds", type=int, default=3, help="without --target: rounds of each path")
+
+
+def kernels_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--batch", type=int, default=64, help="sequences per decode batch")
+    add("--contexts", type=int, nargs="+", default=[2048, 4096, 8192], help="context lengths")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchCommand:
+    name: str
+    help: str
+    arguments: ArgumentAdder
+    #: The module whose ``run(args) -> Summary`` runs the bench.
+    module: str
+
+
+BENCHES = (
+    BenchCommand(
+        "engine",
+        "in-process engine: tok/s, TTFT, decode step and host overhead (--baseline hf)",
+        engine_arguments,
+        "headrace.worker.bench.engine",
+    ),
+    BenchCommand(
+        "parallel",
+        "tensor/pipeline-parallel decode steps against the first config, comm share",
+        parallel_arguments,
+        "headrace.worker.bench.parallel",
+    ),
+    BenchCommand(
+        "serve",
+        "load against a router or worker (--target HOST:PORT), or what gRPC and the router cost",
+        serve_arguments,
+        "headrace.worker.bench.serve",
+    ),
+    BenchCommand(
+        "kernels",
+        "CUDA: each Triton kernel against SDPA or its torch reference, with bandwidth",
+        kernels_arguments,
+        "headrace.kernels.bench",
+    ),
+)
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmarks: engine, parallel, serve, kernels",
+        description="Benchmarks. Each prints its figures and ratios against a baseline run in "
+        "the same process (read the ratios: these machines are noisy); --json adds one JSON "
+        "object as the last line. See each bench's --help for what its figures mean.",
+    )
+    commands = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for spec in BENCHES:
+        parser = commands.add_parser(
+            spec.name,
+            help=spec.help,
+            description=spec.help,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        spec.arguments(parser)
+        parser.add_argument("--json", action="store_true", help="print one JSON object last")
+        parser.set_defaults(handler=_runner(spec.module))
+
+
+def _runner(module_name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        summary = importlib.import_module(module_name).run(args)
+        if args.json:
+            print(json.dumps(summary), flush=True)
+        return 0
+
+    return run

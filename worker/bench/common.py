@@ -1,0 +1,144 @@
+"""What the benchmarks share: workloads, reports with percentiles, random-weight checkpoints.
+
+Every bench prints human lines and returns a flat summary (`Summary`) that ``--json`` prints
+as one JSON object on the last line: ``tok_s``, ``ttft_p50_ms``, ``ttft_p99_ms``, step and
+overhead figures where the bench measures them, and one ``ratio_*`` key per baseline run in
+the same process (these machines are noisy: read the ratios, not the absolute values).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: One bench's figures, as ``--json`` prints them.
+Summary = dict[str, Any]
+
+#: How the tiny model is named in reports (its folder is a temporary one).
+TINY_MODEL = "tiny (Llama, 2 layers, hidden 64, SmolLM2's tokenizer, random weights)"
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    #: New tokens per request (each runs to it: ignore_eos).
+    max_tokens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+@dataclass(slots=True)
+class Report:
+    """One measured run: its wall time, tokens, and per-request / per-step latencies."""
+
+    name: str
+    seconds: float
+    num_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    #: Time between successive streamed chunks of a request.
+    itl_s: list[float] = field(default_factory=list)
+    decode_step_s: list[float] = field(default_factory=list)
+    #: Step time minus the time in the model's forward and LM head: what the engine's own
+    #: Python costs each step (scheduling, batch building, sampling, detokenizing, outputs).
+    host_overhead_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+    def describe(self) -> str:
+        parts = [f"{self.name:<28} {self.tokens_per_s:8.1f} tok/s  ({self.seconds:.1f} s)"]
+        for label, values in (
+            ("TTFT", self.ttft_s),
+            ("ITL", self.itl_s),
+            ("decode step", self.decode_step_s),
+            ("host overhead/step", self.host_overhead_s),
+        ):
+            if values:
+                parts.append(
+                    f"{label} p50 {ms(quantile(values, 0.5))} p99 {ms(quantile(values, 0.99))}"
+                )
+        return "  ".join(parts)
+
+    def summary(self) -> Summary:
+        out: Summary = {"tok_s": round(self.tokens_per_s, 2), "num_tokens": self.num_tokens}
+        for key, values in (
+            ("ttft", self.ttft_s),
+            ("itl", self.itl_s),
+            ("step", self.decode_step_s),
+            ("host_overhead", self.host_overhead_s),
+        ):
+            if values:
+                out[f"{key}_p50_ms"] = round(quantile(values, 0.5) * 1e3, 3)
+                out[f"{key}_p99_ms"] = round(quantile(values, 0.99) * 1e3, 3)
+        return out
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of values, nearest rank; the median of an even count is the
+    upper middle value."""
+    if q == 0.5:
+        return statistics.median_high(values)
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def make_workload(
+    vocab_size: int,
+    num_requests: int,
+    prompt_lens: tuple[int, int],
+    output_lens: tuple[int, int],
+    seed: int,
+) -> Workload:
+    """Random prompts with lengths uniform in ``prompt_lens`` and output lengths uniform in
+    ``output_lens`` (both inclusive)."""
+    rng = random.Random(seed)
+    # Skip the lowest ids, where tokenizers keep their special tokens.
+    prompts = [
+        [rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_lens))]
+        for _ in range(num_requests)
+    ]
+    return Workload(prompts, [rng.randint(*output_lens) for _ in range(num_requests)])
+
+
+def build_tiny_checkpoint(directory: Path, tokenizer_source: Path) -> Path:
+    """A 2-layer, hidden-64 Llama with random weights and the default model's tokenizer."""
+    return build_random_checkpoint(
+        directory,
+        tokenizer_source,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
+def build_random_checkpoint(directory: Path, tokenizer_source: Path, **shape: Any) -> Path:
+    """A Llama of the given shape (LlamaConfig fields) with random weights, and the
+    tokenizer of ``tokenizer_source``: for timing shapes no real checkpoint has."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=shape.pop("max_position_embeddings", 2048),
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **shape,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
