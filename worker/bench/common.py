@@ -53,31 +53,28 @@ class Report:
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.seconds
 
+    def _series(self) -> list[tuple[str, str, list[float]]]:
+        """(label, summary key, values) of each latency this report measured."""
+        series = [
+            ("TTFT", "ttft", self.ttft_s),
+            ("ITL", "itl", self.itl_s),
+            ("decode step", "step", self.decode_step_s),
+            ("host overhead/step", "host_overhead", self.host_overhead_s),
+        ]
+        return [(label, key, values) for label, key, values in series if values]
+
     def describe(self) -> str:
         parts = [f"{self.name:<28} {self.tokens_per_s:8.1f} tok/s  ({self.seconds:.1f} s)"]
-        for label, values in (
-            ("TTFT", self.ttft_s),
-            ("ITL", self.itl_s),
-            ("decode step", self.decode_step_s),
-            ("host overhead/step", self.host_overhead_s),
-        ):
-            if values:
-                parts.append(
-                    f"{label} p50 {ms(quantile(values, 0.5))} p99 {ms(quantile(values, 0.99))}"
-                )
+        for label, _, values in self._series():
+            p50, p99 = quantile(values, 0.5), quantile(values, 0.99)
+            parts.append(f"{label} p50 {ms(p50)} p99 {ms(p99)}")
         return "  ".join(parts)
 
     def summary(self) -> Summary:
         out: Summary = {"tok_s": round(self.tokens_per_s, 2), "num_tokens": self.num_tokens}
-        for key, values in (
-            ("ttft", self.ttft_s),
-            ("itl", self.itl_s),
-            ("step", self.decode_step_s),
-            ("host_overhead", self.host_overhead_s),
-        ):
-            if values:
-                out[f"{key}_p50_ms"] = round(quantile(values, 0.5) * 1e3, 3)
-                out[f"{key}_p99_ms"] = round(quantile(values, 0.99) * 1e3, 3)
+        for _, key, values in self._series():
+            out[f"{key}_p50_ms"] = round(quantile(values, 0.5) * 1e3, 3)
+            out[f"{key}_p99_ms"] = round(quantile(values, 0.99) * 1e3, 3)
         return out
 
 

@@ -228,7 +228,8 @@ class Detokenizer:
 
     @property
     def is_byte_level(self) -> bool:
-        """Whether the fast path serves this tokenizer."""
+        """Whether the fast path serves this tokenizer (tests pin which path a tokenizer
+        takes, since both must produce the same text)."""
         return self._pieces is not None
 
     def new_state(self, prompt_token_ids: list[int], config: GenerationConfig) -> DetokenizerState:
