@@ -107,18 +107,44 @@ class Cancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request", "cancel")
+    __slots__ = ("request", "cancel", "pause", "resume")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request: Request
     cancel: Cancel
-    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    pause: Pause
+    resume: Resume
+    def __init__(self, request: _Optional[_Union[Request, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., pause: _Optional[_Union[Pause, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Pause(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "duplicates")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+    duplicates: _containers.RepeatedCompositeFieldContainer[DuplicateRequest]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., duplicates: _Optional[_Iterable[_Union[DuplicateRequest, _Mapping]]] = ...) -> None: ...
+
+class DuplicateRequest(_message.Message):
+    __slots__ = ("request_id", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error: Error
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finish_reason", "finished", "usage", "error", "prompt_logprobs", "prompt_token_ids")

@@ -15,7 +15,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("free_kv_blocks", "total_kv_blocks", "block_size", "running_requests", "waiting_requests", "queued_tokens", "prefix_cache_hit_blocks", "draining", "max_model_len", "admitted_requests")
+    __slots__ = ("free_kv_blocks", "total_kv_blocks", "block_size", "running_requests", "waiting_requests", "queued_tokens", "prefix_cache_hit_blocks", "draining", "max_model_len", "admitted_requests", "max_prompt_bytes")
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class LoadReport(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     free_kv_blocks: int
     total_kv_blocks: int
     block_size: int
@@ -36,7 +37,8 @@ class LoadReport(_message.Message):
     draining: bool
     max_model_len: int
     admitted_requests: int
-    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., admitted_requests: _Optional[int] = ...) -> None: ...
+    max_prompt_bytes: int
+    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace",)

@@ -13,7 +13,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from headrace.router.service import Router
+    from headrace.router.router import Router
     from headrace.router.workers import WorkerLink
 
 SUBSYSTEM = "router"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from headrace.protos import generation_pb2 as pb
 from headrace.sdk import tracing
 from headrace.sdk.outputs import Usage
+from headrace.sdk.streams import ResponseQueue
 from headrace.sdk.telemetry import RequestTelemetry
 from headrace.sdk.wire import ParsedRequest
 
@@ -29,7 +30,7 @@ class RoutedRequest:
     #: The id the client chose (unique on its stream).
     client_id: str
     #: Where the client's chunks go: a session's outbox.
-    outbox: asyncio.Queue[list[pb.Chunk]]
+    outbox: ResponseQueue[list[pb.Chunk]]
     #: The request as the client sent it.
     original: pb.Request
     parsed: ParsedRequest
@@ -54,6 +55,8 @@ class RoutedRequest:
     num_failovers: int = 0
     cancelled: bool = False
     done: bool = False
+    #: Paused for its slow reader: a worker it (re)starts on is told so at once.
+    held: bool = False
     timer: asyncio.TimerHandle | None = None
     #: When it first went to a worker (monotonic); 0 while it has not.
     first_dispatch_s: float = 0.0

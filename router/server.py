@@ -14,15 +14,17 @@ import logging
 import sys
 import time
 
-from headrace.protos import generation_pb2_grpc
+from headrace.protos import generation_pb2
 from headrace.router.config import RouterConfig
-from headrace.router.service import Router, RouterService
+from headrace.router.router import Router
+from headrace.router.service import RouterService
 from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
 
 logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.1
+GENERATION_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 
 
 #: Where the router listens and how it stops.
@@ -34,9 +36,8 @@ class RouterServer:
         self.options = options
         self.router = Router(config)
         self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib)
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            RouterService(self.router), self.grpc.server
-        )
+        service = RouterService(self.router, options.flow)
+        serving.add_service(service, self.grpc.server, GENERATION_DESCRIPTOR)
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:

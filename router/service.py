@@ -1,378 +1,42 @@
-"""The router's `Generation` service: admission, the priority queue, dispatch, failover.
-
-Design note. Everything runs on one event loop, so the router's state needs no locks. A
-client's `Generate` stream is a `_Session` like the worker's: its requests are admitted
-(or refused in-band), queued by priority, and dispatched whenever a worker has room:
-`_dispatch` runs after every event that can make room (a new request, a finished one, a
-load report, a worker coming up). Dispatch is strictly head-of-line: if the best-placed
-request cannot go anywhere, nothing behind it jumps ahead. Chunks from a worker's stream are
-rewritten for their clients and grouped so each worker step becomes one message per
-client stream. When a worker goes down, its requests re-enter the queue at their original
-place and resume elsewhere (see `RoutedRequest`).
-"""
+"""The router's `Generation` service: the same service a worker serves, in front of many
+workers. One `RouterSession` per stream; the `Router` does the rest."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
-import grpc
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
-from headrace.router.config import RouterConfig
-from headrace.router.metrics import RouterMetrics
-from headrace.router.policy import make_policy
-from headrace.router.queue import PriorityQueue
-from headrace.router.request import RoutedRequest
-from headrace.router.workers import WorkerLink, WorkerPool
-from headrace.sdk import serving, status, tracing, wire
-from headrace.sdk.errors import (
-    HeadraceError,
-    InvalidArgumentError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
-from headrace.sdk.outputs import FinishReason
-from headrace.sdk.prompts import Prompt
-from headrace.sdk.telemetry import RequestTelemetry
-
-logger = logging.getLogger(__name__)
-#: One line per finished request (level INFO).
-request_logger = logging.getLogger("headrace.router.requests")
-
-CHARS_PER_TOKEN = 4
-
-
-class Router:
-    def __init__(self, config: RouterConfig) -> None:
-        self.config = config
-        self.queue: PriorityQueue[RoutedRequest] = PriorityQueue(config.aging_per_s)
-        self.pool = WorkerPool(config, self)
-        self.policy = make_policy(config)
-        self.metrics = RouterMetrics()
-        self.metrics.watch(self)
-        self.draining = False
-        #: Requests admitted and not finished (queued or on a worker).
-        self.active = serving.InFlight()
-        self._no_worker_since: float | None = time.monotonic()
-        self._watchdog: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self.pool.start()
-        self._watchdog = asyncio.create_task(self._fail_queued_without_workers())
-
-    async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        await self.pool.close()
-
-    @property
-    def has_healthy_worker(self) -> bool:
-        return bool(self.pool.healthy())
-
-    # --- admission ------------------------------------------------------------------------
-
-    def admit(
-        self,
-        wire_request: pb.Request,
-        outbox: asyncio.Queue[list[pb.Chunk]],
-        metadata: Sequence[tuple[str, str | bytes]] = (),
-    ) -> RoutedRequest:
-        """Queue a request; raises the typed error that refuses it. ``metadata`` is the
-        call's: a request without a trace context of its own joins the call's trace."""
-        if self.draining:
-            raise UnavailableError("the router is draining and takes no new requests")
-        parsed = wire.request_from_wire(wire_request)
-        if not self.has_healthy_worker:
-            raise UnavailableError("no healthy worker")
-        num_tokens = _estimate_tokens(parsed.prompt)
-        if (
-            len(self.queue) >= self.config.max_queued_requests
-            or self.queue.num_tokens + num_tokens > self.config.max_queued_tokens
-        ):
-            raise ResourceExhaustedError(
-                f"the router's queue is full ({len(self.queue)} requests, "
-                f"{self.queue.num_tokens} tokens)",
-                retry_after_s=self.config.retry_after_s,
-            )
-        parent = tracing.parent_context(wire_request.trace_context, metadata)
-        telemetry = RequestTelemetry.start("router.generate", parsed.request_id, parent)
-        request = RoutedRequest(
-            client_id=parsed.request_id,
-            outbox=outbox,
-            original=wire_request,
-            parsed=parsed,
-            num_tokens_estimate=num_tokens,
-            affinity_key=self._affinity_key(parsed.prompt),
-            telemetry=telemetry,
-        )
-        request.timer = serving.start_timeout(parsed.timeout_s, lambda e: self.fail(request, e))
-        self.active.started()
-        self.queue.push(request, parsed.priority, request.arrival_s, num_tokens)
-        self._dispatch()
-        return request
-
-    def _affinity_key(self, prompt: Prompt) -> bytes:
-        if isinstance(prompt, str):
-            return prompt[: self.config.affinity_prefix_chars].encode()
-        head = prompt[: self.config.affinity_prefix_tokens]
-        return b"ids:" + b",".join(str(t).encode() for t in head)
-
-    # --- dispatch -------------------------------------------------------------------------
-
-    def _dispatch(self) -> None:
-        while (request := self.queue.peek()) is not None:
-            candidates = [link for link in self.pool.links.values() if link.has_room(request)]
-            if not candidates:
-                return
-            self.queue.pop()
-            link = self.policy.choose(request, candidates)
-            self._record_dispatch(request, link)
-            link.send(request)
-
-    def _record_dispatch(self, request: RoutedRequest, link: WorkerLink) -> None:
-        span = request.telemetry.span
-        if not request.first_dispatch_s:
-            request.first_dispatch_s = time.monotonic()
-            request.telemetry.queued(
-                request.arrival_s, request.first_dispatch_s, self.metrics.requests
-            )
-        span.add_event(
-            "dispatched",
-            {"headrace.worker": link.target, "headrace.failovers": request.num_failovers},
-        )
-
-    # --- events from worker links (LinkEvents) --------------------------------------------
-
-    def on_response(self, link: WorkerLink, response: pb.GenerateResponse) -> None:
-        by_outbox: dict[int, tuple[asyncio.Queue[list[pb.Chunk]], list[pb.Chunk]]] = {}
-        finished = False
-        now_s = time.monotonic()
-        for chunk in response.chunks:
-            request = link.inflight.get(chunk.request_id)
-            if request is None:
-                continue  # cancelled or timed out here already
-            request.telemetry.clock.tokens(now_s, len(chunk.token_ids), self.metrics.requests)
-            out = request.to_client(chunk)
-            if out.finished:
-                link.forget(request)
-                self._end(request, out)
-                finished = True
-            if not request.cancelled or out.finished:
-                by_outbox.setdefault(id(request.outbox), (request.outbox, []))[1].append(out)
-        for outbox, chunks in by_outbox.values():
-            outbox.put_nowait(chunks)
-        if finished:
-            self._dispatch()
-
-    def on_down(self, link: WorkerLink, orphans: list[RoutedRequest]) -> None:
-        for request in orphans:
-            self._resume(request, link)
-        self._dispatch()
-
-    def on_change(self) -> None:
-        if self.has_healthy_worker:
-            self._no_worker_since = None
-        elif self._no_worker_since is None:
-            self._no_worker_since = time.monotonic()
-        self._dispatch()
-
-    def _resume(self, request: RoutedRequest, link: WorkerLink) -> None:
-        if request.done:
-            return
-        if request.cancelled:
-            self._finish_locally(request, pb.FINISH_REASON_CANCELLED)
-            return
-        if request.parsed.config.n > 1:
-            error = UnavailableError(
-                f"worker {link.target} failed; requests with n > 1 are not resumed elsewhere"
-            )
-            self.fail(request, error)
-            return
-        if request.streamed_token_ids and request.remaining_tokens <= 0:
-            self._finish_locally(request, pb.FINISH_REASON_LENGTH)
-            return
-        request.num_failovers += 1
-        self.metrics.failovers.inc()
-        request.telemetry.span.add_event("failover", {"headrace.worker": link.target})
-        logger.info("resuming request %s elsewhere", request.client_id)
-        self.queue.push(
-            request, request.parsed.priority, request.arrival_s, request.num_tokens_estimate
-        )
-
-    # --- ending requests --------------------------------------------------------------------
-
-    def cancel(self, request: RoutedRequest) -> None:
-        """The client cancelled: stop it wherever it is; its last chunk says CANCELLED."""
-        if request.done or request.cancelled:
-            return
-        request.cancelled = True
-        if self.queue.remove(request):
-            self._finish_locally(request, pb.FINISH_REASON_CANCELLED)
-        elif request.worker is not None:
-            request.worker.cancel(request)  # the worker's last chunk comes back
-
-    def _stop(self, request: RoutedRequest) -> None:
-        """Take the request out of the queue or off its worker; nothing more is routed."""
-        self.queue.remove(request)
-        if request.worker is not None:
-            request.worker.cancel(request)
-            request.worker.forget(request)
-
-    def abandon(self, request: RoutedRequest) -> None:
-        """The client is gone: stop the request and send nothing more."""
-        if request.done:
-            return
-        self._stop(request)
-        self._end(request, None)
-
-    def fail(self, request: RoutedRequest, error: HeadraceError) -> None:
-        """End a request with an in-band error (a timeout, an unresumable failover)."""
-        if request.done:
-            return
-        self._stop(request)
-        chunk = status.error_chunk(request.client_id, error)
-        self._end(request, chunk)
-        request.outbox.put_nowait([chunk])
-        self._dispatch()
-
-    def _finish_locally(self, request: RoutedRequest, reason: pb.FinishReason) -> None:
-        usage = wire.usage_to_wire(request.usage())
-        chunk = pb.Chunk(
-            request_id=request.client_id, finish_reason=reason, finished=True, usage=usage
-        )
-        self._end(request, chunk)
-        request.outbox.put_nowait([chunk])
-
-    def _end(self, request: RoutedRequest, last: pb.Chunk | None) -> None:
-        """The request is over; ``last`` is its last chunk to the client (None: the client
-        is gone)."""
-        request.done = True
-        if request.timer is not None:
-            request.timer.cancel()
-        self._record_end(request, last)
-        self.active.ended()
-
-    def _record_end(self, request: RoutedRequest, last: pb.Chunk | None) -> None:
-        reason, usage, error = FinishReason.ABORT, request.usage(), None
-        if last is not None:
-            reason = wire.finish_reason_from_wire(last.finish_reason) or FinishReason.STOP
-            if last.HasField("usage"):
-                usage = wire.usage_from_wire(last.usage)
-            error = status.from_wire(last.error) if last.HasField("error") else None
-        queue_s = request.first_dispatch_s - request.arrival_s if request.first_dispatch_s else None
-        request.telemetry.finish(
-            reason,
-            usage,
-            error,
-            self.metrics.requests,
-            request_logger,
-            queue_s=queue_s,
-            worker=request.worker.target if request.worker is not None else None,
-            worker_request_id=request.wire_id or None,
-            failovers=request.num_failovers or None,
-        )
-
-    async def _fail_queued_without_workers(self) -> None:
-        """Queued requests do not wait forever for workers that never come back."""
-        while True:
-            await asyncio.sleep(0.5)
-            since = self._no_worker_since
-            if since is None or time.monotonic() - since < self.config.unavailable_after_s:
-                continue
-            for request in self.queue.items():
-                self.fail(request, UnavailableError("no healthy worker"))
-
-    async def model_info(self) -> pb.ModelInfo:
-        for link in self.pool.healthy():
-            stub = generation_pb2_grpc.GenerationStub(link.channel)
-            try:
-                info: pb.ModelInfo = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-            except grpc.RpcError:
-                continue
-            return info
-        raise UnavailableError("no healthy worker")
-
-
-def _estimate_tokens(prompt: Prompt) -> int:
-    if isinstance(prompt, str):
-        return max(1, len(prompt) // CHARS_PER_TOKEN)
-    return len(prompt)
-
-
-@dataclass(slots=True)
-class _Session:
-    """The requests of one client stream."""
-
-    router: Router
-    #: The call's metadata (W3C trace context for requests that carry none).
-    metadata: Sequence[tuple[str, str | bytes]]
-    outbox: asyncio.Queue[list[pb.Chunk]] = field(default_factory=asyncio.Queue)
-    requests: dict[str, RoutedRequest] = field(default_factory=dict)
-    input_done: bool = False
-
-    def submit(self, wire_request: pb.Request) -> None:
-        try:
-            if wire_request.request_id in self.requests:
-                raise InvalidArgumentError(
-                    "request_id", f"{wire_request.request_id!r} is already in flight on this stream"
-                )
-            request = self.router.admit(wire_request, self.outbox, self.metadata)
-        except HeadraceError as error:
-            self.router.metrics.rejected(status.status_code(error).name)
-            self.outbox.put_nowait([status.error_chunk(wire_request.request_id, error)])
-            return
-        self.requests[request.client_id] = request
-
-    def cancel(self, request_id: str) -> None:
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.router.cancel(request)
-
-    def wake(self) -> None:
-        self.outbox.put_nowait([])
-
-    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
-        while not (self.input_done and not self.requests and self.outbox.empty()):
-            chunks = await self.outbox.get()
-            for chunk in chunks:
-                if chunk.finished:
-                    self.requests.pop(chunk.request_id, None)
-            if chunks:
-                yield pb.GenerateResponse(chunks=chunks)
-
-    def close(self) -> None:
-        for request in self.requests.values():
-            self.router.abandon(request)
-        self.requests.clear()
+from headrace.router.router import Router
+from headrace.router.session import RouterSession
+from headrace.sdk import status, streams
+from headrace.sdk.errors import HeadraceError
+from headrace.sdk.streams import FlowLimits
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
     """The same `Generation` service a worker serves, in front of many workers."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, flow: FlowLimits) -> None:
         self.router = router
+        self.flow = flow
 
-    # grpc.aio needs the handlers themselves to be async generators, hence the loops.
+    def _session(self, context: grpc.aio.ServicerContext) -> RouterSession:
+        return RouterSession(self.router, self.flow, tuple(context.invocation_metadata() or ()))
+
+    # Stream-response handlers are coroutines that write with context.write (see streams).
     async def Generate(
         self,
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        session = _Session(self.router, tuple(context.invocation_metadata() or ()))
-        async for response in serving.serve_stream(session, request_iterator):
-            yield response
+    ) -> None:
+        await streams.serve_stream(self._session(context), request_iterator, context)
 
     async def GenerateOne(
         self, request: pb.Request, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        session = _Session(self.router, tuple(context.invocation_metadata() or ()))
-        async for response in serving.serve_one(session, request, context):
-            yield response
+    ) -> None:
+        await streams.serve_one(self._session(context), request, context)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

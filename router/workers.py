@@ -52,6 +52,9 @@ class WorkerLink:
         self._control = worker_pb2_grpc.WorkerControlStub(self.channel)
         self.healthy = False
         self.report: worker_pb2.LoadReport | None = None
+        #: Its last report said draining: it will not take work again (until a report says
+        #: otherwise), even after its connection goes.
+        self.leaving = False
         self.inflight: dict[str, RoutedRequest] = {}
         #: Sent since the last report (the report does not know them yet).
         self._sent_tokens = 0
@@ -87,8 +90,14 @@ class WorkerLink:
         return self.free_kv_blocks >= self._blocks_for(request) or not self.inflight
 
     def _blocks_for(self, request: RoutedRequest) -> int:
-        block_size = max(1, self.report.block_size if self.report else 16)
-        return -(-(request.num_tokens_estimate + 1) // block_size)
+        """KV blocks the request may take here: its estimate, but never more than one
+        sequence can hold (so an overestimated text prompt cannot wait forever for room)."""
+        num_tokens = request.num_tokens_estimate + 1
+        block_size = 16
+        if self.report is not None:
+            block_size = max(1, self.report.block_size)
+            num_tokens = min(num_tokens, self.report.max_model_len or num_tokens)
+        return -(-num_tokens // block_size)
 
     # --- requests -----------------------------------------------------------------------
 
@@ -100,6 +109,20 @@ class WorkerLink:
         self._sent_tokens += request.num_tokens_estimate
         self._sent_blocks += self._blocks_for(request)
         self._outgoing.put_nowait(pb.GenerateRequest(request=request.for_worker(request.wire_id)))
+        if request.held:
+            self.hold(request, True)
+
+    def hold(self, request: RoutedRequest, paused: bool) -> None:
+        """Pause (or resume) the request on the worker: its client reads too slowly."""
+        if self._outgoing is None or request.wire_id not in self.inflight:
+            return
+        ids = [request.wire_id]
+        message = (
+            pb.GenerateRequest(pause=pb.Pause(request_ids=ids))
+            if paused
+            else pb.GenerateRequest(resume=pb.Resume(request_ids=ids))
+        )
+        self._outgoing.put_nowait(message)
 
     def cancel(self, request: RoutedRequest) -> None:
         """Ask the worker to stop a request (its last chunk still comes back)."""
@@ -156,7 +179,10 @@ class WorkerLink:
             call.cancel()
 
     def _on_report(self, report: worker_pb2.LoadReport) -> None:
+        if report.draining and not self.leaving:
+            logger.info("worker %s is draining: out of rotation", self.target)
         self.report = report
+        self.leaving = report.draining
         self._sent_tokens = self._sent_blocks = 0
         if not self.healthy:
             self._open_stream()
@@ -211,10 +237,15 @@ async def _drain(outgoing: asyncio.Queue[pb.GenerateRequest | None]) -> AsyncIte
 
 
 #: The router's channel to a worker: the SDK's settings, pinging every 10 s so a worker that
-#: vanished without closing its connection is noticed even between load reports.
+#: vanished without closing its connection is noticed even between load reports, and
+#: reconnecting at least every 2 s (gRPC's own backoff grows to 2 minutes), so a worker that
+#: restarts is back in rotation within about the link's own backoff.
 _LINK_OPTIONS = [
     *[(key, value) for key, value in CHANNEL_OPTIONS if key != "grpc.keepalive_time_ms"],
     ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", int(MAX_BACKOFF_S * 1000)),
 ]
 
 
@@ -252,8 +283,13 @@ class WorkerPool:
                 await self.links.pop(target).close()
             await asyncio.sleep(self.config.dns_refresh_s)
 
-    def healthy(self) -> list[WorkerLink]:
-        return [link for link in self.links.values() if link.healthy]
+    def accepting(self) -> list[WorkerLink]:
+        """The links in rotation: up and not draining."""
+        return [link for link in self.links.values() if link.accepting]
+
+    def all_leaving(self) -> bool:
+        """Every worker is draining (or went down draining): none will take work soon."""
+        return bool(self.links) and all(link.leaving for link in self.links.values())
 
     async def close(self) -> None:
         if self._resolver is not None:

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from headrace.sdk import launch
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.generate import add_generate_command
+from headrace.sdk.streams import FlowLimits
 
 Handler = Callable[[argparse.Namespace], int]
 # argparse's subparsers object; its class is private, so it is named once here.
@@ -39,6 +42,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     add("--grace-period", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     add("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0: a free one)")
     add(
+        "--max-stream-backlog",
+        type=int,
+        default=64,
+        help="unsent responses a stream may queue before its requests are held (flow control)",
+    )
+    add(
+        "--slow-reader-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a held request waits for its reader before RESOURCE_EXHAUSTED",
+    )
+    add(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -53,6 +68,7 @@ def listen_options(args: argparse.Namespace) -> dict[str, Any]:
         "port": args.port,
         "grace_period_s": args.grace_period,
         "metrics_port": args.metrics_port,
+        "flow": FlowLimits(args.max_stream_backlog, args.slow_reader_timeout),
     }
 
 
@@ -216,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Started by `headrace up` (or a test): never outlive it.
+    launch.die_with_parent(os.environ.get(launch.PARENT_ENV))
     args = build_parser().parse_args(argv)
     handler: Handler = args.handler
     try:

@@ -58,18 +58,27 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 
 class _Multiplexer:
-    """One `Generate` stream shared by many requests; routes chunks to their callers."""
+    """One `Generate` stream shared by many requests; routes chunks to their callers.
+
+    Its own two tasks drive the call: a writer (messages queued by `open` / `close`) and a
+    reader; both end when the call does, so closing a client leaves no task behind.
+    """
 
     def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
         self._outgoing: asyncio.Queue[pb.GenerateRequest | None] = asyncio.Queue()
         self._pending: dict[str, asyncio.Queue[pb.Chunk | HeadraceError]] = {}
         self.error: HeadraceError | None = None
-        self._call = stub.Generate(self._messages())
+        self._call = stub.Generate()
+        self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
-    async def _messages(self) -> AsyncIterator[pb.GenerateRequest]:
-        while (message := await self._outgoing.get()) is not None:
-            yield message
+    async def _write(self) -> None:
+        try:
+            while (message := await self._outgoing.get()) is not None:
+                await self._call.write(message)
+            await self._call.done_writing()
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the call ended: the reader reports why to every request
 
     async def _read(self) -> None:
         try:
@@ -98,10 +107,14 @@ class _Multiplexer:
         if cancel and self.error is None:
             self._outgoing.put_nowait(pb.GenerateRequest(cancel=pb.Cancel(request_id=request_id)))
 
-    async def aclose(self) -> None:
+    def discard(self) -> None:
+        """End the call; its tasks finish on their own."""
         self._outgoing.put_nowait(None)
         self._call.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        self.discard()
+        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
 
 
 class AsyncClient:
@@ -139,7 +152,10 @@ class AsyncClient:
         await self._channel.close()
 
     def _multiplexer(self) -> _Multiplexer:
-        if self._mux is None or self._mux.error is not None:
+        if self._mux is not None and self._mux.error is not None:
+            self._mux.discard()  # the stream broke (a server restart): open a new one
+            self._mux = None
+        if self._mux is None:
             self._mux = _Multiplexer(self._stub)
         return self._mux
 
@@ -251,6 +267,7 @@ class Client:
         if self._loop.is_closed():
             return
         self._run(self._async.close())
+        self._run(_cancel_other_tasks())  # what gRPC itself still runs on this loop
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -307,6 +324,14 @@ async def _in_context(context: otel_context.Context, coroutine: Coroutine[Any, A
         return await coroutine
     finally:
         otel_context.detach(token)
+
+
+async def _cancel_other_tasks() -> None:
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _make_async_client(target: str, options: dict[str, Any]) -> AsyncClient:

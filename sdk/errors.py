@@ -40,9 +40,14 @@ class ResourceExhaustedError(HeadraceError):
 
 
 class UnavailableError(HeadraceError):
-    """The server is shutting down, or no worker can take the request."""
+    """The server is shutting down, or no worker can take the request; retry after
+    ``retry_after_s`` seconds where the server says."""
 
     grpc_code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceededError(HeadraceError):
@@ -67,7 +72,6 @@ _BY_CODE: dict[str, type[HeadraceError]] = {
     cls.grpc_code: cls
     for cls in (
         NotFoundError,
-        UnavailableError,
         DeadlineExceededError,
         CancelledError,
         InternalError,
@@ -88,6 +92,8 @@ def error_for_code(
         return InvalidArgumentError(field, message.removeprefix(prefix) if field else message)
     if code == ResourceExhaustedError.grpc_code:
         return ResourceExhaustedError(message, retry_after_s)
+    if code == UnavailableError.grpc_code:
+        return UnavailableError(message, retry_after_s)
     cls = _BY_CODE.get(code)
     if cls is not None:
         return cls(message)

@@ -3,10 +3,17 @@
 A server started with ``--port 0`` binds a free port and prints one line ending in
 ``serving <model> on <host>:<port>``; `ServerProcess` reads it. Used by ``headrace up``,
 the benchmarks and the end-to-end tests.
+
+A child never outlives the process that started it: it learns its parent's pid from
+`PARENT_ENV` and (`die_with_parent`, at the start of the ``headrace`` command) asks the kernel
+to SIGTERM it when that parent dies, however it died (SIGKILL included); it then drains and
+exits. Arming it in the child itself, not between fork and exec, keeps the fork free of
+Python code (gRPC's threads make that unsafe).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import selectors
@@ -39,7 +46,7 @@ class ServerProcess:
             [sys.executable, "-m", "headrace.sdk.cli", *args, "--host", host, "--port", str(port)],
             stdout=subprocess.PIPE,
             stderr=self._log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
         )
         #: The /metrics port, if the server was started with --metrics-port.
         self.metrics_port: int | None = None
@@ -87,6 +94,23 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.terminate()
         self.kill()
+
+
+def die_with_parent(parent_pid: str | None) -> None:
+    """SIGTERM this process when ``parent_pid`` (the value of `PARENT_ENV`) dies; on Linux
+    (PR_SET_PDEATHSIG), and a no-op without a parent pid or elsewhere."""
+    if not parent_pid or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent_pid):  # the parent died before we asked: go now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+#: Set by `ServerProcess` to the starting process's pid.
+PARENT_ENV = "HEADRACE_PARENT_PID"
+#: prctl's option number for "signal me when my parent dies" (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
 
 
 def start_worker(model: Path | str, *args: str, log_path: Path | None = None) -> ServerProcess:

@@ -6,22 +6,26 @@ extra for grpcio-health-checking and grpcio-reflection).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
+from google.protobuf import message_factory
+from google.protobuf.descriptor import Descriptor, ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from headrace.protos import generation_pb2
-from headrace.protos import generation_pb2 as pb
 from headrace.sdk import status, tracing
-from headrace.sdk.errors import DeadlineExceededError, InvalidArgumentError
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.streams import FlowLimits, Undecodable
 from headrace.sdk.telemetry import MetricsServer
 from prometheus_client import CollectorRegistry
 
@@ -47,6 +51,9 @@ class ListenOptions:
     #: Port of the Prometheus ``/metrics`` endpoint (same host); None: no endpoint, 0: a
     #: free port (printed at start).
     metrics_port: int | None = None
+    #: Flow control of each stream: how far a reader may fall behind before its requests are
+    #: held, and how long they are held before they fail (see `headrace.sdk.streams`).
+    flow: FlowLimits = field(default_factory=FlowLimits)
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -76,6 +83,9 @@ def channel_options(max_message_mib: int) -> list[tuple[str, Any]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC sets SO_REUSEPORT by default, so a second server on a taken port would start
+        # and silently take a share of the connections: binding must fail instead.
+        ("grpc.so_reuseport", 0),
     ]
 
 
@@ -99,9 +109,14 @@ class Server:
     async def start(self, host: str, port: int) -> int:
         """Bind and serve; returns the port (the picked one when port is 0)."""
         address = f"{host}:{port}"
-        bound = self.server.add_insecure_port(address)
+        try:
+            bound = self.server.add_insecure_port(address)
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise OSError(f"could not bind {address}")
+            raise InvalidArgumentError(
+                "port", f"could not listen on {address}: the address is in use or not available"
+            )
         await self.server.start()
         return bound
 
@@ -186,96 +201,75 @@ class InFlight:
         return True
 
 
-def start_timeout(
-    timeout_s: float | None, expire: Callable[[DeadlineExceededError], object]
-) -> asyncio.TimerHandle | None:
-    """A request's own timeout: ``expire(DeadlineExceededError)`` after timeout_s seconds on
-    the running loop (None: no timeout). Cancel the handle when the request ends first."""
-    if timeout_s is None:
-        return None
-    error = DeadlineExceededError(f"timeout of {timeout_s:g} s passed")
-    return asyncio.get_running_loop().call_later(timeout_s, expire, error)
+def add_service(servicer: object, server: grpc.aio.Server, service: ServiceDescriptor) -> None:
+    """Register ``servicer``'s methods for ``service``, with request parsing that never
+    raises: bytes that are not the request message reach the handler as `Undecodable`, so a
+    garbage message gets INVALID_ARGUMENT (not UNKNOWN and a traceback). Stream handlers see
+    it in their request iterator; unary ones are answered here."""
+    handlers = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name)
+        if not method.client_streaming:
+            behaviour = _refusing_undecodable(behaviour)
+        make = _HANDLER_FACTORIES[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            behaviour,
+            request_deserializer=_tolerant_parser(method.input_type),
+            response_serializer=_serialize,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
 
 
-def _bound_by_deadline(request: pb.Request, time_remaining_s: float | None) -> pb.Request:
-    """`GenerateOne`: the request with its timeout cut to the RPC's deadline, if sooner."""
-    if time_remaining_s is None:
-        return request
-    if request.HasField("timeout") and request.timeout.ToNanoseconds() / 1e9 <= time_remaining_s:
-        return request
-    bounded = pb.Request()
-    bounded.CopyFrom(request)
-    bounded.timeout.CopyFrom(status.duration(max(time_remaining_s, 1e-3)))
-    return bounded
+_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
-class StreamSession(Protocol):
-    """The requests of one `Generate` (or `GenerateOne`) call, as a server tracks them."""
-
-    #: No more client messages will come (half-closed, or GenerateOne).
-    input_done: bool
-
-    def submit(self, request: pb.Request) -> None:
-        """Admit a request, or answer it in-band with the error that refuses it."""
-
-    def cancel(self, request_id: str) -> None:
-        """The client's Cancel; unknown ids are ignored."""
-
-    def wake(self) -> None:
-        """Make `responses` look at the session's state again."""
-
-    def responses(self) -> AsyncIterator[pb.GenerateResponse]:
-        """The messages to send, until input is done and every request has finished."""
-
-    def close(self) -> None:
-        """The call is over: stop what still runs and route nothing more."""
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
 
 
-async def serve_stream(
-    session: StreamSession, messages: AsyncIterator[pb.GenerateRequest]
-) -> AsyncIterator[pb.GenerateResponse]:
-    """`Generate`: read client messages into the session while sending its responses.
+def _tolerant_parser(descriptor: Descriptor) -> Callable[[bytes], Message | Undecodable]:
+    message_class = message_factory.GetMessageClass(descriptor)
 
-    Leaving for any reason (the client cancelled, disconnected, or the server stops) closes
-    the session, which stops its requests.
-    """
-    reader = asyncio.create_task(_read(session, messages))
-    try:
-        async for response in session.responses():
-            yield response
-    finally:
-        reader.cancel()
-        session.close()
+    def parse(data: bytes) -> Message | Undecodable:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as error:
+            return Undecodable(descriptor.full_name, str(error))
+
+    return parse
 
 
-async def _read(session: StreamSession, messages: AsyncIterator[pb.GenerateRequest]) -> None:
-    try:
-        async for message in messages:
-            kind = message.WhichOneof("kind")
-            if kind == "request":
-                session.submit(message.request)
-            elif kind == "cancel":
-                session.cancel(message.cancel.request_id)
-    finally:
-        session.input_done = True
-        session.wake()
+def _refusing_undecodable(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    """A unary-request handler (a coroutine, or an async generator of responses) that
+    answers an undecodable request with INVALID_ARGUMENT."""
 
+    async def refuse(request: Undecodable, context: grpc.aio.ServicerContext) -> NoReturn:
+        logger.warning("refusing a call: %s", request.fault())
+        await status.abort(context, request.fault())
 
-async def serve_one(
-    session: StreamSession, request: pb.Request, context: grpc.aio.ServicerContext
-) -> AsyncIterator[pb.GenerateResponse]:
-    """`GenerateOne`: one request, bounded by the RPC's deadline; an in-band error ends the
-    RPC with its status instead."""
-    session.input_done = True
-    try:
-        session.submit(_bound_by_deadline(request, context.time_remaining()))
-        async for response in session.responses():
-            failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
-            if failed:
-                await status.abort(context, status.from_wire(failed[0].error))
-            yield response
-    finally:
-        session.close()
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, Undecodable):
+                await refuse(request, context)
+            async for response in behaviour(request, context):
+                yield response
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await refuse(request, context)
+        return await behaviour(request, context)
+
+    return unary
 
 
 def wait_serving(target: str, timeout_s: float = 60.0) -> bool:

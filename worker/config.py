@@ -59,6 +59,9 @@ class EngineConfig:
     #: Steps submitted before the oldest is collected, each over different sequences, so
     #: stage 0 runs step k + 1 while later stages run step k; None means one per stage.
     pipeline_steps_in_flight: int | None = None
+    #: Longest text prompt in UTF-8 bytes; None: as long as could fit the context (the
+    #: context times the longest token's bytes). Longer prompts are refused untokenized.
+    max_prompt_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -84,6 +87,10 @@ class EngineConfig:
         if self.pipeline_steps_in_flight is not None and self.pipeline_steps_in_flight < 1:
             raise InvalidArgumentError(
                 "pipeline_steps_in_flight", f"must be >= 1, got {self.pipeline_steps_in_flight}"
+            )
+        if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
+            raise InvalidArgumentError(
+                "max_prompt_bytes", f"must be >= 1, got {self.max_prompt_bytes}"
             )
         if self.attention_backend not in BACKEND_NAMES:
             raise InvalidArgumentError(

@@ -24,8 +24,9 @@ class SequenceStatus(IntEnum):
 
     NEW = 0  # made, not given to the scheduler yet (samples 1..n-1 wait for sample 0)
     WAITING = 1  # queued, or preempted and waiting to be recomputed
-    RUNNING = 2
-    FINISHED = 3
+    HELD = 2  # paused while waiting (its reader fell behind): out of the queue until resumed
+    RUNNING = 3
+    FINISHED = 4
 
 
 @dataclass(slots=True, eq=False)

@@ -135,15 +135,20 @@ def test_generate_one_bad_request_is_the_rpc_status(worker: ServerProcess) -> No
     assert caught.value.details().startswith(f"{field}: ")
 
 
-def test_duplicate_request_id_on_one_stream_is_refused(worker: ServerProcess) -> None:
+def test_duplicate_id_on_the_worker_keeps_the_finished_contract(worker: ServerProcess) -> None:
+    """Regression (hardening defect 6): the duplicate got a finished ERROR chunk under the
+    id, and then the original's tokens and a second finished chunk followed it."""
     config = GenerationConfig(max_tokens=200, temperature=0.0, ignore_eos=True)
     first = pb.GenerateRequest(request=wire.request_to_wire("same", "one", config))
     messages = [first, first]
     with grpc.insecure_channel(worker.target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        chunks = [c for r in stub.Generate(iter(messages), timeout=60) for c in r.chunks]
-    errors = [c for c in chunks if c.HasField("error")]
-    assert len(errors) == 1 and errors[0].error.field == "request_id"
+        responses = list(stub.Generate(iter(messages), timeout=60))
+    duplicates = [d for r in responses for d in r.duplicates]
+    assert [(d.request_id, d.error.field) for d in duplicates] == [("same", "request_id")]
+    chunks = [c for r in responses for c in r.chunks]
+    assert not any(c.HasField("error") for c in chunks)
+    assert [c.finished for c in chunks].count(True) == 1 and chunks[-1].finished
     assert sum(len(c.token_ids) for c in chunks) == 200  # the first one ran to the end
 
 

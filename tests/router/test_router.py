@@ -3,21 +3,22 @@ cancellation and resuming after a worker loss, over fake worker links."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from typing import Any
 
 import grpc
 import pytest
 from headrace.protos import generation_pb2 as pb
+from headrace.protos import worker_pb2
 from headrace.router.config import RouterConfig
 from headrace.router.request import RoutedRequest
-from headrace.router.service import Router
+from headrace.router.router import Router
 from headrace.sdk import wire
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.errors import ResourceExhaustedError, UnavailableError
+from headrace.sdk.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 
 PROMPT_IDS = [11, 12, 13, 14]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
 class FakeLink:
@@ -32,14 +33,24 @@ class FakeLink:
         self.cancelled: list[str] = []
         self.queued_tokens = 0
         self.free_kv_blocks = 100
+        self.report: worker_pb2.LoadReport | None = None
+        self.leaving = False
+        self.holds: list[tuple[str, bool]] = []
         self._wire_ids = itertools.count()
 
     @property
     def num_inflight(self) -> int:
         return len(self.inflight)
 
+    @property
+    def accepting(self) -> bool:
+        return self.healthy and not self.leaving
+
+    def hold(self, request: RoutedRequest, paused: bool) -> None:
+        self.holds.append((request.wire_id, paused))
+
     def has_room(self, request: RoutedRequest) -> bool:
-        return self.healthy and len(self.inflight) < self.room
+        return self.accepting and len(self.inflight) < self.room
 
     def send(self, request: RoutedRequest) -> None:
         request.wire_id = f"{self.target}-{next(self._wire_ids)}"
@@ -82,17 +93,26 @@ def chunk(link: FakeLink, index: int, **fields: Any) -> pb.GenerateResponse:
     return pb.GenerateResponse(chunks=[pb.Chunk(request_id=wire_id, **fields)])
 
 
-def drain(outbox: asyncio.Queue[list[pb.Chunk]]) -> list[pb.Chunk]:
-    chunks: list[pb.Chunk] = []
-    while not outbox.empty():
-        chunks.extend(outbox.get_nowait())
+class Outbox:
+    """A session's outbox as the router uses it: it only puts chunk lists."""
+
+    def __init__(self) -> None:
+        self.items: list[list[pb.Chunk]] = []
+
+    def put(self, chunks: list[pb.Chunk]) -> None:
+        self.items.append(chunks)
+
+
+def drain(outbox: Outbox) -> list[pb.Chunk]:
+    chunks = [chunk for item in outbox.items for chunk in item]
+    outbox.items.clear()
     return chunks
 
 
 def test_admit_dispatches_to_a_worker_with_room():
     link = FakeLink("a:1")
     router = make_router(link)
-    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    outbox = Outbox()
     request = router.admit(make_request("client-1"), outbox)
     assert link.inflight == {request.wire_id: request}
     sent = link.sent[0]
@@ -105,18 +125,85 @@ def test_admit_refuses_without_a_healthy_worker_or_while_draining():
     link = FakeLink("a:1")
     router = make_router(link)
     link.healthy = False
-    with pytest.raises(UnavailableError, match="no healthy worker"):
-        router.admit(make_request(), asyncio.Queue())
+    with pytest.raises(UnavailableError, match="no healthy worker takes requests") as refused:
+        router.admit(make_request(), Outbox())
+    assert refused.value.retry_after_s == router.config.retry_after_s
     link.healthy = True
     router.draining = True
     with pytest.raises(UnavailableError, match="draining"):
-        router.admit(make_request(), asyncio.Queue())
+        router.admit(make_request(), Outbox())
     assert router.active.num_in_flight == 0
+
+
+def test_a_draining_worker_leaves_rotation_and_its_queue_fails_fast():
+    """Regression (hardening defect 1): a draining worker counted as healthy, so requests
+    were admitted and waited for it until their own timeout."""
+    link = FakeLink("a:1", room=1)
+    router = make_router(link)
+    outbox = Outbox()
+    running = router.admit(make_request("running"), outbox)
+    queued = router.admit(make_request("queued"), outbox)
+    link.leaving = True  # its load report says draining
+    router.on_change()
+    assert not router.has_healthy_worker
+    (refusal,) = drain(outbox)  # at once, not after unavailable_after_s
+    assert refusal.request_id == "queued" and refusal.error.code == UNAVAILABLE
+    assert refusal.error.retry_delay.ToTimedelta().total_seconds() == router.config.retry_after_s
+    assert queued.done and not running.done  # what runs on the draining worker finishes there
+    with pytest.raises(UnavailableError):
+        router.admit(make_request("late"), outbox)
+
+
+def test_a_worker_that_died_gets_time_to_come_back_before_its_requests_fail():
+    link = FakeLink("a:1")
+    router = make_router(link, unavailable_after_s=60.0)
+    outbox = Outbox()
+    request = router.admit(make_request("r"), outbox)
+    router.on_down(link, link.lose())  # type: ignore[arg-type]
+    router.on_change()
+    assert not request.done and len(router.queue) == 1  # waits to resume on a restart
+    link.healthy = True
+    router.on_change()
+    assert link.inflight and not drain(outbox)
+
+
+def _report(**fields: Any) -> worker_pb2.LoadReport:
+    defaults = {"total_kv_blocks": 64, "block_size": 16, "max_model_len": 512}
+    return worker_pb2.LoadReport(**{**defaults, **fields})
+
+
+def test_a_prompt_no_worker_could_ever_take_is_refused_at_admission():
+    """Regression (hardening defect 2): an oversized prompt waited in the queue, and held
+    everything behind it, for room that never came."""
+    link = FakeLink("a:1", room=0)
+    link.report = _report(max_prompt_bytes=1000)
+    router = make_router(link)
+    with pytest.raises(InvalidArgumentError, match="at most 1000") as refused:
+        router.admit(make_request(prompt="x" * 1001), Outbox())
+    assert refused.value.field == "prompt"
+    with pytest.raises(InvalidArgumentError, match="512 tokens; the workers take at most 511"):
+        router.admit(make_request(prompt=[5] * 512), Outbox())
+    router.admit(make_request(prompt=[5] * 511), Outbox())  # fits: it waits for room
+    assert len(router.queue) == 1
+
+
+def test_a_held_request_is_paused_on_the_worker_it_fails_over_to():
+    a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
+    router = make_router(a, b)
+    request = router.admit(make_request("r"), Outbox())
+    router.hold(request, True)
+    assert a.holds == [(request.wire_id, True)]
+    router.on_response(a, chunk(a, 0, token_ids=[3], prompt_token_ids=PROMPT_IDS))
+    b.room = 1
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    assert request.held and b.sent  # resumed on b, which must not generate for it either
+    router.hold(request, False)
+    assert b.holds == [(request.wire_id, False)]
 
 
 def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint():
     router = make_router(FakeLink("a:1", room=0), max_queued_requests=2, retry_after_s=2.5)
-    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    outbox = Outbox()
     router.admit(make_request("1"), outbox)
     router.admit(make_request("2"), outbox)
     with pytest.raises(ResourceExhaustedError) as refused:
@@ -128,7 +215,7 @@ def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint():
 def test_dispatch_takes_the_highest_priority_first_when_room_appears():
     link = FakeLink("a:1", room=0)
     router = make_router(link)
-    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    outbox = Outbox()
     for request_id, priority in [("low", 0), ("high", 5), ("mid", 1)]:
         router.admit(make_request(request_id, priority), outbox)
     assert link.sent == []
@@ -141,7 +228,7 @@ def test_dispatch_takes_the_highest_priority_first_when_room_appears():
 def test_chunks_go_back_under_the_client_id_and_a_finished_one_frees_room():
     link = FakeLink("a:1", room=1)
     router = make_router(link)
-    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    outbox = Outbox()
     router.admit(make_request("first"), outbox)
     router.admit(make_request("second"), outbox)
     assert len(link.sent) == 1  # the second waits for room
@@ -169,7 +256,7 @@ def test_chunks_go_back_under_the_client_id_and_a_finished_one_frees_room():
 def test_a_request_resumes_on_another_worker_with_the_tokens_already_streamed():
     a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
     router = make_router(a, b)
-    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    outbox = Outbox()
     router.admit(make_request("r", max_tokens=8, min_tokens=5, seed=3), outbox)
     router.on_response(a, chunk(a, 0, token_ids=[20, 21, 22], prompt_token_ids=PROMPT_IDS))
     b.room = 1
@@ -200,7 +287,7 @@ def test_a_request_resumes_on_another_worker_with_the_tokens_already_streamed():
 def test_a_text_prompt_resumes_from_the_token_ids_the_first_worker_reported():
     a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
     router = make_router(a, b)
-    router.admit(make_request("r", prompt="hello there"), asyncio.Queue())
+    router.admit(make_request("r", prompt="hello there"), Outbox())
     assert a.sent[0].text == "hello there"
     router.on_response(a, chunk(a, 0, token_ids=[5], prompt_token_ids=[1, 2, 3]))
     b.room = 1
@@ -212,7 +299,7 @@ def test_a_text_prompt_resumes_from_the_token_ids_the_first_worker_reported():
 def test_requests_with_several_samples_fail_over_as_unavailable():
     a, b = FakeLink("a:1"), FakeLink("b:2")
     router = make_router(a, b)
-    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    outbox = Outbox()
     router.admit(make_request("r", n=2, temperature=1.0), outbox)
     owner = a if a.inflight else b
     router.on_down(owner, owner.lose())  # type: ignore[arg-type]
@@ -224,7 +311,7 @@ def test_requests_with_several_samples_fail_over_as_unavailable():
 def test_cancel_ends_a_queued_request_here_and_asks_the_worker_for_a_dispatched_one():
     link = FakeLink("a:1", room=1)
     router = make_router(link)
-    outbox: asyncio.Queue[list[pb.Chunk]] = asyncio.Queue()
+    outbox = Outbox()
     running = router.admit(make_request("running"), outbox)
     queued = router.admit(make_request("queued"), outbox)
     router.cancel(queued)
@@ -240,9 +327,7 @@ def test_cancel_ends_a_queued_request_here_and_asks_the_worker_for_a_dispatched_
 
 
 def test_to_client_drops_prompt_logprobs_on_resume_once_sent():
-    request = make_router(FakeLink("a:1")).admit(
-        make_request("r", prompt_logprobs=1), asyncio.Queue()
-    )
+    request = make_router(FakeLink("a:1")).admit(make_request("r", prompt_logprobs=1), Outbox())
     request.to_client(
         pb.Chunk(
             token_ids=[9],

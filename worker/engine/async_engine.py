@@ -1,10 +1,15 @@
 """`AsyncEngine`: the streaming API for servers.
 
 The engine's step loop runs on a thread of its own, so model work never blocks the event
-loop. Callers talk to it through a command queue (add, abort) and get results back through
-`OutputStream`s: after each step, every stream receives ONE list holding the outputs of all
-its requests that progressed in that step, so a server multiplexing many requests on one
-connection sends one message per step.
+loop. Callers talk to it through a command queue (add, abort, pause, resume) and get results
+back through `OutputStream`s: after each step, every stream receives ONE list holding the
+outputs of all its requests that progressed in that step, so a server multiplexing many
+requests on one connection sends one message per step.
+
+Text prompts are tokenized on a thread of their own, never on the engine's: a long prompt
+costs its own request time, not every other request's step. A request is announced to the
+engine thread when it arrives (`_Pending`) and added once tokenized, so an abort that
+overtakes the tokenizer still finds it.
 
 Bad input arrives in-band: the request's only output is finished, with `error` set.
 """
@@ -12,6 +17,7 @@ Bad input arrives in-band: the request's only output is finished, with `error` s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -23,6 +29,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError
 from headrace.sdk.outputs import FinishReason, SampleDelta
 from headrace.sdk.prompts import Prompt
+from headrace.sdk.streams import FlowHooks, FlowLimits, ResponseQueue
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
@@ -31,33 +38,66 @@ logger = logging.getLogger(__name__)
 
 
 class OutputStream:
-    """Per-step batches of outputs, delivered onto one asyncio loop."""
+    """Per-step batches of outputs, delivered onto one asyncio loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    A server's stream passes its flow-control hooks: past the limits' backlog of unsent
+    batches, the hooks are asked to hold its requests (see `headrace.sdk.streams`); without
+    hooks nothing is held.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop | None = None,
+        limits: FlowLimits | None = None,
+        hooks: FlowHooks | None = None,
+    ) -> None:
         self._loop = loop or asyncio.get_running_loop()
-        self._queue: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+        self._queue: ResponseQueue[list[RequestOutput]] = ResponseQueue(limits, hooks)
 
     def put(self, outputs: list[RequestOutput]) -> None:
-        """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, outputs)
+        """Called from the engine thread (or the loop's)."""
+        self._loop.call_soon_threadsafe(self._queue.put, outputs)
 
     async def get(self) -> list[RequestOutput]:
         return await self._queue.get()
+
+    @property
+    def holding(self) -> bool:
+        """Its hooks were asked to hold the stream's requests (the reader fell behind)."""
+        return self._queue.holding
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A request whose text prompt is being tokenized."""
+
+    request_id: str
+    stream: OutputStream
 
 
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    prompt: Prompt
+    #: Token ids (the text until the tokenizer thread is done), or why tokenizing failed.
+    prompt: Prompt | HeadraceError
     config: GenerationConfig
     priority: int
     stream: OutputStream
+    #: Announced by a `_Pending` first (its prompt was text).
+    announced: bool = False
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
     error: HeadraceError | None
+
+
+@dataclass(slots=True)
+class _Hold:
+    request_ids: list[str]
+    #: True: pause them; False: let them go on.
+    paused: bool
 
 
 _STOP = object()
@@ -71,6 +111,10 @@ class AsyncEngine:
         self.engine = Engine(config)
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}  # owned by the engine thread
+        #: Requests announced but not added yet (text being tokenized); engine thread only.
+        self._pending: dict[str, OutputStream] = {}
+        # One thread: a tokenizer is not safe to share between threads.
+        self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, "headrace-tokenize")
         #: Replaced (never mutated) by the engine thread, so any thread may read it: at most
         #: every LOAD_PERIOD_S while busy (it walks every request), and whenever it goes idle.
         self.load: EngineLoad = self.engine.load()
@@ -88,11 +132,35 @@ class AsyncEngine:
         stream: OutputStream,
         priority: int = 0,
     ) -> None:
-        self._commands.put(_Add(request_id, prompt, config, priority, stream))
+        if not isinstance(prompt, str):
+            self._commands.put(_Add(request_id, prompt, config, priority, stream))
+            return
+        self._commands.put(_Pending(request_id, stream))
+        add = _Add(request_id, prompt, config, priority, stream, announced=True)
+        self._tokenizer.submit(self._tokenize, add)
+
+    def _tokenize(self, add: _Add) -> None:
+        """On the tokenizer thread: the request with its token ids (or its error)."""
+        assert isinstance(add.prompt, str)
+        try:
+            add.prompt = self.engine.intake.prompt_token_ids(add.prompt)
+        except HeadraceError as error:
+            add.prompt = error
+        except Exception as exc:  # a tokenizer bug fails this request, not the engine
+            logger.exception("tokenizing request %s failed", add.request_id)
+            add.prompt = InternalError(f"tokenizing failed: {exc!r}")
+        self._commands.put(add)
 
     def abort(self, request_id: str, error: HeadraceError | None = None) -> None:
         """Stop a request within one step; with ``error`` it ends failed, else cancelled."""
         self._commands.put(_Abort(request_id, error))
+
+    def pause(self, request_ids: list[str]) -> None:
+        """Generate nothing for these requests until `resume`; unknown ids are ignored."""
+        self._commands.put(_Hold(request_ids, paused=True))
+
+    def resume(self, request_ids: list[str]) -> None:
+        self._commands.put(_Hold(request_ids, paused=False))
 
     async def generate(
         self,
@@ -123,6 +191,7 @@ class AsyncEngine:
         self.engine.on_fatal(callback)
 
     def shutdown(self) -> None:
+        self._tokenizer.shutdown(wait=True, cancel_futures=True)
         self._commands.put(_STOP)
         self._thread.join()
         self.engine.close()
@@ -131,9 +200,12 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            block = not self.engine.has_unfinished_requests()
+            block = not self.engine.has_runnable_work()
             if not self._drain_commands(block):
                 return
+            if not self.engine.has_runnable_work():
+                self._publish_load()
+                continue
             try:
                 outputs = self.engine.step()
             except Exception:  # Engine.step contains model faults; this is a bug
@@ -145,7 +217,7 @@ class AsyncEngine:
 
     def _publish_load(self) -> None:
         now = time.monotonic()
-        if now - self._load_time_s >= LOAD_PERIOD_S or not self.engine.has_unfinished_requests():
+        if now - self._load_time_s >= LOAD_PERIOD_S or not self.engine.has_runnable_work():
             self.load = self.engine.load()
             self._load_time_s = now
 
@@ -165,19 +237,37 @@ class AsyncEngine:
                 return True
 
     def _apply(self, command: object) -> None:
-        if isinstance(command, _Add):
-            try:
-                self.engine.add_request(
-                    command.request_id, command.prompt, command.config, command.priority
-                )
-            except HeadraceError as exc:
-                command.stream.put([_failed(command.request_id, exc)])
-                return
-            self._streams[command.request_id] = command.stream
+        if isinstance(command, _Pending):
+            self._pending[command.request_id] = command.stream
+        elif isinstance(command, _Add):
+            self._add(command)
         elif isinstance(command, _Abort):
-            output = self.engine.abort_request(command.request_id, command.error)
-            if output is not None:
-                self._deliver([output])
+            self._abort(command)
+        elif isinstance(command, _Hold):
+            hold = self.engine.pause_request if command.paused else self.engine.resume_request
+            for request_id in command.request_ids:
+                hold(request_id)
+
+    def _add(self, add: _Add) -> None:
+        if add.announced and self._pending.pop(add.request_id, None) is None:
+            return  # aborted while it was being tokenized; its last output went out then
+        try:
+            if isinstance(add.prompt, HeadraceError):
+                raise add.prompt
+            self.engine.add_request(add.request_id, add.prompt, add.config, add.priority)
+        except HeadraceError as exc:
+            add.stream.put([_ended(add.request_id, exc)])
+            return
+        self._streams[add.request_id] = add.stream
+
+    def _abort(self, abort: _Abort) -> None:
+        stream = self._pending.pop(abort.request_id, None)
+        if stream is not None:  # still being tokenized: it ends here
+            stream.put([_ended(abort.request_id, abort.error)])
+            return
+        output = self.engine.abort_request(abort.request_id, abort.error)
+        if output is not None:
+            self._deliver([output])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batches: dict[int, tuple[OutputStream, list[RequestOutput]]] = {}
@@ -195,14 +285,14 @@ class AsyncEngine:
         error = InternalError("the engine loop failed; see the worker's log")
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            stream.put([_failed(request_id, error)])
+            stream.put([_ended(request_id, error)])
         self._streams.clear()
 
 
-def _failed(request_id: str, error: HeadraceError) -> RequestOutput:
+def _ended(request_id: str, error: HeadraceError | None) -> RequestOutput:
+    """The last output of a request that never reached the engine: failed with ``error``,
+    or cancelled without one."""
+    reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
     return RequestOutput(
-        request_id,
-        samples=[SampleDelta(0, [], "", [], FinishReason.ERROR)],
-        finished=True,
-        error=error,
+        request_id, samples=[SampleDelta(0, [], "", [], reason)], finished=True, error=error
     )

@@ -158,12 +158,28 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
 
+    def pause_request(self, request_id: str) -> None:
+        """Generate nothing for the request until `resume_request` (its reader fell behind);
+        unknown ids are ignored."""
+        request = self._requests.get(request_id)
+        for seq in request.seqs if request is not None else ():
+            self.scheduler.pause(seq)
+
+    def resume_request(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        for seq in request.seqs if request is not None else ():
+            self.scheduler.resume(seq)
+
     def prompt_token_ids(self, request_id: str) -> list[int]:
         return self._requests[request_id].prompt_token_ids
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, or steps not collected yet (which must be, in order)."""
         return bool(self._requests) or bool(self._in_flight)
+
+    def has_runnable_work(self) -> bool:
+        """Whether `step()` would do anything: paused requests alone leave nothing to run."""
+        return bool(self._in_flight) or self.scheduler.has_runnable_work()
 
     def load(self) -> EngineLoad:
         num_running = num_queued_tokens = 0

@@ -75,6 +75,14 @@ class RequestIntake:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
+            num_bytes = len(prompt.encode())
+            if num_bytes > self.spec.max_prompt_bytes:
+                raise InvalidArgumentError(
+                    "prompt",
+                    f"has {num_bytes} bytes; this worker takes at most "
+                    f"{self.spec.max_prompt_bytes} (its context is {self.spec.max_model_len} "
+                    "tokens)",
+                )
             return list(self.spec.tokenizer.encode(prompt))
         if not isinstance(prompt, list | tuple):
             raise InvalidArgumentError("prompt", "must be a string or a list of token ids")

@@ -16,6 +16,7 @@ from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
 from headrace.worker.models.registry import model_factory, read_model_type
 from headrace.worker.models.store import resolve_model
+from tokenizers import decoders
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers import GenerationConfig as HFGenerationConfig
 
@@ -33,6 +34,8 @@ class ModelSpec:
     tokenizer: PreTrainedTokenizerBase
     #: Token ids that end a sample unless ignore_eos (generation_config.json and tokenizer).
     eos_token_ids: frozenset[int]
+    #: Longest text prompt in UTF-8 bytes that could fit (or the configured limit).
+    max_prompt_bytes: int
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelSpec:
@@ -40,13 +43,20 @@ class ModelSpec:
         model_factory(read_model_type(path))  # before transformers reads the type
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
+        max_model_len = _max_model_len(config, hf_config)
+        # A text of B bytes is at least B / (longest token's bytes) tokens, so anything longer
+        # than this can never fit the context: refuse it without tokenizing it.
+        max_prompt_bytes = (max_model_len - 1) * _max_token_bytes(tokenizer)
+        if config.max_prompt_bytes is not None:
+            max_prompt_bytes = min(max_prompt_bytes, config.max_prompt_bytes)
         return cls(
             path=path,
             hf_config=hf_config,
             dtype=config.torch_dtype(_checkpoint_dtype(hf_config)),
-            max_model_len=_max_model_len(config, hf_config),
+            max_model_len=max_model_len,
             tokenizer=tokenizer,
             eos_token_ids=_eos_token_ids(path, tokenizer),
+            max_prompt_bytes=max_prompt_bytes,
         )
 
 
@@ -71,6 +81,20 @@ def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
             "prompt fits one step",
         )
     return limit
+
+
+def _max_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for. A byte-level BPE
+    vocabulary string has one character per byte; any other's UTF-8 is never shorter than
+    the text it stands for (SentencePiece's "▁" is 3 bytes for a space)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+    added = tokenizer.get_added_vocab()  # written verbatim: their own UTF-8
+    sizes = (
+        len(token) if byte_level and token not in added else len(token.encode())
+        for token in tokenizer.get_vocab()
+    )
+    return max(sizes, default=1)
 
 
 def _eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

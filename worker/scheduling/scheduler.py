@@ -19,6 +19,9 @@ The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, t
 With pipeline parallelism several steps are in flight at once (one per stage). Sequences
 of a step still in flight are `busy`: the next step neither schedules nor preempts them,
 and a cap on sequences per step shares the running ones among the steps in flight.
+
+A paused sequence (its reader fell behind, see `pause`) is not scheduled: a running one keeps
+its blocks but may be preempted, a waiting one is HELD out of the queue until `resume`.
 """
 
 from __future__ import annotations
@@ -78,10 +81,17 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], int, Sequence]] = []
         self.num_waiting = 0
         self.num_preemptions = 0
+        #: Seq ids of paused sequences (running ones keep their place in `running`).
+        self._paused: set[int] = set()
+        #: Paused sequences out of the waiting queue, by seq id.
+        self._held: dict[int, Sequence] = {}
 
     # --- queue management ----------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._paused:
+            self._hold(seq)
+            return
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self._waiting, (_order(seq), seq.seq_id, seq))
         self.num_waiting += 1
@@ -94,9 +104,35 @@ class Scheduler:
             self.num_waiting -= 1  # its heap entry is dropped lazily
         elif seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        self._held.pop(seq.seq_id, None)
+        self._paused.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
+
+    def pause(self, seq: Sequence) -> None:
+        """Stop scheduling ``seq`` until `resume` (a running one keeps its blocks)."""
+        if seq.is_finished or seq.seq_id in self._paused:
+            return
+        self._paused.add(seq.seq_id)
+        if seq.status == SequenceStatus.WAITING:
+            self.num_waiting -= 1  # its heap entry is dropped lazily
+            self._hold(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        if seq.seq_id not in self._paused:
+            return
+        self._paused.discard(seq.seq_id)
+        if self._held.pop(seq.seq_id, None) is not None:
+            self.add(seq)
+
+    def _hold(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.HELD
+        self._held[seq.seq_id] = seq
+
+    def has_runnable_work(self) -> bool:
+        """Whether a step could schedule anything: a waiting or an unpaused running one."""
+        return self.num_waiting > 0 or any(s.seq_id not in self._paused for s in self.running)
 
     def _peek_waiting(self) -> Sequence | None:
         while self._waiting and self._waiting[0][2].status != SequenceStatus.WAITING:
@@ -136,7 +172,7 @@ class Scheduler:
         while i < len(self.running) and not plan.is_full:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
-            if num_new == 0 or seq.seq_id in plan.busy:
+            if num_new == 0 or seq.seq_id in plan.busy or seq.seq_id in self._paused:
                 i += 1
                 continue
             needed = self.block_manager.num_new_blocks_needed(seq, num_new)

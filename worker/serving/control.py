@@ -21,12 +21,11 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
         engine: AsyncEngine,
         state: ServingState,
         drain: Callable[[float], Awaitable[object]],
-        max_model_len: int,
     ) -> None:
         self.engine = engine
         self.state = state
         self._drain = drain
-        self.max_model_len = max_model_len
+        self._spec = engine.engine.spec
 
     def report(self) -> worker_pb2.LoadReport:
         load = self.engine.load
@@ -39,8 +38,9 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
             queued_tokens=load.num_queued_tokens,
             prefix_cache_hit_blocks=load.num_prefix_hit_blocks,
             draining=self.state.draining,
-            max_model_len=self.max_model_len,
+            max_model_len=self._spec.max_model_len,
             admitted_requests=self.state.num_admitted,
+            max_prompt_bytes=self._spec.max_prompt_bytes,
         )
 
     async def WatchLoad(

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from headrace.protos import generation_pb2, worker_pb2
 from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.config import EngineConfig
@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 #: After a rank failure: how long the worker stays up to deliver NOT_SERVING to watchers.
 FAILURE_FLUSH_S = 0.25
-CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name
+GENERATION_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+CONTROL_DESCRIPTOR = worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"]
+CONTROL_SERVICE = CONTROL_DESCRIPTOR.full_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +48,10 @@ class WorkerServer:
         self.grpc = serving.Server([GENERATION_SERVICE, CONTROL_SERVICE], options.max_message_mib)
         info = model_info(engine, model_name)
         self.metrics = WorkerMetrics(engine, model_name, self.state)
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(engine, info, self.state, self.metrics), self.grpc.server
-        )
-        worker_pb2_grpc.add_WorkerControlServicer_to_server(
-            WorkerControlService(engine, self.state, self.drain, info.max_model_len),
-            self.grpc.server,
-        )
+        generation = GenerationService(engine, info, self.state, self.metrics, options.flow)
+        serving.add_service(generation, self.grpc.server, GENERATION_DESCRIPTOR)
+        control = WorkerControlService(engine, self.state, self.drain)
+        serving.add_service(control, self.grpc.server, CONTROL_DESCRIPTOR)
         self.port = 0
 
     async def start(self) -> int:

@@ -9,12 +9,13 @@ from collections.abc import AsyncIterator
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
-from headrace.sdk import serving, tracing, wire
+from headrace.sdk import serving, streams, tracing, wire
 from headrace.sdk.errors import HeadraceError, NotFoundError, UnavailableError
-from headrace.sdk.outputs import FinishReason
+from headrace.sdk.outputs import FinishReason, Usage
+from headrace.sdk.streams import FlowLimits
 from headrace.sdk.telemetry import RequestTelemetry
-from headrace.worker.engine.async_engine import AsyncEngine, OutputStream
-from headrace.worker.engine.outputs import RequestOutput, RequestTimes
+from headrace.worker.engine.async_engine import AsyncEngine
+from headrace.worker.engine.outputs import RequestTimes
 from headrace.worker.serving.metrics import WorkerMetrics
 from headrace.worker.serving.session import WorkerSession
 
@@ -44,11 +45,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         model_info: pb.ModelInfo,
         state: ServingState,
         metrics: WorkerMetrics,
+        flow: FlowLimits,
     ) -> None:
         self.engine = engine
         self.model_info = model_info
         self.state = state
         self.metrics = metrics
+        self.flow = flow
         self._stream_numbers = itertools.count()
 
     def admit(self, request: pb.Request) -> wire.ParsedRequest:
@@ -67,41 +70,38 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self,
         telemetry: RequestTelemetry,
         reason: FinishReason,
-        output: RequestOutput | None,
         error: HeadraceError | None,
+        usage: Usage | None = None,
+        times: RequestTimes | None = None,
     ) -> None:
         """A request ended: its metrics, its span (with queue, prefill and decode as child
         spans, from the engine's times) and its log line."""
-        times = output.times if output is not None else None
         queue_s = None
         if times is not None and times.first_scheduled_s is not None:
             requests = self.metrics.requests
             queue_s = telemetry.queued(times.arrival_s, times.first_scheduled_s, requests)
             if telemetry.span.is_recording():
                 _phase_spans(telemetry, times)
-        usage = output.usage if output is not None else None
         telemetry.finish(
             reason, usage, error, self.metrics.requests, request_logger, queue_s=queue_s
         )
 
     def _session(self, context: grpc.aio.ServicerContext) -> WorkerSession:
         metadata = tuple(context.invocation_metadata() or ())
-        return WorkerSession(self, f"s{next(self._stream_numbers)}/", OutputStream(), metadata)
+        return WorkerSession(self, f"s{next(self._stream_numbers)}/", metadata)
 
-    # grpc.aio needs the handlers themselves to be async generators, hence the loops.
+    # Stream-response handlers are coroutines that write with context.write (see streams).
     async def Generate(
         self,
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in serving.serve_stream(self._session(context), request_iterator):
-            yield response
+    ) -> None:
+        await streams.serve_stream(self._session(context), request_iterator, context)
 
     async def GenerateOne(
         self, request: pb.Request, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        async for response in serving.serve_one(self._session(context), request, context):
-            yield response
+    ) -> None:
+        await streams.serve_one(self._session(context), request, context)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

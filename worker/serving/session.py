@@ -1,14 +1,20 @@
 """One `Generate` stream on the worker: its requests from admission to their last chunk.
 
 Design note. Each `Generate` stream is one `WorkerSession`: a reader task turns incoming
-`Request` / `Cancel` messages into engine commands, and the handler's own loop turns the
-engine's per-step output batches into one `GenerateResponse` per step. Request ids are the
-client's, so two streams may both use "1": the engine sees them prefixed with the stream's
-number. A request that fails before reaching the engine (bad field, unknown model, draining)
-is answered in-band on the same stream; nothing a single request does can end the stream.
-Leaving the handler for any reason (the client cancelled, disconnected, or the server is
-stopping) aborts whatever is still running on the stream, which frees its KV blocks within
-one engine step.
+`Request` / `Cancel` / `Pause` / `Resume` messages into engine commands, and the handler's
+own loop turns the engine's per-step output batches into one `GenerateResponse` per step.
+Request ids are the client's, so two streams may both use "1": the engine sees them prefixed
+with the stream's number. A request that fails before reaching the engine (bad field,
+unknown model, draining) is answered in-band on the same stream, and a request reusing the
+id of one in flight is refused in the response's `duplicates` without touching that one;
+nothing a single request does can end the stream. Leaving the handler for any reason (the
+client cancelled, disconnected, or the server is stopping) aborts whatever is still running
+on the stream, which frees its KV blocks within one engine step.
+
+Flow control: the session is its `OutputStream`'s hooks. When unsent responses pile up
+(the client stopped reading), every request of the stream is paused in the engine; a
+client's own `Pause` holds the requests it names. A request held longer than the slow-reader
+timeout ends with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk import serving, status, tracing, wire
-from headrace.sdk.errors import HeadraceError, InvalidArgumentError
-from headrace.sdk.outputs import FinishReason
+from headrace.sdk import status, streams, tracing, wire
+from headrace.sdk.errors import HeadraceError, InvalidArgumentError, ResourceExhaustedError
+from headrace.sdk.outputs import FinishReason, Usage
 from headrace.sdk.telemetry import RequestTelemetry
 from headrace.worker.engine.async_engine import OutputStream
 from headrace.worker.engine.outputs import RequestOutput
@@ -39,6 +45,12 @@ class _Live:
     timer: asyncio.TimerHandle | None
     return_prompt_token_ids: bool
     telemetry: RequestTelemetry
+    #: What it streamed so far (for the log line of a request whose stream went away).
+    usage: Usage = field(default_factory=Usage)
+    #: The client paused it (a `Pause` message).
+    paused_by_client: bool = False
+    #: Set while it is paused in the engine: fails it when the slow-reader timeout passes.
+    hold_timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
@@ -47,39 +59,56 @@ class WorkerSession:
 
     service: GenerationService
     prefix: str
-    stream: OutputStream
     #: The call's metadata: a request without a trace context of its own joins its trace.
     metadata: Sequence[tuple[str, str | bytes]]
     live: dict[str, _Live] = field(default_factory=dict)
     #: In-band answers to requests that never reached the engine, sent with the next response.
     rejected: list[pb.Chunk] = field(default_factory=list)
+    #: Refusals of requests that reused an id in flight, sent with the next response.
+    duplicates: list[pb.DuplicateRequest] = field(default_factory=list)
     input_done: bool = False
+    fault: HeadraceError | None = None
+    stream: OutputStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = OutputStream(limits=self.service.flow, hooks=self)
 
     @property
     def is_done(self) -> bool:
-        return self.input_done and not self.live and not self.rejected
+        if self.fault is not None:
+            return True
+        return self.input_done and not self.live and not self.rejected and not self.duplicates
 
     def submit(self, request: pb.Request) -> None:
+        if request.request_id in self.live:
+            self._refuse_duplicate(request.request_id)
+            return
         parent = tracing.parent_context(request.trace_context, self.metadata)
         telemetry = RequestTelemetry.start("worker.generate", request.request_id, parent)
         try:
             parsed = self.service.admit(request)
-            if parsed.request_id in self.live:
-                raise InvalidArgumentError(
-                    "request_id", f"{parsed.request_id!r} is already in flight on this stream"
-                )
         except HeadraceError as error:
-            self.service.finish(telemetry, FinishReason.ERROR, None, error)
+            self.service.finish(telemetry, FinishReason.ERROR, error)
             self.reject(request.request_id, error)
             return
         engine_id = self.prefix + parsed.request_id
         engine = self.service.engine
-        timer = serving.start_timeout(parsed.timeout_s, lambda e: engine.abort(engine_id, e))
-        self.live[parsed.request_id] = _Live(
-            engine_id, timer, request.return_prompt_token_ids, telemetry
-        )
+        timer = streams.start_timeout(parsed.timeout_s, lambda e: engine.abort(engine_id, e))
+        live = _Live(engine_id, timer, request.return_prompt_token_ids, telemetry)
+        self.live[parsed.request_id] = live
         self.service.state.started()
         engine.add_request(engine_id, parsed.prompt, parsed.config, self.stream, parsed.priority)
+        if self.stream.holding:  # the client is behind already
+            self._hold(live)
+
+    def _refuse_duplicate(self, request_id: str) -> None:
+        error = InvalidArgumentError(
+            "request_id", f"{request_id!r} is already in flight on this stream"
+        )
+        self.duplicates.append(
+            pb.DuplicateRequest(request_id=request_id, error=status.to_wire(error))
+        )
+        self.wake()
 
     def cancel(self, request_id: str) -> None:
         live = self.live.get(request_id)
@@ -93,17 +122,63 @@ class WorkerSession:
     def wake(self) -> None:
         self.stream.put([])
 
+    # --- flow control -------------------------------------------------------------------
+
+    def pause(self, request_ids: list[str]) -> None:
+        for live in self._known(request_ids):
+            live.paused_by_client = True
+            self._hold(live)
+
+    def resume(self, request_ids: list[str]) -> None:
+        for live in self._known(request_ids):
+            live.paused_by_client = False
+            if not self.stream.holding:
+                self._release(live)
+
+    def hold_all(self) -> None:
+        for live in self.live.values():
+            self._hold(live)
+
+    def release_all(self) -> None:
+        for live in self.live.values():
+            if not live.paused_by_client:
+                self._release(live)
+
+    def _known(self, request_ids: list[str]) -> list[_Live]:
+        return [self.live[i] for i in request_ids if i in self.live]
+
+    def _hold(self, live: _Live) -> None:
+        if live.hold_timer is not None:
+            return
+        self.service.engine.pause([live.engine_id])
+        timeout_s = self.service.flow.slow_reader_timeout_s
+        error = ResourceExhaustedError(
+            f"the client read none of this request's output for {timeout_s:g} s"
+        )
+        abort = self.service.engine.abort
+        live.hold_timer = asyncio.get_running_loop().call_later(
+            timeout_s, abort, live.engine_id, error
+        )
+
+    def _release(self, live: _Live) -> None:
+        if live.hold_timer is None:
+            return
+        live.hold_timer.cancel()
+        live.hold_timer = None
+        self.service.engine.resume([live.engine_id])
+
+    # --- responses ----------------------------------------------------------------------
+
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         """One response per engine step that touched this session, until it is done."""
         while not self.is_done:
             outputs = await self.stream.get()
-            response = pb.GenerateResponse()
-            response.chunks.extend(self.rejected)
-            self.rejected.clear()
+            response = pb.GenerateResponse(chunks=self.rejected, duplicates=self.duplicates)
+            self.rejected, self.duplicates = [], []
             now_s = time.monotonic()
             for output in outputs:
                 response.chunks.extend(self._chunks(output, now_s))
-            if response.chunks:
+            if response.chunks or response.duplicates:
                 yield response
 
     def _chunks(self, output: RequestOutput, now_s: float) -> list[pb.Chunk]:
@@ -124,8 +199,7 @@ class WorkerSession:
         live = self.live.get(request_id)
         if live is None:
             return chunks
-        num_tokens = sum(len(delta.token_ids) for delta in output.samples)
-        live.telemetry.clock.tokens(now_s, num_tokens, self.service.metrics.requests)
+        self._count(live, output, now_s)
         if output.prompt_token_ids is not None and live.return_prompt_token_ids:
             chunks[0].prompt_token_ids.extend(output.prompt_token_ids)
         if output.finished:
@@ -138,19 +212,28 @@ class WorkerSession:
             self._forget(request_id, output)
         return chunks
 
+    def _count(self, live: _Live, output: RequestOutput, now_s: float) -> None:
+        num_tokens = sum(len(delta.token_ids) for delta in output.samples)
+        live.telemetry.clock.tokens(now_s, num_tokens, self.service.metrics.requests)
+        live.usage.num_generated_tokens += num_tokens
+        if output.prompt_token_ids is not None:
+            live.usage.num_prompt_tokens = len(output.prompt_token_ids)
+
     def _forget(self, request_id: str, output: RequestOutput | None) -> None:
         live = self.live.pop(request_id, None)
         if live is None:
             return
-        if live.timer is not None:
-            live.timer.cancel()
+        for timer in (live.timer, live.hold_timer):
+            if timer is not None:
+                timer.cancel()
         self.service.state.ended()
         if output is None:  # the stream went away
-            self.service.finish(live.telemetry, FinishReason.ABORT, None, None)
+            self.service.finish(live.telemetry, FinishReason.ABORT, None, live.usage)
             return
         reasons = [delta.finish_reason for delta in output.samples if delta.finish_reason]
         reason = FinishReason.ERROR if output.error is not None else reasons[-1]
-        self.service.finish(live.telemetry, reason, output, output.error)
+        usage = output.usage or live.usage
+        self.service.finish(live.telemetry, reason, output.error, usage, output.times)
 
     def close(self) -> None:
         """The stream is gone: stop its live requests (their outputs are dropped)."""
