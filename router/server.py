@@ -44,7 +44,9 @@ class RouterServer:
         self.router.start()
         if self.options.metrics_port is not None:
             registry = self.router.metrics.registry
-            self.grpc.serve_metrics(registry, self.options.host, self.options.metrics_port)
+            self.grpc.serve_metrics(
+                registry, "router", self.options.host, self.options.metrics_port
+            )
         port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(False)
         self._health_task = asyncio.create_task(self._follow_health())

@@ -33,9 +33,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     ) -> None:
         await streams.serve_stream(self._session(context), request_iterator, context)
 
-    async def GenerateOne(
-        self, request: pb.Request, context: grpc.aio.ServicerContext
-    ) -> None:
+    async def GenerateOne(self, request: pb.Request, context: grpc.aio.ServicerContext) -> None:
         await streams.serve_one(self._session(context), request, context)
 
     async def GetModelInfo(

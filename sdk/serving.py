@@ -26,7 +26,7 @@ from headrace.protos import generation_pb2
 from headrace.sdk import status, tracing
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.streams import FlowLimits, Undecodable
-from headrace.sdk.telemetry import MetricsServer
+from headrace.sdk.telemetry import MetricsServer, RuntimeCollector
 from prometheus_client import CollectorRegistry
 
 logger = logging.getLogger(__name__)
@@ -120,8 +120,13 @@ class Server:
         await self.server.start()
         return bound
 
-    def serve_metrics(self, registry: CollectorRegistry, host: str, port: int) -> int:
-        """Serve ``registry`` at http://host:port/metrics; returns the port (picked if 0)."""
+    def serve_metrics(
+        self, registry: CollectorRegistry, subsystem: str, host: str, port: int
+    ) -> int:
+        """Serve ``registry`` (plus the process's tasks and threads, named for
+        ``subsystem``) at http://host:port/metrics; returns the port (picked if 0). Call it
+        on the server's event loop."""
+        registry.register(RuntimeCollector(subsystem, asyncio.get_running_loop()))
         self.metrics_server = MetricsServer(registry, host, port)
         # Scripts (and tests) started with port 0 read the port from this line.
         print(f"metrics on http://{host}:{self.metrics_server.port}/metrics", flush=True)

@@ -8,8 +8,11 @@ servers in one process do not collide. Names follow Prometheus conventions:
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from headrace.sdk import status, tracing
@@ -23,6 +26,8 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 NAMESPACE = "headrace"
 
@@ -49,6 +54,27 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
+
+
+class RuntimeCollector(Collector):
+    """The server process's own vitals, to spot leaks: tasks on its event loop and live
+    threads (``headrace_<subsystem>_event_loop_tasks``, ``..._threads``)."""
+
+    def __init__(self, subsystem: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._prefix = f"{NAMESPACE}_{subsystem}"
+        self._loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        # Read from the scrape thread: all_tasks copies its set (and retries if it changes).
+        tasks = len(asyncio.all_tasks(self._loop))
+        yield GaugeMetricFamily(
+            f"{self._prefix}_event_loop_tasks", "Tasks on the server's event loop.", value=tasks
+        )
+        yield GaugeMetricFamily(
+            f"{self._prefix}_threads",
+            "Live threads of the process.",
+            value=threading.active_count(),
+        )
 
 
 class RequestMetrics:

@@ -58,7 +58,7 @@ class WorkerServer:
         """Bind and serve; returns the port (the picked one when options.port is 0)."""
         if self.options.metrics_port is not None:
             self.grpc.serve_metrics(
-                self.metrics.registry, self.options.host, self.options.metrics_port
+                self.metrics.registry, "worker", self.options.host, self.options.metrics_port
             )
         self.port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(True)
