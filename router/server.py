@@ -33,7 +33,7 @@ class RouterServer:
     def __init__(self, config: RouterConfig, options: RouterOptions) -> None:
         self.options = options
         self.router = Router(config)
-        self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib)
+        self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib, options.security)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             RouterService(self.router), self.grpc.server
         )
@@ -46,6 +46,8 @@ class RouterServer:
             self.grpc.serve_metrics(registry, self.options.host, self.options.metrics_port)
         port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(False)
+        if self.options.health_port is not None:
+            await self.grpc.serve_health(self.options.host, self.options.health_port)
         self._health_task = asyncio.create_task(self._follow_health())
         return port
 

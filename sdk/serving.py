@@ -10,7 +10,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -22,6 +22,7 @@ from headrace.protos import generation_pb2
 from headrace.protos import generation_pb2 as pb
 from headrace.sdk import status, tracing
 from headrace.sdk.errors import DeadlineExceededError, InvalidArgumentError
+from headrace.sdk.security import ServerSecurity
 from headrace.sdk.telemetry import MetricsServer
 from prometheus_client import CollectorRegistry
 
@@ -47,9 +48,14 @@ class ListenOptions:
     #: Port of the Prometheus ``/metrics`` endpoint (same host); None: no endpoint, 0: a
     #: free port (printed at start).
     metrics_port: int | None = None
+    #: TLS and API keys of the gRPC port (default: plaintext, no keys).
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    #: A plaintext port serving `grpc.health.v1` alone, for probes that speak no TLS (same
+    #: host); None: none, 0: a free port (printed at start).
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise InvalidArgumentError(name, f"must be in [0, 65535], got {port}")
@@ -83,10 +89,16 @@ class Server:
     """A grpc.aio server with health and reflection for the given services, and optionally
     a Prometheus ``/metrics`` endpoint beside it."""
 
-    def __init__(self, services: list[str], max_message_mib: int) -> None:
+    def __init__(
+        self, services: list[str], max_message_mib: int, security: ServerSecurity | None = None
+    ) -> None:
         self.services = services
-        self.server = grpc.aio.server(options=channel_options(max_message_mib))
+        self.security = security or ServerSecurity()
+        self.server = grpc.aio.server(
+            options=channel_options(max_message_mib), interceptors=self.security.interceptors()
+        )
         self.metrics_server: MetricsServer | None = None
+        self.health_server: grpc.aio.Server | None = None
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
@@ -99,10 +111,24 @@ class Server:
     async def start(self, host: str, port: int) -> int:
         """Bind and serve; returns the port (the picked one when port is 0)."""
         address = f"{host}:{port}"
-        bound = self.server.add_insecure_port(address)
+        bound = self.security.add_port(self.server, address)
         if bound == 0:
             raise OSError(f"could not bind {address}")
         await self.server.start()
+        self.security.warn_if_open(host, bound)
+        return bound
+
+    async def serve_health(self, host: str, port: int) -> int:
+        """Serve this server's `grpc.health.v1` alone, in plaintext, on host:port; returns the
+        port (picked if 0). For probes that speak no TLS (Kubernetes' gRPC probes)."""
+        self.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"could not bind {host}:{port}")
+        await self.health_server.start()
+        # Scripts (and tests) started with port 0 read the port from this line.
+        print(f"health on {host}:{bound}", flush=True)
         return bound
 
     def serve_metrics(self, registry: CollectorRegistry, host: str, port: int) -> int:
@@ -114,6 +140,8 @@ class Server:
 
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace=grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         if self.metrics_server is not None:
             self.metrics_server.close()
 
