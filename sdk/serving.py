@@ -20,7 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from headrace.protos import generation_pb2
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk import status, tracing
+from headrace.sdk import status, tracing, wire
 from headrace.sdk.errors import DeadlineExceededError, InvalidArgumentError
 from headrace.sdk.security import ServerSecurity
 from headrace.sdk.telemetry import MetricsServer
@@ -296,6 +296,7 @@ async def serve_one(
     RPC with its status instead."""
     session.input_done = True
     try:
+        request = wire.with_request_id(request)
         session.submit(_bound_by_deadline(request, context.time_remaining()))
         async for response in session.responses():
             failed = [chunk for chunk in response.chunks if chunk.HasField("error")]
