@@ -228,3 +228,21 @@ def test_an_open_server_beyond_loopback_warns_and_a_guarded_one_does_not(
             pass
         lines = [line for line in log.read_text().splitlines() if "without API keys" in line]
         assert len(lines) == int(warned), name
+
+
+def test_refusals_are_logged_with_the_key_name_and_never_the_key(
+    secure_router: ServerProcess, pki: Pki
+) -> None:
+    wrong = "wrong-but-logged-never-0123456789"
+    with pki.client(secure_router.target, wrong) as client, pytest.raises(UnauthenticatedError):
+        client.generate("hello", GREEDY)
+    with (
+        pki.client(secure_router.target, CLIENT_KEY) as client,
+        pytest.raises(PermissionDeniedError),
+    ):
+        client.generate("hello", GREEDY, priority=CEILING + 1)
+    assert secure_router.log_path is not None
+    log = secure_router.log_path.read_text()
+    assert "refused /headrace.v1.Generation/Generate" in log and "key 'client'" in log
+    for secret in (wrong, CLIENT_KEY, OPS_KEY, ROUTER_KEY):
+        assert secret not in log
