@@ -52,7 +52,8 @@ class Pki:
             folder,
             ca,
             worker=ca.server("worker"),
-            router=ca.server("router"),
+            # Also the Service's name, which Envoy (deploy/envoy) checks.
+            router=ca.server("router", ("localhost", "127.0.0.1", "headrace-router")),
             router_client=ca.client("router-client"),
             tester=ca.client("tester"),
             stranger=stranger,
