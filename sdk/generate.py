@@ -63,6 +63,7 @@ def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tls-server-name", metavar="NAME", help="the name on the server's certificate")
     add(
         "--api-key",
+        metavar="KEY",
         help=f"sent as authorization: Bearer (default: ${API_KEY_ENV}, which `ps` cannot show)",
     )
 
