@@ -82,7 +82,12 @@ def add_server_security_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     add("--tls-client-ca", metavar="PEM", help="mTLS: clients need a certificate this CA signed")
     add("--api-key-file", metavar="FILE", help="accept only these keys (one per line, see README)")
-    add("--health-port", type=int, metavar="PORT", help="also serve grpc.health.v1 alone, in plaintext, here")
+    add(
+        "--health-port",
+        type=int,
+        metavar="PORT",
+        help="also serve grpc.health.v1 alone, in plaintext, here",
+    )
 
 
 def server_security(args: argparse.Namespace) -> ServerSecurity:
