@@ -12,6 +12,7 @@ import grpc
 import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from headrace.sdk import AsyncClient, GenerationConfig, status, wire
@@ -169,6 +170,19 @@ def test_health_needs_no_key() -> None:
         health = health_pb2_grpc.HealthStub(channel)
         answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    _with_server(test)
+
+
+def test_reflection_takes_any_known_key() -> None:
+    async def test(target: str, channel: grpc.aio.Channel) -> None:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        refused = stub.ServerReflectionInfo(iter([ask]), timeout=5)
+        assert await _code(_drain(refused)) == grpc.StatusCode.UNAUTHENTICATED
+        call = stub.ServerReflectionInfo(iter([ask]), metadata=bearer_metadata(CALLER), timeout=5)
+        names = {s.name for r in [r async for r in call] for s in r.list_services_response.service}
+        assert GENERATION_SERVICE in names
 
     _with_server(test)
 
