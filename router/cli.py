@@ -7,9 +7,13 @@ import contextlib
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from headrace.router.config import POLICIES, RouterConfig
 from headrace.sdk.cli import add_server_arguments, listen_options, setup_logging
+from headrace.sdk.credentials import ClientSecurity, read_api_key
+from headrace.sdk.security import add_server_security_arguments
+from headrace.sdk.tls import ClientTls
 
 
 def add_router_command(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +26,37 @@ def add_router_command(subparsers: argparse._SubParsersAction) -> None:
     workers.add_argument("--workers", help="comma-separated HOST:PORT of the workers")
     workers.add_argument("--workers-dns", help="NAME:PORT whose addresses are the workers")
     add_router_options(router)
+    add_server_security_arguments(router)
+    add_worker_link_arguments(router)
     router.set_defaults(handler=_router)
+
+
+def add_worker_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the router reaches workers that serve TLS or want a key (`worker_security`)."""
+    add = parser.add_argument
+    add("--worker-tls-ca", metavar="PEM", help="talk TLS to workers; trust this CA")
+    add("--worker-tls-cert", metavar="PEM", help="mTLS: the certificate to show workers")
+    add("--worker-tls-key", metavar="PEM", help="the private key of --worker-tls-cert")
+    add(
+        "--worker-tls-server-name",
+        metavar="NAME",
+        help="the name on the workers' certificates (the router dials their IPs)",
+    )
+    add("--worker-api-key-file", metavar="FILE", help="send workers the key in this file")
+
+
+def worker_security(args: argparse.Namespace) -> ClientSecurity:
+    """TLS to workers if any --worker-tls-* flag is given (no CA: the system's); key files
+    are read now, once."""
+    files = (args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+    tls = None
+    if any(files) or args.worker_tls_server_name:
+        ca, cert, key = (Path(path) if path else None for path in files)
+        tls = ClientTls(ca, cert, key, args.worker_tls_server_name)
+    api_key = None
+    if args.worker_api_key_file:
+        api_key = read_api_key(args.worker_api_key_file, "worker_api_key_file")
+    return ClientSecurity(tls, api_key)
 
 
 def add_router_options(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +80,7 @@ def router_config(args: argparse.Namespace, workers: list[str] | None = None) ->
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         aging_per_s=args.aging,
+        worker_security=worker_security(args),
     )
 
 

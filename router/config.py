@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from headrace.sdk.credentials import ClientSecurity
 from headrace.sdk.errors import InvalidArgumentError
 
 POLICIES = ("least-loaded", "prefix-affinity", "round-robin")
@@ -43,6 +44,9 @@ class RouterConfig:
     unhealthy_after_s: float = 3.0
     #: Queued requests fail with UNAVAILABLE once no worker has been healthy this long.
     unavailable_after_s: float = 10.0
+    #: How the router reaches its workers: TLS (mTLS with a client certificate) and the API
+    #: key it sends them. Default: plaintext, no key.
+    worker_security: ClientSecurity = field(default_factory=ClientSecurity)
 
     def __post_init__(self) -> None:
         if not self.workers and not self.workers_dns:

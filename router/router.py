@@ -312,7 +312,9 @@ class Router:
         for link in self.pool.accepting():
             stub = generation_pb2_grpc.GenerationStub(link.channel)
             try:
-                info: pb.ModelInfo = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+                info: pb.ModelInfo = await stub.GetModelInfo(
+                    pb.GetModelInfoRequest(), timeout=10, metadata=link.metadata
+                )
             except grpc.RpcError:
                 continue
             return info

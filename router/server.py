@@ -35,7 +35,7 @@ class RouterServer:
     def __init__(self, config: RouterConfig, options: RouterOptions) -> None:
         self.options = options
         self.router = Router(config)
-        self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib)
+        self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib, options.security)
         service = RouterService(self.router, options.flow)
         serving.add_service(service, self.grpc.server, GENERATION_DESCRIPTOR)
         self._health_task: asyncio.Task[None] | None = None
@@ -49,6 +49,8 @@ class RouterServer:
             )
         port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(False)
+        if self.options.health_port is not None:
+            await self.grpc.serve_health(self.options.host, self.options.health_port)
         self._health_task = asyncio.create_task(self._follow_health())
         return port
 

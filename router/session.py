@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
 from headrace.router.request import RoutedRequest
-from headrace.sdk import status
+from headrace.sdk import auth, status
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, ResourceExhaustedError
 from headrace.sdk.streams import FlowLimits, ResponseQueue
 
@@ -44,9 +44,12 @@ class RouterSession:
     input_done: bool = False
     fault: HeadraceError | None = None
     outbox: ResponseQueue[list[pb.Chunk]] = field(init=False)
+    #: The call's API key, when it has per-request limits (see `headrace.sdk.auth`).
+    caller: auth.Caller | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.outbox = ResponseQueue(self.flow, self)
+        self.caller = auth.current_caller()
 
     def submit(self, wire_request: pb.Request) -> None:
         request_id = wire_request.request_id
@@ -60,7 +63,7 @@ class RouterSession:
             self.wake()
             return
         try:
-            request = self.router.admit(wire_request, self.outbox, self.metadata)
+            request = self._admit(wire_request)
         except HeadraceError as error:
             self.router.metrics.rejected(status.status_code(error).name)
             self.outbox.put([status.error_chunk(request_id, error)])
@@ -68,6 +71,19 @@ class RouterSession:
         self.requests[request.client_id] = request
         if self.outbox.holding:
             self._hold(request)
+
+    def _admit(self, wire_request: pb.Request) -> RoutedRequest:
+        """The caller's key, then the router, admit the request (or raise the refusal)."""
+        if self.caller is None:
+            return self.router.admit(wire_request, self.outbox, self.metadata)
+        refusal = self.caller.admit(wire_request)
+        if refusal is not None:
+            raise refusal
+        try:
+            return self.router.admit(wire_request, self.outbox, self.metadata)
+        except HeadraceError:
+            self.caller.done()
+            raise
 
     def cancel(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -140,7 +156,8 @@ class RouterSession:
         return self.input_done and idle
 
     def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        if self.requests.pop(request_id, None) is not None and self.caller is not None:
+            self.caller.done()
         self.paused_by_client.discard(request_id)
         timer = self.hold_timers.pop(request_id, None)
         if timer is not None:
@@ -149,6 +166,8 @@ class RouterSession:
     def close(self) -> None:
         for request in self.requests.values():
             self.router.abandon(request)
+            if self.caller is not None:
+                self.caller.done()
         for timer in self.hold_timers.values():
             timer.cancel()
         self.requests.clear()

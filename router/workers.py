@@ -8,6 +8,11 @@ these ends it: the load stream breaks or falls silent for `unhealthy_after_s`, o
 router (which resumes them elsewhere), and the link retries with backoff until the worker
 answers again. Between two reports the link counts what it sent itself, so a burst of
 dispatches does not all land on the worker that looked idlest a report ago.
+
+Every call to the worker carries the router's API key (`RouterConfig.worker_security`); the
+channel speaks TLS when configured, and is made again from the certificate files when they
+changed while the worker was away (a rotated CA or client certificate takes effect at the
+next connection).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from headrace.router.config import RouterConfig
 from headrace.router.request import RoutedRequest
 from headrace.sdk.client import CHANNEL_OPTIONS
+from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.status import duration
 
 logger = logging.getLogger(__name__)
@@ -47,9 +53,9 @@ class WorkerLink:
         self.target = target
         self.config = config
         self.events = events
-        self.channel = grpc.aio.insecure_channel(target, options=_LINK_OPTIONS)
-        self._generation = generation_pb2_grpc.GenerationStub(self.channel)
-        self._control = worker_pb2_grpc.WorkerControlStub(self.channel)
+        #: Call metadata for the worker (the router's API key, if any).
+        self.metadata = config.worker_security.metadata
+        self._connect()
         self.healthy = False
         self.report: worker_pb2.LoadReport | None = None
         #: Its last report said draining: it will not take work again (until a report says
@@ -64,6 +70,29 @@ class WorkerLink:
         self._reader: asyncio.Task[None] | None = None
         self._wire_ids = itertools.count()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    def _connect(self) -> None:
+        """A channel (TLS or not) from the certificate files as they are now."""
+        security = self.config.worker_security
+        files_signature = security.signature()
+        self.channel = security.channel(self.target, _LINK_OPTIONS)
+        self._files_signature = files_signature
+        self._generation = generation_pb2_grpc.GenerationStub(self.channel)
+        self._control = worker_pb2_grpc.WorkerControlStub(self.channel)
+
+    async def _reconnect_if_rotated(self) -> None:
+        """While the worker is away: if a certificate file changed, a new channel uses it."""
+        if self.config.worker_security.signature() == self._files_signature:
+            return
+        old = self.channel
+        try:
+            self._connect()
+        except InvalidArgumentError as error:  # caught mid-write: try again at the next retry
+            logger.warning("worker %s: keeping the current channel: %s", self.target, error)
+            return
+        logger.info("worker %s: certificate files changed; new channel", self.target)
+        await old.close()
 
     # --- capacity, as the policies see it --------------------------------------------
 
@@ -141,6 +170,7 @@ class WorkerLink:
         self._task = asyncio.create_task(self._run(), name=f"link {self.target}")
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -150,28 +180,35 @@ class WorkerLink:
 
     async def _run(self) -> None:
         backoff_s = 0.1
-        while True:
+        refused = False  # said once, not at every retry
+        while not self._closing:
             try:
                 await self._watch_load()
                 reason = "load stream ended"
             except grpc.RpcError as error:
                 reason = f"load stream failed: {error.code().name}"
+                if error.code() in _REFUSED and not refused:  # --worker-api-key-file is wrong
+                    logger.error("worker %s refused the router: %s", self.target, error.details())
+                refused = error.code() in _REFUSED
             except TimeoutError:
                 reason = f"no load report for {self.config.unhealthy_after_s:g} s"
             was_healthy = self.healthy
             self._down(reason)
+            await self._reconnect_if_rotated()
             backoff_s = 0.1 if was_healthy else min(MAX_BACKOFF_S, backoff_s * 2)
             await asyncio.sleep(backoff_s)
 
     async def _watch_load(self) -> None:
         interval = duration(self.config.load_interval_s)
-        call = self._control.WatchLoad(worker_pb2.WatchLoadRequest(interval=interval))
+        request = worker_pb2.WatchLoadRequest(interval=interval)
+        call = self._control.WatchLoad(request, metadata=self.metadata)
         try:
             reports = call.__aiter__()
             while True:
-                report = await asyncio.wait_for(
-                    reports.__anext__(), timeout=self.config.unhealthy_after_s
-                )
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a
+                # cancel that lands as a report arrives, and the link would never close.
+                async with asyncio.timeout(self.config.unhealthy_after_s):
+                    report = await reports.__anext__()
                 self._on_report(report)
         except StopAsyncIteration:
             return
@@ -193,7 +230,7 @@ class WorkerLink:
     def _open_stream(self) -> None:
         outgoing: asyncio.Queue[pb.GenerateRequest | None] = asyncio.Queue()
         self._outgoing = outgoing
-        self._stream = self._generation.Generate(_drain(outgoing))
+        self._stream = self._generation.Generate(_drain(outgoing), metadata=self.metadata)
         self._reader = asyncio.create_task(self._read(self._stream))
 
     async def _read(self, stream: Any) -> None:
@@ -235,6 +272,9 @@ async def _drain(outgoing: asyncio.Queue[pb.GenerateRequest | None]) -> AsyncIte
     while (message := await outgoing.get()) is not None:
         yield message
 
+
+#: A worker's answers that mean it does not accept the router's key.
+_REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 #: The router's channel to a worker: the SDK's settings, pinging every 10 s so a worker that
 #: vanished without closing its connection is noticed even between load reports, and

@@ -9,7 +9,9 @@ from headrace.sdk.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from headrace.sdk.outputs import (
@@ -35,10 +37,12 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "NotFoundError",
+    "PermissionDeniedError",
     "ResourceExhaustedError",
     "SampleDelta",
     "StreamChunk",
     "TokenLogprob",
+    "UnauthenticatedError",
     "UnavailableError",
     "Usage",
 ]

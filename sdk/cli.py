@@ -26,6 +26,7 @@ from typing import Any
 from headrace.sdk import launch
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.generate import add_generate_command
+from headrace.sdk.security import add_server_security_arguments, server_security
 from headrace.sdk.streams import FlowLimits
 
 Handler = Callable[[argparse.Namespace], int]
@@ -62,13 +63,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def listen_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The `ListenOptions` fields that `add_server_arguments`' flags set."""
+    """The `ListenOptions` fields that `add_server_arguments`' and
+    `add_server_security_arguments`' flags set (key and certificate files are read here)."""
     return {
         "host": args.host,
         "port": args.port,
         "grace_period_s": args.grace_period,
         "metrics_port": args.metrics_port,
         "flow": FlowLimits(args.max_stream_backlog, args.slow_reader_timeout),
+        "security": server_security(args),
+        "health_port": args.health_port,
     }
 
 
@@ -155,6 +159,7 @@ def _add_worker(subparsers: SubParsers) -> None:
     add("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_server_arguments(worker)
+    add_server_security_arguments(worker)
     add("--max-model-len", type=int, help="longest sequence (default: the model's context)")
     add("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")

@@ -5,6 +5,9 @@
         async for chunk in client.stream("Once upon a time", GenerationConfig(max_tokens=64)):
             print(chunk.text, end="", flush=True)
 
+    # TLS with the server's CA and an API key ($HEADRACE_API_KEY when api_key is left out):
+    AsyncClient("router.example:443", root_certificates=ca_pem, api_key="...")
+
 Design note. Every call of one client shares ONE long-lived bidirectional `Generate` stream
 (`_Multiplexer`): a request is a `Request` message on it and its chunks come back tagged with
 its id, so a thousand concurrent calls cost one HTTP/2 stream, not a thousand. A call that is
@@ -35,7 +38,8 @@ from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
 from headrace.sdk import status, tracing, wire
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.errors import HeadraceError, UnavailableError
+from headrace.sdk.credentials import Metadata, bearer_metadata, default_api_key
+from headrace.sdk.errors import HeadraceError, InvalidArgumentError, UnavailableError
 from headrace.sdk.outputs import GenerationResult, StreamChunk
 from headrace.sdk.prompts import Prompt
 from opentelemetry import context as otel_context
@@ -64,11 +68,11 @@ class _Multiplexer:
     reader; both end when the call does, so closing a client leaves no task behind.
     """
 
-    def __init__(self, stub: generation_pb2_grpc.GenerationStub) -> None:
+    def __init__(self, stub: generation_pb2_grpc.GenerationStub, metadata: Metadata) -> None:
         self._outgoing: asyncio.Queue[pb.GenerateRequest | None] = asyncio.Queue()
         self._pending: dict[str, asyncio.Queue[pb.Chunk | HeadraceError]] = {}
         self.error: HeadraceError | None = None
-        self._call = stub.Generate()
+        self._call = stub.Generate(metadata=metadata)
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
@@ -127,9 +131,27 @@ class AsyncClient:
         model: str = "",
         credentials: grpc.ChannelCredentials | None = None,
         options: list[tuple[str, Any]] | None = None,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        api_key: str | None = None,
     ) -> None:
-        """``target`` is HOST:PORT; ``model`` goes into every request (empty: the server's)."""
+        """``target`` is HOST:PORT; ``model`` goes into every request (empty: the server's).
+
+        TLS: ``root_certificates`` (PEM; None: the system's roots) and, for mTLS, the client's
+        ``certificate_chain`` and ``private_key``; any of them turns TLS on (or pass ready
+        ``credentials``). ``api_key`` goes with every call as ``authorization: Bearer``;
+        None means $HEADRACE_API_KEY if set, "" none at all.
+        """
         channel_options = CHANNEL_OPTIONS + list(options or [])
+        pems = (root_certificates, certificate_chain, private_key)
+        if any(pem is not None for pem in pems):
+            if credentials is not None:
+                raise InvalidArgumentError("credentials", "give credentials or PEMs, not both")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates, private_key, certificate_chain
+            )
+        self._metadata = bearer_metadata(default_api_key() if api_key is None else api_key or None)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=channel_options)
         else:
@@ -156,7 +178,7 @@ class AsyncClient:
             self._mux.discard()  # the stream broke (a server restart): open a new one
             self._mux = None
         if self._mux is None:
-            self._mux = _Multiplexer(self._stub)
+            self._mux = _Multiplexer(self._stub, self._metadata)
         return self._mux
 
     async def stream(
@@ -229,7 +251,7 @@ class AsyncClient:
     async def model_info(self, timeout: float | None = 30.0) -> pb.ModelInfo:
         try:
             info: pb.ModelInfo = await self._stub.GetModelInfo(
-                pb.GetModelInfoRequest(), timeout=timeout
+                pb.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
             )
         except grpc.RpcError as rpc_error:
             raise status.from_rpc_error(rpc_error) from None
@@ -240,12 +262,17 @@ class Client:
     """The blocking client: same methods as `AsyncClient`; safe to share across threads."""
 
     def __init__(self, target: str, **options: Any) -> None:
+        """Takes `AsyncClient`'s keyword arguments (model, TLS PEMs, api_key, ...)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="headrace-client", daemon=True
         )
         self._thread.start()
-        self._async = self._run(_make_async_client(target, options))
+        try:
+            self._async = self._run(_make_async_client(target, options))
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self._submit(coroutine).result()
@@ -268,6 +295,9 @@ class Client:
             return
         self._run(self._async.close())
         self._run(_cancel_other_tasks())  # what gRPC itself still runs on this loop
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

@@ -62,6 +62,19 @@ class CancelledError(HeadraceError):
     grpc_code = "CANCELLED"
 
 
+class UnauthenticatedError(HeadraceError):
+    """The call carried no API key, or one the server does not know."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(HeadraceError):
+    """The caller's API key may not do this (a control call without `admin`, a priority
+    above the key's ceiling)."""
+
+    grpc_code = "PERMISSION_DENIED"
+
+
 class InternalError(HeadraceError):
     """A bug or a fault inside headrace; the message says what failed."""
 
@@ -74,6 +87,8 @@ _BY_CODE: dict[str, type[HeadraceError]] = {
         NotFoundError,
         DeadlineExceededError,
         CancelledError,
+        UnauthenticatedError,
+        PermissionDeniedError,
         InternalError,
     )
 }

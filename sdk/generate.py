@@ -2,6 +2,7 @@
 
     headrace generate --target localhost:50051 "The three primary colors are" --max-tokens 32
     headrace generate --json "Hello" | jq .text     # one JSON object per chunk
+    headrace generate --target router:443 --tls-ca ca.pem --api-key KEY "Hello"
 
 Text goes to stdout as it arrives; a summary line (tokens, tok/s, finish reason) to stderr.
 With `OTEL_EXPORTER_OTLP_ENDPOINT` set (and the OpenTelemetry SDK installed, as the router
@@ -15,11 +16,15 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from headrace.sdk import tracing
 from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.credentials import API_KEY_ENV
 from headrace.sdk.outputs import StreamChunk
+from headrace.sdk.tls import ClientTls
 
 DEFAULT_TARGET = "localhost:50051"
 
@@ -45,7 +50,35 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     add("--priority", type=int, default=0, help="higher runs sooner")
     add("--timeout", type=float, help="seconds before the server gives up on the request")
     add("--json", action="store_true", help="print each chunk as one JSON line")
+    _add_connection_arguments(parser)
     parser.set_defaults(handler=run_generate)
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--tls", action="store_true", help="use TLS, trusting the system's CAs")
+    add("--tls-ca", metavar="PEM", help="use TLS, trusting this CA")
+    add("--tls-cert", metavar="PEM", help="mTLS: the client certificate to present")
+    add("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    add("--tls-server-name", metavar="NAME", help="the name on the server's certificate")
+    add(
+        "--api-key",
+        metavar="KEY",
+        help=f"sent as authorization: Bearer (default: ${API_KEY_ENV}, which `ps` cannot show)",
+    )
+
+
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`Client` keyword arguments from the connection flags (PEM files read now)."""
+    options: dict[str, Any] = {"model": args.model, "api_key": args.api_key}
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        ca, cert, key = (
+            Path(path) if path else None for path in (args.tls_ca, args.tls_cert, args.tls_key)
+        )
+        tls = ClientTls(ca, cert, key, args.tls_server_name)
+        options["credentials"] = tls.credentials()
+        options["options"] = tls.channel_options()
+    return options
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -72,7 +105,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _stream(args: argparse.Namespace, config: GenerationConfig) -> int:
     start = time.perf_counter()
     num_tokens, last = 0, None
-    with Client(args.target, model=args.model) as client:
+    with Client(args.target, **client_options(args)) as client:
         for chunk in client.stream(
             args.prompt, config, priority=args.priority, timeout=args.timeout
         ):

@@ -26,6 +26,7 @@ from typing import IO
 
 _LISTENING = re.compile(r"serving .* on (\S+):(\d+)$")
 _METRICS = re.compile(r"^metrics on http://\S+:(\d+)/metrics$")
+_HEALTH = re.compile(r"^health on \S+:(\d+)$")
 START_TIMEOUT_S = 180.0
 
 
@@ -47,9 +48,14 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=self._log,
             env={**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())},
+            # Unbuffered: lines that arrive together (health, then the banner) must not sit in
+            # a read buffer where `select` cannot see them.
+            bufsize=0,
         )
         #: The /metrics port, if the server was started with --metrics-port.
         self.metrics_port: int | None = None
+        #: The plaintext health port, if the server was started with --health-port.
+        self.health_port: int | None = None
         self.port = self._wait_for_port()
         self.target = f"{host}:{self.port}"
 
@@ -64,6 +70,8 @@ class ServerProcess:
             line = self.proc.stdout.readline().decode().strip()
             if metrics := _METRICS.search(line):
                 self.metrics_port = int(metrics.group(1))
+            if health := _HEALTH.search(line):
+                self.health_port = int(health.group(1))
             if match := _LISTENING.search(line):
                 return int(match.group(2))
         self.kill()

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from headrace.protos import generation_pb2
 from headrace.sdk import status, tracing
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.security import ServerSecurity
 from headrace.sdk.streams import FlowLimits, Undecodable
 from headrace.sdk.telemetry import MetricsServer, RuntimeCollector
 from prometheus_client import CollectorRegistry
@@ -54,9 +55,14 @@ class ListenOptions:
     #: Flow control of each stream: how far a reader may fall behind before its requests are
     #: held, and how long they are held before they fail (see `headrace.sdk.streams`).
     flow: FlowLimits = field(default_factory=FlowLimits)
+    #: TLS and API keys of the gRPC port (default: plaintext, no keys).
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    #: A plaintext port serving `grpc.health.v1` alone, for probes that speak no TLS (same
+    #: host); None: none, 0: a free port (printed at start).
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
                 raise InvalidArgumentError(name, f"must be in [0, 65535], got {port}")
@@ -93,10 +99,16 @@ class Server:
     """A grpc.aio server with health and reflection for the given services, and optionally
     a Prometheus ``/metrics`` endpoint beside it."""
 
-    def __init__(self, services: list[str], max_message_mib: int) -> None:
+    def __init__(
+        self, services: list[str], max_message_mib: int, security: ServerSecurity | None = None
+    ) -> None:
         self.services = services
-        self.server = grpc.aio.server(options=channel_options(max_message_mib))
+        self.security = security or ServerSecurity()
+        self.server = grpc.aio.server(
+            options=channel_options(max_message_mib), interceptors=self.security.interceptors()
+        )
         self.metrics_server: MetricsServer | None = None
+        self.health_server: grpc.aio.Server | None = None
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
@@ -110,14 +122,28 @@ class Server:
         """Bind and serve; returns the port (the picked one when port is 0)."""
         address = f"{host}:{port}"
         try:
-            bound = self.server.add_insecure_port(address)
-        except RuntimeError:
+            bound = self.security.add_port(self.server, address)
+        except RuntimeError:  # gRPC raises where it cannot bind, on some versions
             bound = 0
         if bound == 0:
             raise InvalidArgumentError(
                 "port", f"could not listen on {address}: the address is in use or not available"
             )
         await self.server.start()
+        self.security.warn_if_open(host, bound)
+        return bound
+
+    async def serve_health(self, host: str, port: int) -> int:
+        """Serve this server's `grpc.health.v1` alone, in plaintext, on host:port; returns the
+        port (picked if 0). For probes that speak no TLS (Kubernetes' gRPC probes)."""
+        self.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+        bound = self.health_server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"could not bind {host}:{port}")
+        await self.health_server.start()
+        # Scripts (and tests) started with port 0 read the port from this line.
+        print(f"health on {host}:{bound}", flush=True)
         return bound
 
     def serve_metrics(
@@ -134,6 +160,8 @@ class Server:
 
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace=grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         if self.metrics_server is not None:
             self.metrics_server.close()
 
@@ -200,7 +228,8 @@ class InFlight:
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is in flight; False if timeout_s passed first."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True

@@ -26,7 +26,7 @@ from typing import Generic, Protocol, TypeVar
 import grpc.aio
 from grpc._cython import cygrpc
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk import status
+from headrace.sdk import status, wire
 from headrace.sdk.errors import DeadlineExceededError, HeadraceError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -220,6 +220,7 @@ async def serve_one(
         await status.abort(context, request.fault())
     session.input_done = True
     try:
+        request = wire.with_request_id(request)
         session.submit(_bound_by_deadline(request, context.time_remaining()))
         async for response in session.responses():
             failed = [chunk for chunk in response.chunks if chunk.HasField("error")]

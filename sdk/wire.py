@@ -8,6 +8,7 @@ share their names (a test holds them equal).
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -106,6 +107,17 @@ def request_to_wire(
     if timeout_s is not None:
         wire.timeout.CopyFrom(duration(timeout_s))
     return wire
+
+
+def with_request_id(wire: pb.Request) -> pb.Request:
+    """`GenerateOne`: the request, with a server-chosen id if it came without one (its chunks
+    carry the id; only a multiplexed stream needs the client to choose)."""
+    if wire.request_id:
+        return wire
+    named = pb.Request()
+    named.CopyFrom(wire)
+    named.request_id = uuid.uuid4().hex
+    return named
 
 
 def request_from_wire(wire: pb.Request) -> ParsedRequest:

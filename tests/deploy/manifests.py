@@ -53,9 +53,12 @@ def envoy_binary() -> str:
     return found
 
 
-def envoy_config(listen_port: int, router_port: int, admin_port: int) -> dict[str, Any]:
-    """deploy/envoy/envoy.yaml with loopback addresses and the given ports."""
-    config: dict[str, Any] = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+def envoy_config(
+    listen_port: int, router_port: int, admin_port: int, router_ca: Path
+) -> dict[str, Any]:
+    """deploy/envoy/envoy.yaml with loopback addresses, the given ports, and ``router_ca`` as
+    the CA the router's certificate must chain to."""
+    config = envoy_config_with_ca(router_ca)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
@@ -63,3 +66,32 @@ def envoy_config(listen_port: int, router_port: int, admin_port: int) -> dict[st
     endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
     endpoint["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": router_port}
     return config
+
+
+def envoy_config_with_ca(router_ca: Path) -> dict[str, Any]:
+    """deploy/envoy/envoy.yaml as shipped, but reading the router's CA from ``router_ca``."""
+    config: dict[str, Any] = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    validation = router_tls(config)["common_tls_context"]["validation_context"]
+    validation["trusted_ca"]["filename"] = str(router_ca)
+    return config
+
+
+def router_tls(config: dict[str, Any]) -> dict[str, Any]:
+    """The UpstreamTlsContext of Envoy's router cluster."""
+    (cluster,) = config["static_resources"]["clusters"]
+    tls: dict[str, Any] = cluster["transport_socket"]["typed_config"]
+    return tls
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    """A Deployment's one container."""
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(only)
+
+
+def flag(container: dict[str, Any], name: str) -> str | None:
+    """The value of ``--name=value`` among the container's args, or None."""
+    for arg in container.get("args", []):
+        if arg.startswith(f"{name}="):
+            return str(arg.split("=", 1)[1])
+    return None

@@ -16,6 +16,8 @@ import pytest
 import yaml
 
 from tests.deploy.manifests import DEPLOY, OVERLAYS, SAFE_RETRY_ON, objects, render
+from tests.deploy.manifests import container as _container
+from tests.deploy.manifests import flag as _flag
 
 #: The newest Kubernetes whose schemas kubernetes-validate ships.
 KUBERNETES_VERSION = "1.37.0"
@@ -29,18 +31,6 @@ def _validate(path: Path) -> subprocess.CompletedProcess[str]:
         ],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
-
-
-def _container(deployment: dict[str, Any]) -> dict[str, Any]:
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return container
-
-
-def _flag(container: dict[str, Any], name: str) -> str | None:
-    for arg in container.get("args", []):
-        if arg.startswith(f"{name}="):
-            return str(arg.split("=", 1)[1])
-    return None
 
 
 def test_there_are_the_dev_and_tp2_overlays() -> None:
@@ -70,9 +60,11 @@ def test_workers_probe_grpc_health_and_outlive_their_drain(overlay: str) -> None
     manifests = objects(render(DEPLOY / "k8s" / "overlays" / overlay))
     worker = manifests[("Deployment", "headrace-worker")]
     container = _container(worker)
-    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    # Kubelet's gRPC probes speak no TLS: they ask the plaintext health port (--health-port).
+    health_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
+    assert health_port == int(_flag(container, "--health-port") or 0)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == grpc_port, probe
+        assert container[probe]["grpc"]["port"] == health_port, probe
     drain_s = float(_flag(container, "--grace-period") or 30)
     assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain_s
     router = manifests[("Deployment", "headrace-router")]
@@ -92,7 +84,8 @@ def test_ports_probes_and_scrape_annotations_agree_with_the_flags(
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
     assert ports["grpc"] == int(_flag(container, "--port") or 0)
     assert ports["metrics"] == int(_flag(container, "--metrics-port") or 0) == 9400
-    assert container["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+    assert ports["health"] == int(_flag(container, "--health-port") or 0) != ports["grpc"]
+    assert container["readinessProbe"]["grpc"]["port"] == ports["health"]
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(ports["metrics"])
@@ -177,6 +170,9 @@ def test_router_image_installs_the_router_extra_only() -> None:
 
 
 ISTIO = sorted((DEPLOY / "istio").glob("*.yaml"))
+#: The traffic rules (the mesh's security, PeerAuthentication, is checked in
+#: test_security_manifests.py).
+ISTIO_NETWORKING = [p for p in ISTIO if "networking.istio.io" in p.read_text()]
 
 
 def _durations(node: Any) -> Iterator[tuple[str, str]]:
@@ -192,7 +188,7 @@ def _durations(node: Any) -> Iterator[tuple[str, str]]:
             yield from _durations(item)
 
 
-@pytest.mark.parametrize("path", ISTIO, ids=lambda path: path.name)
+@pytest.mark.parametrize("path", ISTIO_NETWORKING, ids=lambda path: path.name)
 def test_istio_resources_are_networking_v1_with_durations_istio_accepts(path: Path) -> None:
     """kubernetes-validate has no Istio schemas: check the kind, and that no duration is
     below Istio's 1 ms minimum (a zero timeout is refused; leaving it out means none)."""
@@ -208,7 +204,9 @@ def test_istio_resources_target_the_router_service() -> None:
     router_service = objects(render(DEPLOY / "k8s" / "base"))[("Service", "headrace-router")]
     host = router_service["metadata"]["name"]
     grpc_port = next(p["port"] for p in router_service["spec"]["ports"] if p["name"] == "grpc")
-    resources = {res["kind"]: res for res in (yaml.safe_load(p.read_text()) for p in ISTIO)}
+    resources = {
+        res["kind"]: res for res in (yaml.safe_load(p.read_text()) for p in ISTIO_NETWORKING)
+    }
     assert resources.keys() == {"DestinationRule", "VirtualService"}
     rule = resources["DestinationRule"]["spec"]
     assert rule["host"] == host

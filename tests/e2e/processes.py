@@ -8,10 +8,17 @@ from pathlib import Path
 import grpc
 from headrace.protos import worker_pb2, worker_pb2_grpc
 from headrace.sdk import launch
-from headrace.sdk.launch import ServerProcess
+from headrace.sdk.launch import ServerProcess, start_router
 from headrace.sdk.serving import wait_serving
 
-__all__ = ["ServerProcess", "load_report", "start_worker", "wait_all_blocks_free", "wait_serving"]
+__all__ = [
+    "ServerProcess",
+    "load_report",
+    "start_router",
+    "start_worker",
+    "wait_all_blocks_free",
+    "wait_serving",
+]
 
 
 def start_worker(model: Path | str, log_dir: Path, *extra: str) -> ServerProcess:

@@ -1,5 +1,6 @@
-"""A real Envoy (deploy/envoy/envoy.yaml) in front of a real router and worker, on loopback:
-the SDK streams through it, cancels and deadlines keep their meaning, health answers."""
+"""A real Envoy (deploy/envoy/envoy.yaml) in front of a real router (serving TLS, as deployed)
+and worker, on loopback: the SDK streams through it, cancels and deadlines keep their meaning,
+health answers."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from headrace.sdk.launch import start_router
 
 from tests.deploy.manifests import envoy_binary, envoy_config
 from tests.e2e.processes import ServerProcess, wait_all_blocks_free, wait_serving
+from tests.e2e.security import Pki
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,11 +46,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def router(
-    worker: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+    worker: ServerProcess, pki: Pki, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
+    """A router serving TLS, as in deploy/k8s (Envoy checks its certificate)."""
     logs = tmp_path_factory.mktemp("envoy-router")
-    with start_router([worker.target], log_path=logs / "router.log") as process:
-        assert wait_serving(process.target)
+    tls = ["--tls-cert", str(pki.router.cert), "--tls-key", str(pki.router.key)]
+    with start_router(
+        [worker.target], *tls, "--health-port", "0", log_path=logs / "router.log"
+    ) as process:
+        assert wait_serving(f"127.0.0.1:{process.health_port}")
         yield process
 
 
@@ -100,9 +106,11 @@ def _run_envoy(config: dict[str, Any], folder: Path) -> Iterator[Envoy]:
 
 
 @pytest.fixture(scope="module")
-def envoy(router: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def envoy(
+    router: ServerProcess, pki: Pki, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """The listener of an Envoy with deploy/envoy/envoy.yaml as shipped (but on loopback)."""
-    config = envoy_config(_free_port(), router.port, _free_port())
+    config = envoy_config(_free_port(), router.port, _free_port(), pki.ca.cert)
     with _run_envoy(config, tmp_path_factory.mktemp("envoy")) as running:
         yield running.target
 
@@ -115,16 +123,18 @@ def test_health_answers_through_envoy(envoy: str) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_streams_through_envoy_equal_the_router_direct(envoy: str, router: ServerProcess) -> None:
+def test_streams_through_envoy_equal_the_router_direct(
+    envoy: str, router: ServerProcess, pki: Pki
+) -> None:
     prompts: list[str | list[int]] = ["Hello there", [11, 12, 13, 14], "a b c d e f"]
 
-    async def run(target: str) -> list[list[int]]:
-        async with AsyncClient(target) as client:
+    async def run(target: str, **options: Any) -> list[list[int]]:
+        async with AsyncClient(target, **options) as client:
             results = await asyncio.gather(*(client.generate(p, GREEDY) for p in prompts))
         return [result.token_ids for result in results]
 
     through_envoy = asyncio.run(run(envoy))
-    assert through_envoy == asyncio.run(run(router.target))
+    assert through_envoy == asyncio.run(run(router.target, root_certificates=pki.ca.cert_pem))
     assert all(len(tokens) == GREEDY.max_tokens for tokens in through_envoy)
 
 
@@ -218,11 +228,11 @@ def test_regression_grpc_deadline_mid_stream_through_envoy_is_not_internal(
 
 
 def test_a_stream_envoy_cut_for_idleness_is_reopened_by_the_sdk(
-    router: ServerProcess, tmp_path: Path
+    router: ServerProcess, pki: Pki, tmp_path: Path
 ) -> None:
     """The SDK's one Generate stream may sit idle past Envoy's stream_idle_timeout (an hour
     as shipped, a second here); the next request opens a new stream and gets its tokens."""
-    config = envoy_config(_free_port(), router.port, _free_port())
+    config = envoy_config(_free_port(), router.port, _free_port(), pki.ca.cert)
     _connection_manager(config)["stream_idle_timeout"] = "1s"
 
     async def twice_with_a_pause(target: str) -> tuple[list[int], list[int]]:

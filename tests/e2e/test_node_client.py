@@ -1,6 +1,7 @@
 """A client in another language: Node's @grpc/grpc-js, loading only the `.proto` files,
 streams a generation from a real worker and through a router (`make install` installs its
-packages)."""
+packages), in plaintext and over TLS with an API key; on `GenerateOne` it sends no
+request_id, as a request built by hand from the `.proto` would."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from headrace.sdk.launch import start_router
 from headrace.worker.engine.llm import LLM
 
 from tests.e2e.processes import ServerProcess, wait_serving
+from tests.e2e.security import CLIENT_KEY, ROUTER_KEY, Pki
 
 NODE_DIR = Path(__file__).parent / "node"
 PROMPT = "a story about the sea"
@@ -23,19 +25,23 @@ MAX_TOKENS = 10
 
 
 def _node_client(target: str, *mode: str) -> list[dict[str, object]]:
+    done = _run_node_client(target, *mode)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def _run_node_client(target: str, *mode: str) -> subprocess.CompletedProcess[str]:
     node = shutil.which("node")
     assert node is not None, "node is not installed"
     assert (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir(), (
         "the Node client's packages are missing: run `make install`"
     )
-    done = subprocess.run(
+    return subprocess.run(
         [node, str(NODE_DIR / "client.js"), target, PROMPT, str(MAX_TOKENS), *mode],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +61,38 @@ def test_node_client_streams_the_same_tokens(
     target = target if isinstance(target, str) else target.target
     config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     want = offline.generate(PROMPT, config)[0]
-    chunks = _node_client(target, *mode)
+    _assert_streamed(_node_client(target, *mode), want.token_ids, want.text, mode)
+
+
+def _assert_streamed(
+    chunks: list[dict[str, object]], token_ids: list[int], text: str, mode: list[str]
+) -> None:
     assert len(chunks) == MAX_TOKENS  # one message per engine step, one token each
-    assert [t for c in chunks for t in c["token_ids"]] == want.token_ids  # type: ignore[attr-defined]
-    assert "".join(str(c["text"]) for c in chunks) == want.text
+    assert [t for c in chunks for t in c["token_ids"]] == token_ids  # type: ignore[attr-defined]
+    assert "".join(str(c["text"]) for c in chunks) == text
     assert chunks[-1]["finished"] is True
     assert chunks[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
-    assert {c["request_id"] for c in chunks} == {"node-1"}
+    (request_id,) = {c["request_id"] for c in chunks}
+    if mode == ["--one"]:  # sent without an id: the server chose one
+        assert request_id not in ("", "node-1")
+    else:
+        assert request_id == "node-1"
+
+
+@pytest.mark.parametrize("mode", [[], ["--one"]], ids=["Generate", "GenerateOne"])
+@pytest.mark.parametrize("server", ["secure_worker", "secure_router"])
+def test_node_client_over_tls_with_a_key(
+    request: pytest.FixtureRequest, pki: Pki, offline: LLM, mode: list[str], server: str
+) -> None:
+    """The router asks for a key over TLS; the worker also wants a client certificate."""
+    target = request.getfixturevalue(server).target
+    tls = ["--tls-ca", str(pki.ca.cert)]
+    if server == "secure_worker":
+        tls += ["--tls-cert", str(pki.tester.cert), "--tls-key", str(pki.tester.key)]
+    key = ROUTER_KEY if server == "secure_worker" else CLIENT_KEY
+    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = offline.generate(PROMPT, config)[0]
+    chunks = _node_client(target, *mode, *tls, "--api-key", key)
+    _assert_streamed(chunks, want.token_ids, want.text, mode)
+    refused = _run_node_client(target, *mode, *tls)  # the same without the key
+    assert refused.returncode == 1 and "16 UNAUTHENTICATED" in refused.stderr, refused.stderr

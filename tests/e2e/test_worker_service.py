@@ -135,6 +135,20 @@ def test_generate_one_bad_request_is_the_rpc_status(worker: ServerProcess) -> No
     assert caught.value.details().startswith(f"{field}: ")
 
 
+def test_generate_one_without_request_id_gets_one_from_the_server(worker: ServerProcess) -> None:
+    """A request built by hand from the .proto needs no id on GenerateOne (only a multiplexed
+    stream does): the server picks one and every chunk carries it."""
+    request = _with(_request("x", max_tokens=5, ignore_eos=True), request_id="")
+    with grpc.insecure_channel(worker.target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        chunks = [c for r in stub.GenerateOne(request, timeout=30) for c in r.chunks]
+        again = [c for r in stub.GenerateOne(request, timeout=30) for c in r.chunks]
+    assert sum(len(c.token_ids) for c in chunks) == 5 and chunks[-1].finished
+    (request_id,) = {c.request_id for c in chunks}
+    (other_id,) = {c.request_id for c in again}
+    assert request_id and other_id and request_id != other_id
+
+
 def test_duplicate_id_on_the_worker_keeps_the_finished_contract(worker: ServerProcess) -> None:
     """Regression (hardening defect 6): the duplicate got a finished ERROR chunk under the
     id, and then the original's tokens and a second finished chunk followed it."""

@@ -24,7 +24,9 @@ from headrace.sdk.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
     error_for_code,
 )
@@ -37,7 +39,9 @@ MAPPING: dict[grpc.StatusCode, type[HeadraceError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: CancelledError,
     grpc.StatusCode.INTERNAL: InternalError,
-    grpc.StatusCode.PERMISSION_DENIED: HeadraceError,  # no class of its own
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.FAILED_PRECONDITION: HeadraceError,  # no class of its own
 }
 
 

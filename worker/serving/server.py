@@ -45,7 +45,9 @@ class WorkerServer:
         self.engine = engine
         self.options = options
         self.state = ServingState()
-        self.grpc = serving.Server([GENERATION_SERVICE, CONTROL_SERVICE], options.max_message_mib)
+        self.grpc = serving.Server(
+            [GENERATION_SERVICE, CONTROL_SERVICE], options.max_message_mib, options.security
+        )
         info = model_info(engine, model_name)
         self.metrics = WorkerMetrics(engine, model_name, self.state)
         generation = GenerationService(engine, info, self.state, self.metrics, options.flow)
@@ -62,6 +64,8 @@ class WorkerServer:
             )
         self.port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(True)
+        if self.options.health_port is not None:
+            await self.grpc.serve_health(self.options.host, self.options.health_port)
         self.engine.on_fatal(self._rank_failed(asyncio.get_running_loop()))
         return self.port
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
-from headrace.sdk import serving, streams, tracing, wire
+from headrace.sdk import auth, serving, streams, tracing, wire
 from headrace.sdk.errors import HeadraceError, NotFoundError, UnavailableError
 from headrace.sdk.outputs import FinishReason, Usage
 from headrace.sdk.streams import FlowLimits
@@ -54,8 +54,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.flow = flow
         self._stream_numbers = itertools.count()
 
-    def admit(self, request: pb.Request) -> wire.ParsedRequest:
-        """Check a request against this server; raises the typed error that refuses it."""
+    def admit(self, request: pb.Request, caller: auth.Caller | None) -> wire.ParsedRequest:
+        """Check a request against this server (and the caller's key); raises the typed
+        error that refuses it. A request it lets in counts against the key until it ends."""
         if self.state.draining:
             raise UnavailableError("the worker is draining and takes no new requests")
         parsed = wire.request_from_wire(request)
@@ -64,6 +65,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 f"model: {parsed.model!r} is not served here (this worker serves "
                 f"{self.model_info.name!r})"
             )
+        refusal = caller.admit(request) if caller is not None else None
+        if refusal is not None:
+            raise refusal
         return parsed
 
     def finish(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk import status, streams, tracing, wire
+from headrace.sdk import auth, status, streams, tracing, wire
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, ResourceExhaustedError
 from headrace.sdk.outputs import FinishReason, Usage
 from headrace.sdk.telemetry import RequestTelemetry
@@ -69,9 +69,12 @@ class WorkerSession:
     input_done: bool = False
     fault: HeadraceError | None = None
     stream: OutputStream = field(init=False)
+    #: The call's API key, when it has per-request limits (see `headrace.sdk.auth`).
+    caller: auth.Caller | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.stream = OutputStream(limits=self.service.flow, hooks=self)
+        self.caller = auth.current_caller()
 
     @property
     def is_done(self) -> bool:
@@ -86,7 +89,7 @@ class WorkerSession:
         parent = tracing.parent_context(request.trace_context, self.metadata)
         telemetry = RequestTelemetry.start("worker.generate", request.request_id, parent)
         try:
-            parsed = self.service.admit(request)
+            parsed = self.service.admit(request, self.caller)
         except HeadraceError as error:
             self.service.finish(telemetry, FinishReason.ERROR, error)
             self.reject(request.request_id, error)
@@ -227,6 +230,8 @@ class WorkerSession:
             if timer is not None:
                 timer.cancel()
         self.service.state.ended()
+        if self.caller is not None:
+            self.caller.done()
         if output is None:  # the stream went away
             self.service.finish(live.telemetry, FinishReason.ABORT, None, live.usage)
             return

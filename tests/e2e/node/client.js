@@ -1,13 +1,17 @@
 // A headrace client in Node, built only from the .proto files: proof that any gRPC language
 // can stream from headrace.
 //
-//   node client.js TARGET PROMPT MAX_TOKENS [--one]
+//   node client.js TARGET PROMPT MAX_TOKENS [--one] [--tls-ca PEM] [--tls-cert PEM --tls-key PEM]
+//                  [--api-key KEY]
 //
 // Sends one greedy request (ignore_eos) on a bidirectional `Generate` stream, or with --one
-// on the server-streaming `GenerateOne`, and prints each chunk as one JSON line. Exits 1 with
-// the status on stderr if the RPC or the request fails.
+// on the server-streaming `GenerateOne` (without a request_id: the server assigns one), and
+// prints each chunk as one JSON line. --tls-ca speaks TLS trusting that CA, --tls-cert and
+// --tls-key present a client certificate (mTLS), --api-key sends `authorization: Bearer`.
+// Exits 1 with the status on stderr if the RPC or the request fails.
 'use strict';
 
+const fs = require('fs');
 const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -40,22 +44,48 @@ function fail(error) {
   process.exit(1);
 }
 
+function parseArgs(argv) {
+  const [target, prompt, maxTokens, ...rest] = argv;
+  if (!target || !prompt || !maxTokens) fail(new Error('usage: client.js TARGET PROMPT MAX_TOKENS [flags]'));
+  const options = { target, prompt, maxTokens: Number(maxTokens), one: false };
+  for (let i = 0; i < rest.length; i += 1) {
+    const flag = rest[i];
+    if (flag === '--one') options.one = true;
+    else if (['--tls-ca', '--tls-cert', '--tls-key', '--api-key'].includes(flag)) options[flag] = rest[++i];
+    else fail(new Error(`unknown flag ${flag}`));
+  }
+  return options;
+}
+
+function credentials(options) {
+  if (!options['--tls-ca']) return grpc.credentials.createInsecure();
+  const read = (flag) => (options[flag] ? fs.readFileSync(options[flag]) : null);
+  return grpc.credentials.createSsl(read('--tls-ca'), read('--tls-key'), read('--tls-cert'));
+}
+
+function metadata(options) {
+  const metadata = new grpc.Metadata();
+  if (options['--api-key']) metadata.add('authorization', `Bearer ${options['--api-key']}`);
+  return metadata;
+}
+
 function main() {
-  const [target, prompt, maxTokens, mode] = process.argv.slice(2);
-  if (!target || !prompt || !maxTokens) fail(new Error('usage: client.js TARGET PROMPT MAX_TOKENS [--one]'));
+  const options = parseArgs(process.argv.slice(2));
   const v1 = loadGeneration();
-  const client = new v1.Generation(target, grpc.credentials.createInsecure());
+  const client = new v1.Generation(options.target, credentials(options));
   const request = {
-    request_id: 'node-1',
-    text: prompt,
-    config: { max_tokens: Number(maxTokens), temperature: 0, ignore_eos: true },
+    text: options.prompt,
+    config: { max_tokens: options.maxTokens, temperature: 0, ignore_eos: true },
   };
-  const call = mode === '--one' ? client.GenerateOne(request) : client.Generate();
+  if (!options.one) request.request_id = 'node-1'; // only a multiplexed stream needs one
+  const call = options.one
+    ? client.GenerateOne(request, metadata(options))
+    : client.Generate(metadata(options));
   call.on('data', (response) => {
     try {
       for (const chunk of response.chunks) {
         // On the bidi stream, half-close once our request is done: the server then ends it.
-        if (printChunk(chunk) && mode !== '--one') call.end();
+        if (printChunk(chunk) && !options.one) call.end();
       }
     } catch (error) {
       fail(error);
@@ -63,7 +93,7 @@ function main() {
   });
   call.on('error', fail);
   call.on('end', () => client.close());
-  if (mode !== '--one') call.write({ request });
+  if (!options.one) call.write({ request });
 }
 
 main();
