@@ -136,6 +136,7 @@ def _worker(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
+        max_prompt_bytes=args.max_prompt_bytes,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -196,6 +197,11 @@ def _add_worker(subparsers: SubParsers) -> None:
         help="micro-batches per step, so pipeline stages also overlap within a step",
     )
     add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
+    add(
+        "--max-prompt-bytes",
+        type=int,
+        help="longest text prompt in UTF-8 bytes (default: the most that could fit the context)",
+    )
     worker.set_defaults(handler=_worker)
 
 
