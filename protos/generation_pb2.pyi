@@ -71,8 +71,24 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Chat(_message.Message):
+    __slots__ = ("messages", "add_generation_prompt")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_generation_prompt: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
 class Request(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "config", "priority", "timeout", "model", "return_prompt_token_ids", "trace_context")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "config", "priority", "timeout", "model", "return_prompt_token_ids", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +99,7 @@ class Request(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
@@ -92,13 +109,14 @@ class Request(_message.Message):
     request_id: str
     text: str
     token_ids: TokenIds
+    chat: Chat
     config: GenerationConfig
     priority: int
     timeout: _duration_pb2.Duration
     model: str
     return_prompt_token_ids: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., priority: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., priority: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)
@@ -225,7 +243,7 @@ class SpecialToken(_message.Message):
     def __init__(self, text: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "model_type", "max_model_len", "dtype", "vocab_size", "bos_token", "eos_token", "pad_token", "eos_token_ids", "special_tokens")
+    __slots__ = ("name", "model_type", "max_model_len", "dtype", "vocab_size", "bos_token", "eos_token", "pad_token", "eos_token_ids", "special_tokens", "has_chat_template")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +254,7 @@ class ModelInfo(_message.Message):
     PAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     model_type: str
     max_model_len: int
@@ -246,4 +265,5 @@ class ModelInfo(_message.Message):
     pad_token: SpecialToken
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
-    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token: _Optional[_Union[SpecialToken, _Mapping]] = ..., eos_token: _Optional[_Union[SpecialToken, _Mapping]] = ..., pad_token: _Optional[_Union[SpecialToken, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, name: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., bos_token: _Optional[_Union[SpecialToken, _Mapping]] = ..., eos_token: _Optional[_Union[SpecialToken, _Mapping]] = ..., pad_token: _Optional[_Union[SpecialToken, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...

@@ -14,16 +14,30 @@ from collections.abc import Sequence
 
 from headrace.protos import worker_pb2
 from headrace.sdk.errors import InvalidArgumentError
-from headrace.sdk.prompts import Prompt
+from headrace.sdk.prompts import Chat, Prompt
 
 CHARS_PER_TOKEN = 4
 
 
+#: Tokens a chat template adds around each message (role markers, separators), a guess.
+TEMPLATE_TOKENS_PER_MESSAGE = 4
+
+
 def estimate_tokens(prompt: Prompt) -> int:
-    """Prompt tokens for queue accounting: exact for token ids, estimated for text."""
+    """Prompt tokens for queue accounting: exact for token ids, estimated for text and chat."""
     if isinstance(prompt, str):
         return max(1, len(prompt) // CHARS_PER_TOKEN)
+    if isinstance(prompt, Chat):
+        content = sum(len(message.content) for message in prompt.messages) // CHARS_PER_TOKEN
+        return max(1, content + TEMPLATE_TOKENS_PER_MESSAGE * len(prompt.messages))
     return len(prompt)
+
+
+def affinity_text(prompt: str | Chat) -> str:
+    """The text whose start identifies a prompt's prefix (prefix-affinity routing)."""
+    if isinstance(prompt, Chat):
+        return "".join(f"{m.role}\n{m.content}\n" for m in prompt.messages)
+    return prompt
 
 
 def check_fits(prompt: Prompt, reports: Sequence[worker_pb2.LoadReport | None]) -> None:
@@ -32,8 +46,8 @@ def check_fits(prompt: Prompt, reports: Sequence[worker_pb2.LoadReport | None]) 
     known = [report for report in reports if report is not None]
     if not known or len(known) < len(reports):
         return
-    if isinstance(prompt, str):
-        num_bytes = len(prompt.encode())
+    if isinstance(prompt, str | Chat):
+        num_bytes = len(prompt.encode()) if isinstance(prompt, str) else prompt.num_content_bytes
         limit = max(report.max_prompt_bytes or num_bytes for report in known)
         if num_bytes > limit:
             raise InvalidArgumentError(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from headrace.router.config import POLICIES, RouterConfig
 from headrace.sdk.cli import add_server_arguments, listen_options, setup_logging
+from headrace.sdk.cli_help import HelpFormatter
 from headrace.sdk.credentials import ClientSecurity, read_api_key
 from headrace.sdk.security import add_server_security_arguments
 from headrace.sdk.tls import ClientTls
@@ -21,6 +22,7 @@ def add_router_command(subparsers: argparse._SubParsersAction) -> None:
         "router",
         help="serve Generation in front of workers",
         description="Schedule requests by priority across workers, with failover.",
+        formatter_class=HelpFormatter,
     )
     workers = router.add_mutually_exclusive_group(required=True)
     workers.add_argument("--workers", help="comma-separated HOST:PORT of the workers")
@@ -95,48 +97,76 @@ def add_up_command(subparsers: argparse._SubParsersAction) -> None:
     up = subparsers.add_parser(
         "up",
         help="start a router and N workers on this machine",
-        description="Start N workers (child processes on loopback ports) and a router in "
-        "front of them; Ctrl-C stops them all.",
+        description=UP_DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
-    up.add_argument("--workers", type=int, default=1, help="how many workers")
-    up.add_argument("--model", default=None, help="a local HF checkpoint folder or known name")
-    up.add_argument("--dtype", default="auto")
-    up.add_argument(
-        "--worker-args", default="", help='more flags for each worker, e.g. "--max-num-seqs 64"'
+    add = up.add_argument
+    add("--num-workers", type=int, default=1, help="how many worker processes to start")
+    add(
+        "--workers",
+        type=int,
+        dest="deprecated_workers",
+        metavar="N",
+        help="deprecated: --num-workers",
     )
+    add("--model", default=None, help="a local HF checkpoint folder or known name (default: "
+        "the default model, prepared once)")  # fmt: skip
+    add("--dtype", default="auto", help="the workers' dtype: auto, float32/fp32, bfloat16/bf16 "
+        "or float16/fp16")  # fmt: skip
+    add("--worker-args", default="", help='more flags for each worker, e.g. "--max-num-seqs 64"')
     add_router_options(up)
     up.set_defaults(handler=_up)
 
 
+UP_DESCRIPTION = """Start N workers (child processes on free loopback ports) and a router in front
+of them on --host:--port; Ctrl-C (or SIGTERM) drains and stops them all. Children die with
+this process, however it ends.
+
+    headrace up                                      # the default model, one worker
+    headrace up --num-workers 2 --model PATH --port 50051
+"""
+
+
+def _router_args(args: argparse.Namespace) -> list[str]:
+    """`headrace router` flags for ``up``'s router: every router option ``up`` was given."""
+    values = {
+        "--policy": args.policy,
+        "--max-inflight-per-worker": args.max_inflight_per_worker,
+        "--max-queued-requests": args.max_queued_requests,
+        "--max-queued-tokens": args.max_queued_tokens,
+        "--aging": args.aging,
+        "--grace-period": args.grace_period,
+        "--log-level": args.log_level,
+        "--max-stream-backlog": args.max_stream_backlog,
+        "--slow-reader-timeout": args.slow_reader_timeout,
+        "--metrics-port": args.metrics_port,  # the router's; workers report through it
+    }
+    return [
+        item for flag, value in values.items() if value is not None for item in (flag, str(value))
+    ]
+
+
 def _up(args: argparse.Namespace) -> int:
-    from headrace.sdk.launch import ServerProcess, start_router, start_worker
+    from headrace.sdk.launch import ServerProcess, ServerStartError, start_router, start_worker
     from headrace.sdk.serving import wait_serving
     from headrace.worker.models.store import DEFAULT_MODEL
 
     setup_logging(args.log_level)
     model = args.model or DEFAULT_MODEL
+    num_workers = args.num_workers
+    if args.deprecated_workers is not None:
+        print("headrace up: --workers N is deprecated; use --num-workers N", file=sys.stderr)
+        num_workers = args.deprecated_workers
     worker_args = ["--dtype", args.dtype, "--log-level", args.log_level, *args.worker_args.split()]
     children: list[ServerProcess] = []
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        for _ in range(args.workers):
+        for _ in range(num_workers):
             children.append(start_worker(model, *worker_args))
         targets = [child.target for child in children]
-        router_args = [
-            "--policy",
-            args.policy,
-            "--max-inflight-per-worker",
-            str(args.max_inflight_per_worker),
-            "--grace-period",
-            str(args.grace_period),
-            "--log-level",
-            args.log_level,
-        ]
-        if args.metrics_port is not None:  # the router's; workers report through it
-            router_args += ["--metrics-port", str(args.metrics_port)]
-        router = start_router(targets, *router_args, host=args.host, port=args.port)
+        router = start_router(targets, *_router_args(args), host=args.host, port=args.port)
         children.insert(0, router)
         probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "[::]") else args.host
         if not wait_serving(f"{probe_host}:{router.port}"):
@@ -151,6 +181,9 @@ def _up(args: argparse.Namespace) -> int:
                 print("headrace up: a child process exited; stopping", file=sys.stderr)
                 return 1
         return 0
+    except ServerStartError as error:  # the child printed its own error above
+        print(f"headrace up: {error}", file=sys.stderr)
+        return error.exit_code or 1
     finally:
         for child in children:  # the router first: it drains while workers still serve
             with contextlib.suppress(Exception):

@@ -87,7 +87,7 @@ class RoutedRequest:
         self.num_tokens_before_dispatch = len(self.streamed_token_ids)
         if self.prompt_token_ids is None or not self.streamed_token_ids:
             return request
-        request.ClearField("text")
+        request.ClearField("prompt")  # text, token ids or chat: resumed as token ids
         request.token_ids.ids[:] = self.prompt_token_ids + self.streamed_token_ids
         config = request.config
         config.max_tokens = self.remaining_tokens

@@ -22,7 +22,7 @@ import grpc
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
-from headrace.router.admission import check_fits, estimate_tokens
+from headrace.router.admission import affinity_text, check_fits, estimate_tokens
 from headrace.router.config import RouterConfig
 from headrace.router.metrics import RouterMetrics
 from headrace.router.policy import make_policy
@@ -36,7 +36,7 @@ from headrace.sdk.errors import (
     UnavailableError,
 )
 from headrace.sdk.outputs import FinishReason
-from headrace.sdk.prompts import Prompt
+from headrace.sdk.prompts import Chat, Prompt
 from headrace.sdk.streams import ResponseQueue
 from headrace.sdk.telemetry import RequestTelemetry
 
@@ -120,8 +120,8 @@ class Router:
         return request
 
     def _affinity_key(self, prompt: Prompt) -> bytes:
-        if isinstance(prompt, str):
-            return prompt[: self.config.affinity_prefix_chars].encode()
+        if isinstance(prompt, str | Chat):
+            return affinity_text(prompt)[: self.config.affinity_prefix_chars].encode()
         head = prompt[: self.config.affinity_prefix_tokens]
         return b"ids:" + b",".join(str(t).encode() for t in head)
 

@@ -23,10 +23,13 @@ from headrace.sdk.outputs import (
     TokenLogprob,
     Usage,
 )
+from headrace.sdk.prompts import Chat, ChatMessage
 
 __all__ = [
     "AsyncClient",
     "CancelledError",
+    "Chat",
+    "ChatMessage",
     "Client",
     "Completion",
     "DeadlineExceededError",

@@ -1,12 +1,4 @@
-"""The ``headrace`` command line.
-
-    headrace models list              known model names, whether prepared, and where
-    headrace models prepare [NAME]    convert a known model into the cache (once)
-    headrace worker --model M         serve a model over gRPC (needs headrace[worker])
-    headrace router --workers A,B     schedule requests across workers (headrace[router])
-    headrace up --workers N           a router and N workers on this machine
-    headrace generate "prompt"        stream a generation from a server to the terminal
-    headrace bench BENCH              benchmarks: engine, parallel, serve, kernels
+"""The ``headrace`` command line (its commands: `USAGE`).
 
 Each command group is one ``_add_*`` function in `COMMAND_GROUPS` that adds its subparser
 and sets ``handler`` on its leaf commands; `worker`, `router`, `generate` and `up` are added
@@ -24,10 +16,25 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from headrace.sdk import launch
+from headrace.sdk.cli_help import HelpFormatter
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.generate import add_generate_command
 from headrace.sdk.security import add_server_security_arguments, server_security
 from headrace.sdk.streams import FlowLimits
+
+USAGE = """headrace: serve LLMs over gRPC.
+
+    headrace up                       a router and a worker on this machine (the default model)
+    headrace generate "question"      stream an answer from a server to the terminal
+    headrace worker --model M         serve a model over gRPC (needs headrace[worker])
+    headrace router --workers A,B     schedule requests across workers (headrace[router])
+    headrace up --num-workers N       a router and N workers on this machine
+    headrace models list              known model names, whether prepared, and where
+    headrace models prepare [NAME]    convert a known model into the cache (once)
+    headrace bench BENCH              benchmarks: engine, parallel, serve, kernels
+
+`headrace COMMAND --help` shows each command's options and their defaults.
+"""
 
 Handler = Callable[[argparse.Namespace], int]
 # argparse's subparsers object; its class is private, so it is named once here.
@@ -104,7 +111,9 @@ def _models_prepare(args: argparse.Namespace) -> int:
 
 
 def _add_models(subparsers: SubParsers) -> None:
-    models = subparsers.add_parser("models", help="list and prepare models")
+    models = subparsers.add_parser(
+        "models", help="list and prepare models", formatter_class=HelpFormatter
+    )
     commands = models.add_subparsers(dest="models_command", metavar="COMMAND", required=True)
     listing = commands.add_parser("list", help="known model names, whether prepared, and where")
     listing.set_defaults(handler=_models_list)
@@ -146,18 +155,33 @@ def _worker(args: argparse.Namespace) -> int:
     return run(engine_config, options)
 
 
+WORKER_DESCRIPTION = """Load a model and serve the Generation and WorkerControl services (and gRPC
+health and reflection) on --host:--port.
+
+    headrace worker                                   # the default model, prepared once
+    headrace worker --model /path/to/hf-checkpoint --port 50051 --dtype bf16
+    headrace worker --model PATH -tp 2 -pp 2          # tensor x pipeline parallel ranks
+"""
+
+
 def _add_worker(subparsers: SubParsers) -> None:
     from headrace.worker.models.store import DEFAULT_MODEL
 
     worker = subparsers.add_parser(
         "worker",
         help="serve a model over gRPC",
-        description="Load a model and serve the Generation and WorkerControl services.",
+        description=WORKER_DESCRIPTION,
+        formatter_class=HelpFormatter,
     )
     add = worker.add_argument
     add("--model", default=DEFAULT_MODEL, help="a local HF checkpoint folder or a known name")
     add("--served-model-name", help="the name clients use (default: --model as given)")
-    add("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    add(
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's; float32 on CPUs without native bf16/fp16 math), "
+        "float32/fp32, bfloat16/bf16 or float16/fp16",
+    )
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_server_arguments(worker)
     add_server_security_arguments(worker)
@@ -235,7 +259,9 @@ COMMAND_GROUPS: tuple[Callable[[SubParsers], None], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="headrace", description="headrace: serve LLMs over gRPC")
+    parser = argparse.ArgumentParser(
+        prog="headrace", description=USAGE, formatter_class=HelpFormatter
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_group in COMMAND_GROUPS:
         add_group(subparsers)

@@ -41,7 +41,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.credentials import Metadata, bearer_metadata, default_api_key
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, UnavailableError
 from headrace.sdk.outputs import GenerationResult, StreamChunk
-from headrace.sdk.prompts import Prompt
+from headrace.sdk.prompts import Chat, Messages, Prompt
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
@@ -248,6 +248,19 @@ class AsyncClient:
         assert result is not None  # a stream ends with a finished chunk or raises
         return result
 
+    async def chat(
+        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+    ) -> GenerationResult:
+        """Answer a conversation (``{"role", "content"}`` dicts or `ChatMessage`s), rendered
+        by the server with the model's chat template; options as for `generate`."""
+        return await self.generate(Chat.of(messages), config, **options)
+
+    def stream_chat(
+        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+    ) -> AsyncIterator[StreamChunk]:
+        """`stream` for a conversation (see `chat`)."""
+        return self.stream(Chat.of(messages), config, **options)
+
     async def model_info(self, timeout: float | None = 30.0) -> pb.ModelInfo:
         try:
             info: pb.ModelInfo = await self._stub.GetModelInfo(
@@ -312,6 +325,18 @@ class Client:
     ) -> GenerationResult:
         """See `AsyncClient.generate`."""
         return self._run(self._async.generate(prompt, config, priority=priority, timeout=timeout))
+
+    def chat(
+        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+    ) -> GenerationResult:
+        """See `AsyncClient.chat`."""
+        return self.generate(Chat.of(messages), config, **options)
+
+    def stream_chat(
+        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+    ) -> Iterator[StreamChunk]:
+        """See `AsyncClient.stream_chat`."""
+        return self.stream(Chat.of(messages), config, **options)
 
     def stream(
         self,

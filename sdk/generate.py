@@ -1,10 +1,15 @@
 """``headrace generate``: stream one generation from a server to the terminal.
 
-    headrace generate --target localhost:50051 "The three primary colors are" --max-tokens 32
+    headrace generate "What is the capital of France?"        # a chat question (greedy)
+    headrace generate --raw "The three primary colors are" --max-tokens 32   # plain text
     headrace generate --json "Hello" | jq .text     # one JSON object per chunk
     headrace generate --target router:443 --tls-ca ca.pem --api-key KEY "Hello"
 
-Text goes to stdout as it arrives; a summary line (tokens, tok/s, finish reason) to stderr.
+When the served model has a chat template (an Instruct model), the prompt is sent as one
+user message of a conversation, which the server renders with that template; ``--raw``
+sends it as plain text instead (a base model, or text to continue). Decoding is greedy unless
+``--temperature`` says otherwise. Text goes to stdout as it arrives; a summary line (tokens,
+tok/s, finish reason) to stderr.
 With `OTEL_EXPORTER_OTLP_ENDPOINT` set (and the OpenTelemetry SDK installed, as the router
 and worker extras do), the request's client span is exported, the root of its trace.
 """
@@ -20,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from headrace.sdk import tracing
+from headrace.sdk.cli_help import HelpFormatter
 from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.credentials import API_KEY_ENV
 from headrace.sdk.outputs import StreamChunk
+from headrace.sdk.prompts import Chat, ChatMessage, Prompt
 from headrace.sdk.tls import ClientTls
 
 DEFAULT_TARGET = "localhost:50051"
@@ -31,19 +38,24 @@ DEFAULT_TARGET = "localhost:50051"
 
 def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "generate", help="stream a generation from a server", description=__doc__
+        "generate",
+        help="stream a generation from a server",
+        description=__doc__,
+        formatter_class=HelpFormatter,
     )
     add = parser.add_argument
-    add("prompt", help="the prompt text")
-    add("--target", default=DEFAULT_TARGET, help=f"HOST:PORT of a server ({DEFAULT_TARGET})")
+    add("prompt", help="the question (or, with --raw, the text to continue)")
+    add("--raw", action="store_true", help="send the prompt as plain text, not as a chat")
+    add("--system", help="a system message before the question (chat models)")
+    add("--target", default=DEFAULT_TARGET, help="HOST:PORT of a router or worker")
     add("--model", default="", help="model name to ask for (default: the server's)")
     add("--max-tokens", type=int, default=64, help="most tokens to generate")
     add("--min-tokens", type=int, default=0, help="fewest tokens before EOS may end it")
-    add("--temperature", type=float, default=0.0, help="0 is greedy (the default here)")
+    add("--temperature", type=float, default=0.0, help="0 is greedy")
     add("--top-k", type=int, default=0, help="sample among the k most likely; 0 disables")
     add("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
     add("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one")
-    add("--repetition-penalty", type=float, default=1.0)
+    add("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
     add("--seed", type=int, help="make sampling reproducible")
     add("--stop", action="append", default=[], help="a stop string (repeatable)")
     add("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -102,13 +114,20 @@ def run_generate(args: argparse.Namespace) -> int:
             provider.shutdown()  # export the span before exiting
 
 
+def _prompt(args: argparse.Namespace, client: Client) -> Prompt:
+    """The question as a chat when the model has a chat template (and not --raw)."""
+    if args.raw or not client.model_info().has_chat_template:
+        return str(args.prompt)
+    system = [ChatMessage("system", args.system)] if args.system else []
+    return Chat((*system, ChatMessage("user", args.prompt)))
+
+
 def _stream(args: argparse.Namespace, config: GenerationConfig) -> int:
     start = time.perf_counter()
     num_tokens, last = 0, None
     with Client(args.target, **client_options(args)) as client:
-        for chunk in client.stream(
-            args.prompt, config, priority=args.priority, timeout=args.timeout
-        ):
+        prompt = _prompt(args, client)
+        for chunk in client.stream(prompt, config, priority=args.priority, timeout=args.timeout):
             num_tokens += len(chunk.token_ids)
             last = chunk
             sys.stdout.write(_as_json(chunk) + "\n" if args.json else chunk.text)

@@ -30,6 +30,16 @@ _HEALTH = re.compile(r"^health on \S+:(\d+)$")
 START_TIMEOUT_S = 180.0
 
 
+class ServerStartError(RuntimeError):
+    """The server exited (or never said where it listens) before it served."""
+
+    def __init__(self, exit_code: int | None, log: str) -> None:
+        ended = "did not start in time" if exit_code is None else f"exited with code {exit_code}"
+        super().__init__(f"server {ended}" + (f"; its log ends with:\n{log}" if log else ""))
+        #: None when it was still running (and was killed) at the deadline.
+        self.exit_code = exit_code
+
+
 class ServerProcess:
     """``headrace <args> --host HOST --port 0`` as a child process."""
 
@@ -74,9 +84,10 @@ class ServerProcess:
                 self.health_port = int(health.group(1))
             if match := _LISTENING.search(line):
                 return int(match.group(2))
+        code = self.proc.poll()
         self.kill()
-        log = self.log_path.read_text()[-4000:] if self.log_path is not None else "(no log kept)"
-        raise RuntimeError(f"server did not start; its log ends with:\n{log}")
+        log = self.log_path.read_text()[-4000:] if self.log_path is not None else ""
+        raise ServerStartError(code, log)
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM (the server drains), then wait for its exit code."""

@@ -16,7 +16,7 @@ from headrace.protos import generation_pb2 as pb
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, StreamChunk, TokenLogprob, Usage
-from headrace.sdk.prompts import Prompt
+from headrace.sdk.prompts import Chat, ChatMessage, Prompt
 from headrace.sdk.status import duration
 
 _DEFAULT_CONFIG = GenerationConfig()
@@ -102,11 +102,26 @@ def request_to_wire(
     )
     if isinstance(prompt, str):
         wire.text = prompt
+    elif isinstance(prompt, Chat):
+        wire.chat.CopyFrom(chat_to_wire(prompt))
     else:
         wire.token_ids.ids.extend(prompt)
     if timeout_s is not None:
         wire.timeout.CopyFrom(duration(timeout_s))
     return wire
+
+
+def chat_to_wire(chat: Chat) -> pb.Chat:
+    wire = pb.Chat(messages=[pb.ChatMessage(role=m.role, content=m.content) for m in chat.messages])
+    if not chat.add_generation_prompt:
+        wire.add_generation_prompt = False
+    return wire
+
+
+def chat_from_wire(wire: pb.Chat) -> Chat:
+    add = wire.add_generation_prompt if wire.HasField("add_generation_prompt") else True
+    messages = tuple(ChatMessage(m.role, m.content) for m in wire.messages)
+    return Chat(messages, add)
 
 
 def with_request_id(wire: pb.Request) -> pb.Request:
@@ -126,8 +141,14 @@ def request_from_wire(wire: pb.Request) -> ParsedRequest:
         raise InvalidArgumentError("request_id", "must be a non-empty string")
     kind = wire.WhichOneof("prompt")
     if kind is None:
-        raise InvalidArgumentError("prompt", "set either text or token_ids")
-    prompt: Prompt = wire.text if kind == "text" else list(wire.token_ids.ids)
+        raise InvalidArgumentError("prompt", "set one of text, token_ids or chat")
+    prompt: Prompt
+    if kind == "text":
+        prompt = wire.text
+    elif kind == "chat":
+        prompt = chat_from_wire(wire.chat)
+    else:
+        prompt = list(wire.token_ids.ids)
     timeout_s = None
     if wire.HasField("timeout"):
         timeout_s = wire.timeout.ToNanoseconds() / 1e9

@@ -76,14 +76,25 @@ _HF_CLASSES: dict[str, tuple[Any, Any]] = {
 WEIGHT_STD = 0.15
 
 
-def build_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """Train a deterministic byte-level BPE tokenizer on CORPUS and save it into ``path``."""
+#: A ChatML template, as Qwen's and SmolLM2's; `build_tokenizer(chat_template=True)` adds it
+#: and its two markers as special tokens.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(path: str | Path, chat_template: bool = False) -> PreTrainedTokenizerFast:
+    """Train a deterministic byte-level BPE tokenizer on CORPUS and save it into ``path``
+    (with a ChatML chat template if asked)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
-        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        special_tokens=[EOS_TOKEN, PAD_TOKEN, *(CHAT_MARKERS if chat_template else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -94,6 +105,8 @@ def build_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
     )
+    if chat_template:
+        wrapped.chat_template = CHAT_TEMPLATE
     wrapped.save_pretrained(str(path))
     return wrapped
 
@@ -114,10 +127,11 @@ def build_checkpoint(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    chat_template: bool = False,
 ) -> Path:
     """A tiny random checkpoint of ``family`` with a tokenizer, saved into ``path``."""
     path = Path(path)
-    tokenizer = build_tokenizer(path)
+    tokenizer = build_tokenizer(path, chat_template)
     config_class, model_class = _HF_CLASSES[family]
     config = config_class(
         vocab_size=len(tokenizer),

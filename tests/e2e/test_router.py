@@ -269,7 +269,7 @@ def test_headrace_up_serves_through_a_router(tiny_model: Path, offline: LLM) -> 
             "-m",
             "headrace.sdk.cli",
             "up",
-            "--workers",
+            "--num-workers",
             "2",
             "--model",
             str(tiny_model),

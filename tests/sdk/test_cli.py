@@ -6,12 +6,13 @@ instead of running the conversion (tests/worker/test_model_store.py covers that)
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from headrace.sdk.cli import main
+from headrace.sdk.cli import build_parser, main
 from headrace.worker.models.store import CACHE_ENV, DEFAULT_MODEL, PREPARED_MARKER, model_dir
 
 
@@ -73,3 +74,41 @@ def test_cli_and_models_list_do_not_import_torch(cache: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert DEFAULT_MODEL in result.stdout
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    top = _subparsers(build_parser())
+    commands = {name: top[name] for name in ("worker", "router", "up", "generate")}
+    commands.update({f"bench {n}": p for n, p in _subparsers(top["bench"]).items()})
+    return commands
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_every_option_has_help_and_shows_its_default(name: str) -> None:
+    parser = _commands()[name]
+    help_text = parser.format_help()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help, f"{name} {action.option_strings[0]} has no help"
+        meaningful = action.default not in (None, False, "", [], argparse.SUPPRESS)
+        if meaningful and action.nargs != 0:
+            shown = f"(default: {action.default})"
+            assert shown in " ".join(help_text.split()), f"{name} {action.option_strings[0]}"
+
+
+def test_examples_in_help_keep_their_lines() -> None:
+    help_text = _commands()["generate"].format_help()
+    assert '    headrace generate "What is the capital of France?"' in help_text
+
+
+@pytest.mark.parametrize("spelling", ["bf16", "fp16", "fp32", "bfloat16", "float"])
+def test_dtype_takes_the_usual_spellings(spelling: str) -> None:
+    from headrace.worker.config import EngineConfig
+
+    assert EngineConfig(model="unused", dtype=spelling).dtype == spelling

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from headrace.sdk.cli_help import HelpFormatter
 from headrace.worker.models.store import DEFAULT_MODEL
 
 ArgumentAdder = Callable[[argparse.ArgumentParser], None]
@@ -90,7 +91,12 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, help="new tokens per request; default: 128 (64 with --tiny)")
     add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
     add("--baseline", choices=["none", "hf"], default="none", help="also run transformers")
-    add("--attention-backend", choices=["auto", "triton", "reference"], default="auto")
+    add(
+        "--attention-backend",
+        choices=["auto", "triton", "reference"],
+        default="auto",
+        help="kernels: auto = Triton on CUDA, else the torch references",
+    )
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add("--seed", type=int, default=0, help="seed of the random prompts")
 
@@ -186,7 +192,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
             spec.name,
             help=spec.help,
             description=spec.help,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=HelpFormatter,
         )
         spec.arguments(parser)
         parser.add_argument("--json", action="store_true", help="print one JSON object last")

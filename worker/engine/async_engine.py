@@ -6,8 +6,9 @@ back through `OutputStream`s: after each step, every stream receives ONE list ho
 outputs of all its requests that progressed in that step, so a server multiplexing many
 requests on one connection sends one message per step.
 
-Text prompts are tokenized on a thread of their own, never on the engine's: a long prompt
-costs its own request time, not every other request's step. A request is announced to the
+Text and chat prompts are tokenized (chats rendered with the chat template) on a thread of
+their own, never on the engine's: a long prompt costs its own request time, not every other
+request's step. A request is announced to the
 engine thread when it arrives (`_Pending`) and added once tokenized, so an abort that
 overtakes the tokenizer still finds it.
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError
 from headrace.sdk.outputs import FinishReason, SampleDelta
-from headrace.sdk.prompts import Prompt
+from headrace.sdk.prompts import Chat, Prompt
 from headrace.sdk.streams import FlowHooks, FlowLimits, ResponseQueue
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
@@ -132,7 +133,7 @@ class AsyncEngine:
         stream: OutputStream,
         priority: int = 0,
     ) -> None:
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str | Chat):  # token ids: checked on the engine thread
             self._commands.put(_Add(request_id, prompt, config, priority, stream))
             return
         self._commands.put(_Pending(request_id, stream))
@@ -141,7 +142,7 @@ class AsyncEngine:
 
     def _tokenize(self, add: _Add) -> None:
         """On the tokenizer thread: the request with its token ids (or its error)."""
-        assert isinstance(add.prompt, str)
+        assert isinstance(add.prompt, str | Chat)
         try:
             add.prompt = self.engine.intake.prompt_token_ids(add.prompt)
         except HeadraceError as error:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
-from headrace.sdk.prompts import Prompt
+from headrace.sdk.prompts import Chat, Prompt
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import RequestTimes
 from headrace.worker.sampling.detokenizer import Detokenizer
@@ -72,17 +73,15 @@ class RequestIntake:
         return self._new_request(request_id, prompt_token_ids, config, priority)
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt as token ids: text tokenized, a chat rendered with the model's chat
+        template, token ids checked against the vocabulary."""
+        if isinstance(prompt, Chat):
+            self._check_size("chat", prompt.num_content_bytes)
+            return self._render_chat(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
-            num_bytes = len(prompt.encode())
-            if num_bytes > self.spec.max_prompt_bytes:
-                raise InvalidArgumentError(
-                    "prompt",
-                    f"has {num_bytes} bytes; this worker takes at most "
-                    f"{self.spec.max_prompt_bytes} (its context is {self.spec.max_model_len} "
-                    "tokens)",
-                )
+            self._check_size("prompt", len(prompt.encode()))
             return list(self.spec.tokenizer.encode(prompt))
         if not isinstance(prompt, list | tuple):
             raise InvalidArgumentError("prompt", "must be a string or a list of token ids")
@@ -91,6 +90,33 @@ class RequestIntake:
         token_ids = list(prompt)
         self._check_token_ids("prompt_token_ids", token_ids)
         return token_ids
+
+    def _check_size(self, field_name: str, num_bytes: int) -> None:
+        """Refuse, before tokenizing it, text that could never fit the context."""
+        if num_bytes > self.spec.max_prompt_bytes:
+            raise InvalidArgumentError(
+                field_name,
+                f"has {num_bytes} bytes; this worker takes at most {self.spec.max_prompt_bytes} "
+                f"(its context is {self.spec.max_model_len} tokens)",
+            )
+
+    def _render_chat(self, chat: Chat) -> list[int]:
+        tokenizer = self.spec.tokenizer
+        if not tokenizer.chat_template:
+            raise InvalidArgumentError(
+                "chat", "this model has no chat template: send the prompt as text or token ids"
+            )
+        try:
+            token_ids = tokenizer.apply_chat_template(
+                chat.as_dicts(),
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=not chat.add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as exc:  # the template's own checks (roles, alternation) raise
+            raise InvalidArgumentError("chat", f"the chat template refused it: {exc}") from exc
+        return [int(token_id) for token_id in cast(list[int], token_ids)]
 
     def _check_token_ids(self, field_name: str, token_ids: list[int]) -> None:
         for i, token_id in enumerate(token_ids):

@@ -1,19 +1,20 @@
 """`LLM`: the offline batch API (RLHF rollouts, evaluation).
 
-llm = LLM("smollm2-135m-instruct", dtype="bfloat16")
-results = llm.generate(["Hello", "The capital of France is"], GenerationConfig(max_tokens=32))
-print(results[0].text)
+llm = LLM("smollm2-135m-instruct")
+results = llm.generate(["The capital of France is", [1, 504, 3458]], GenerationConfig())
+answers = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]])
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import Completion, GenerationResult
-from headrace.sdk.prompts import Prompt
+from headrace.sdk.prompts import Chat, ChatMessage, Messages, Prompt
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import RequestOutput
@@ -46,7 +47,8 @@ class LLM:
         *,
         priority: int = 0,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (text or token ids); results come in prompt order."""
+        """Generate for every prompt (text, token ids or a `Chat`); results come in prompt
+        order."""
         batch = _as_batch(prompts)
         configs = _configs_for(batch, config)
         results: dict[str, GenerationResult] = {}
@@ -67,6 +69,23 @@ class LLM:
             raise
         return list(results.values())
 
+    def chat(
+        self,
+        conversations: Messages | list[Messages],
+        config: GenerationConfig | list[GenerationConfig] | None = None,
+        *,
+        priority: int = 0,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerationResult]:
+        """Answer each conversation (a list of ``{"role", "content"}`` messages, or one such
+        list), rendered with the model's chat template; results come in order."""
+        batch = cast(
+            list[Messages],
+            [conversations] if _is_single_conversation(conversations) else conversations,
+        )
+        chats: list[Prompt] = [Chat.of(messages, add_generation_prompt) for messages in batch]
+        return self.generate(chats, config, priority=priority)
+
     def _add(
         self, index: int, request_id: str, prompt: Prompt, config: GenerationConfig, priority: int
     ) -> None:
@@ -84,6 +103,13 @@ class LLM:
                     unfinished.discard(output.request_id)
 
 
+def _is_single_conversation(conversations: Messages | list[Messages]) -> bool:
+    """Whether ``conversations`` is one conversation: its first item is a message (or it has
+    none, which `Chat` then refuses as an empty conversation)."""
+    first = next(iter(conversations), None)
+    return first is None or isinstance(first, ChatMessage | Mapping)
+
+
 def apply_output(result: GenerationResult, output: RequestOutput) -> None:
     """Fold one engine step's output for a request into its result."""
     for delta in output.samples:
@@ -92,7 +118,7 @@ def apply_output(result: GenerationResult, output: RequestOutput) -> None:
 
 
 def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Chat):
         return [prompts]
     if (
         isinstance(prompts, list | tuple)

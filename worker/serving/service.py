@@ -131,6 +131,7 @@ def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
         dtype=str(spec.dtype).removeprefix("torch."),
         vocab_size=engine.engine.vocab_size,
         eos_token_ids=sorted(spec.eos_token_ids),
+        has_chat_template=bool(tokenizer.chat_template),
     )
     for role in ("bos", "eos", "pad"):
         text, token_id = getattr(tokenizer, f"{role}_token"), getattr(tokenizer, f"{role}_token_id")

@@ -1,13 +1,15 @@
 // A headrace client in Node, built only from the .proto files: proof that any gRPC language
 // can stream from headrace.
 //
-//   node client.js TARGET PROMPT MAX_TOKENS [--one] [--tls-ca PEM] [--tls-cert PEM --tls-key PEM]
-//                  [--api-key KEY]
+//   node client.js TARGET PROMPT MAX_TOKENS [--one] [--chat] [--tls-ca PEM]
+//                  [--tls-cert PEM --tls-key PEM] [--api-key KEY]
 //
 // Sends one greedy request (ignore_eos) on a bidirectional `Generate` stream, or with --one
 // on the server-streaming `GenerateOne` (without a request_id: the server assigns one), and
-// prints each chunk as one JSON line. --tls-ca speaks TLS trusting that CA, --tls-cert and
-// --tls-key present a client certificate (mTLS), --api-key sends `authorization: Bearer`.
+// prints each chunk as one JSON line. --chat sends the prompt as one user message of a
+// conversation, which the server renders with the model's chat template. --tls-ca speaks
+// TLS trusting that CA, --tls-cert and --tls-key present a client certificate (mTLS),
+// --api-key sends `authorization: Bearer`.
 // Exits 1 with the status on stderr if the RPC or the request fails.
 'use strict';
 
@@ -51,6 +53,7 @@ function parseArgs(argv) {
   for (let i = 0; i < rest.length; i += 1) {
     const flag = rest[i];
     if (flag === '--one') options.one = true;
+    else if (flag === '--chat') options.chat = true;
     else if (['--tls-ca', '--tls-cert', '--tls-key', '--api-key'].includes(flag)) options[flag] = rest[++i];
     else fail(new Error(`unknown flag ${flag}`));
   }
@@ -74,9 +77,10 @@ function main() {
   const v1 = loadGeneration();
   const client = new v1.Generation(options.target, credentials(options));
   const request = {
-    text: options.prompt,
     config: { max_tokens: options.maxTokens, temperature: 0, ignore_eos: true },
   };
+  if (options.chat) request.chat = { messages: [{ role: 'user', content: options.prompt }] };
+  else request.text = options.prompt;
   if (!options.one) request.request_id = 'node-1'; // only a multiplexed stream needs one
   const call = options.one
     ? client.GenerateOne(request, metadata(options))

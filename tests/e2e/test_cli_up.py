@@ -1,0 +1,30 @@
+"""`headrace up` on a bad start: the worker's own error and its exit code, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_a_worker_that_fails_under_up_gives_its_error_and_exit_code(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    done = subprocess.run(
+        [sys.executable, "-m", "headrace.sdk.cli", "up", "--model", str(missing),
+         "--host", "127.0.0.1", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "headrace: error: model not found" in done.stderr  # the worker's own message
+    assert "headrace up: server exited with code 1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_up_still_takes_the_old_workers_flag_with_a_deprecation_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "headrace.sdk.cli", "up", "--workers", "1", "--model",
+         str(tmp_path / "missing"), "--host", "127.0.0.1", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "--workers N is deprecated; use --num-workers N" in done.stderr
+    assert done.returncode == 1  # and it went on to start a worker (which failed: no model)
