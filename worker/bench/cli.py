@@ -141,6 +141,18 @@ def kernels_arguments(parser: argparse.ArgumentParser) -> None:
     add("--contexts", type=int, nargs="+", default=[2048, 4096, 8192], help="context lengths")
 
 
+#: What the figures mean, in every bench's --help.
+FIGURES = """
+Figures: tok/s = generated tokens over the run's wall time (prefill included); TTFT = a
+request's arrival (or, for serve, its send) to its first token; ITL = the time between a
+request's successive chunks; decode step = an engine step in which every scheduled sequence
+decoded one token; host overhead = a decode step's time minus the time in the model's forward
+and LM head, i.e. the engine's own Python per step (scheduling, building the batch, sampling,
+detokenizing). p50 / p99 are percentiles over requests or steps. --json prints them as one
+JSON object on the last line, with one ratio_* key per baseline run in the same process.
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class BenchCommand:
     name: str
@@ -191,7 +203,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         parser = commands.add_parser(
             spec.name,
             help=spec.help,
-            description=spec.help,
+            description=spec.help + "\n" + FIGURES,
             formatter_class=HelpFormatter,
         )
         spec.arguments(parser)

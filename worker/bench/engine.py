@@ -146,6 +146,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     run_headrace(engine, make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1), "warm-up")
     ours = run_headrace(engine, workload)
     print(ours.describe())
+    print("  (host overhead: a decode step's time minus the model's forward and LM head)")
     summary: Summary = {"bench": "engine", "model": model_name, "dtype": args.dtype}
     summary.update(ours.summary())
     if args.baseline == "hf":
