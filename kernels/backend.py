@@ -1,9 +1,10 @@
-"""Which kernels a model runs: Triton on CUDA, the torch references elsewhere.
+"""Which kernels a model runs: Triton on CUDA, C kernels on the CPU, torch references anywhere.
 
 A backend is a module with the functions of `KernelSet`: `headrace.kernels.reference` (plain
-torch, any device) and `headrace.kernels.triton_ops` (Triton; CUDA, or the CPU under
-``TRITON_INTERPRET=1``). The engine picks one at start-up and hands it to every layer, so
-there is no process-global kernel switch.
+torch, any device; every other backend's oracle), `headrace.kernels.triton_ops` (Triton;
+CUDA, or the CPU under ``TRITON_INTERPRET=1``) and `headrace.kernels.cpu_ops` (C kernels
+compiled on the machine, see `headrace.kernels.native`). The engine picks one at start-up and
+hands it to every layer, so there is no process-global kernel switch.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import torch
 from headrace.kernels.attention import AttentionMetadata
 
 #: The values of EngineConfig.attention_backend / ``--attention-backend``.
-BACKEND_NAMES = ("auto", "triton", "reference")
+BACKEND_NAMES = ("auto", "triton", "cpu", "reference")
 
 
 class KernelSet(Protocol):
-    #: "triton" or "reference".
+    #: "triton", "cpu" or "reference".
     NAME: str
 
     def write_kv_cache(
@@ -66,14 +67,20 @@ def triton_device_error(device: torch.device) -> str:
 
 
 def select_kernels(name: str, device: torch.device) -> KernelSet:
-    """The backend called ``name`` ("auto": Triton on CUDA, the references elsewhere).
+    """The backend called ``name``. "auto": Triton on CUDA; on the CPU the C kernels, or the
+    references where they cannot be built (no compiler); the references on other devices.
 
-    Raises ValueError for an unknown name, or Triton without CUDA or its interpreter;
-    `EngineConfig` checks both first, so users see an error naming the field."""
+    Raises ValueError for an unknown name, Triton without CUDA or its interpreter, or "cpu"
+    off the CPU or without its kernels; `EngineConfig` checks the first two, so users see an
+    error naming the field."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown kernel backend {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "reference"
+        name = {"cuda": "triton", "cpu": "cpu"}.get(device.type, "reference")
+        if name == "cpu" and not _cpu_kernels_available():
+            name = "reference"
+    if name == "cpu":
+        return _cpu_kernels(device)
     if name == "reference":
         from headrace.kernels import reference
 
@@ -83,3 +90,29 @@ def select_kernels(name: str, device: torch.device) -> KernelSet:
     from headrace.kernels import triton_ops
 
     return triton_ops
+
+
+def _cpu_kernels_available() -> bool:
+    from headrace.kernels import cpu_ops
+
+    return cpu_ops.available()
+
+
+def cpu_kernels_error(device: torch.device) -> str | None:
+    """Why the "cpu" backend cannot run on ``device`` (None if it can); builds it if needed."""
+    from headrace.kernels import native
+
+    if device.type != "cpu":
+        return f"the cpu kernels run on the CPU, not {device.type}"
+    if not _cpu_kernels_available():
+        return f"the cpu kernels could not be built: {native.build_error()}"
+    return None
+
+
+def _cpu_kernels(device: torch.device) -> KernelSet:
+    from headrace.kernels import cpu_ops
+
+    error = cpu_kernels_error(device)
+    if error is not None:
+        raise ValueError(error)
+    return cpu_ops

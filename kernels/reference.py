@@ -86,7 +86,7 @@ def paged_attention(
         )
     for i in range(num_decode_seqs, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        out[start:end] = _extend(
+        out[start:end] = extend(
             query[start:end], kv_cache, metadata.block_tables[i : i + 1], seq_lens[i], scale
         )
     return out
@@ -135,7 +135,7 @@ def _decode(
     return out.squeeze(2).to(query.dtype)
 
 
-def _extend(
+def extend(
     query: torch.Tensor,  # [Q, H, D]: the newest Q tokens of one sequence
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,  # [1, max_num_blocks]

@@ -185,6 +185,13 @@ def _add_worker(subparsers: SubParsers) -> None:
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add_server_arguments(worker)
     add_server_security_arguments(worker)
+    _add_engine_arguments(worker)
+    worker.set_defaults(handler=_worker)
+
+
+def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
+    """The engine's options: limits, KV cache, kernels, parallelism."""
+    add = worker.add_argument
     add("--max-model-len", type=int, help="longest sequence (default: the model's context)")
     add("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
@@ -197,8 +204,9 @@ def _add_worker(subparsers: SubParsers) -> None:
     add(
         "--attention-backend",
         default="auto",
-        choices=["auto", "triton", "reference"],
-        help="kernels (attention, KV write, RMSNorm, rotary): auto = Triton on CUDA, else torch",
+        choices=["auto", "triton", "cpu", "reference"],
+        help="kernels (attention, KV write, RMSNorm, rotary): auto = Triton on CUDA, C kernels "
+        "built on this machine on CPU (torch's if no C compiler), reference = plain torch",
     )
     add(
         "--tensor-parallel-size",
@@ -226,7 +234,6 @@ def _add_worker(subparsers: SubParsers) -> None:
         type=int,
         help="longest text prompt in UTF-8 bytes (default: the most that could fit the context)",
     )
-    worker.set_defaults(handler=_worker)
 
 
 def _add_router(subparsers: SubParsers) -> None:

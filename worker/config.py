@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from headrace.kernels.backend import BACKEND_NAMES, triton_device_error, triton_interpreted
+from headrace.kernels.backend import (
+    BACKEND_NAMES,
+    cpu_kernels_error,
+    triton_device_error,
+    triton_interpreted,
+)
 from headrace.kernels.precision import compute_dtype
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import check_parallel_sizes
@@ -107,6 +112,10 @@ class EngineConfig:
             device = self.torch_device()
             if device.type != "cuda" and not triton_interpreted():
                 raise InvalidArgumentError("attention_backend", triton_device_error(device))
+        if self.attention_backend == "cpu":
+            error = cpu_kernels_error(self.torch_device())
+            if error is not None:
+                raise InvalidArgumentError("attention_backend", error)
 
     @property
     def world_size(self) -> int:

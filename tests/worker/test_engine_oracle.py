@@ -37,15 +37,20 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 # The whole composition matrix runs on llama and qwen3 (qk-norm); mistral and qwen2 (qkv bias)
-# run every test except the matrix, plus its hardest case, preemption. All of it on the torch
-# reference kernels; two cases again with every layer on the Triton kernels (Triton's CPU
-# interpreter here, compiled on a GPU): chunks mixed with decodes, and preemption.
+# run every test except the matrix, plus its hardest case, preemption. All of it on the CPU
+# backend's C kernels (what "auto" picks on a CPU); two cases again with every layer on the
+# torch reference kernels and two on the Triton kernels (Triton's CPU interpreter here,
+# compiled on a GPU): chunks mixed with decodes, and preemption.
 MATRIX = [
-    (family, composition, "reference")
+    (family, composition, "cpu")
     for family in FAMILIES
     for composition in sorted(COMPOSITIONS)
     if family in ("llama", "qwen3") or composition == "preempting"
-] + [("llama", "chunked-8", "triton"), ("qwen3", "preempting", "triton")]
+] + [
+    (family, composition, backend)
+    for backend in ("reference", "triton")
+    for family, composition in (("llama", "chunked-8"), ("qwen3", "preempting"))
+]
 
 
 @pytest.fixture(scope="module")
@@ -223,15 +228,19 @@ def test_attention_backend_is_validated_before_loading(monkeypatch):
     with pytest.raises(InvalidArgumentError) as info:
         EngineConfig("unused", attention_backend="flash")
     assert info.value.field == "attention_backend"
-    assert "auto, triton, reference" in str(info.value)
+    assert "auto, triton, cpu, reference" in str(info.value)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(InvalidArgumentError) as info:
         EngineConfig("unused", device="cpu", attention_backend="triton")
     assert info.value.field == "attention_backend"
     assert "CUDA" in str(info.value)
+    with pytest.raises(InvalidArgumentError) as info:
+        EngineConfig("unused", device="meta", attention_backend="cpu")
+    assert info.value.field == "attention_backend"
+    assert "run on the CPU" in str(info.value)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 def test_warm_up_leaves_outputs_and_blocks_untouched(oracle, backend):
     """Warm-up (run at start on CUDA) writes garbage into block 0 only; requests after it,
     block 0 among their blocks, still equal the oracle."""

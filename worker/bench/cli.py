@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from headrace.kernels.backend import BACKEND_NAMES
 from headrace.sdk.cli_help import HelpFormatter
 from headrace.worker.models.store import DEFAULT_MODEL
 
@@ -93,9 +94,9 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--baseline", choices=["none", "hf"], default="none", help="also run transformers")
     add(
         "--attention-backend",
-        choices=["auto", "triton", "reference"],
+        choices=list(BACKEND_NAMES),
         default="auto",
-        help="kernels: auto = Triton on CUDA, else the torch references",
+        help="kernels: auto = Triton on CUDA, the C kernels on CPU; reference = plain torch",
     )
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add("--seed", type=int, default=0, help="seed of the random prompts")

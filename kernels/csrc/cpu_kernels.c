@@ -1,0 +1,493 @@
+/* CPU kernels of the hot path, compiled on the user's machine by headrace.kernels.native.
+
+   Plain C with OpenMP, no torch headers: Python passes raw pointers, strides and sizes through
+   ctypes. The library is linked against libgomp, which resolves to the copy torch has already
+   loaded, so these kernels and torch's share one thread pool and torch.set_num_threads.
+
+   - paged_attention: causal attention of every query row of a varlen batch over its
+     sequence's K/V, read block by block from the paged cache in place (no gather, no padding).
+     Decode rows (one query) and prefill chunks (many) take the same path.
+   - write_kv_cache: scatter new K/V rows into their cache slots.
+   - argmax_rows: each row's first maximum, rows split among threads.
+
+   Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention computes in float32 whatever the storage
+   dtype (softmax statistics, scores and the weighted sum of V all in float32).
+*/
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* Keys per tile: one AVX-512 vector of float32 scores per query row. */
+#define TILE_KEYS 16
+
+/* ---- dtype conversion ------------------------------------------------------------------- */
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* n elements of a row stored in dtype, widened to float32. */
+static inline void load_row(const void *src, int dtype, float *dst, int n) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
+    } else {
+        const _Float16 *s = (const _Float16 *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (float)s[i];
+    }
+}
+
+/* n float32 values narrowed to dtype (round to nearest even). */
+static inline void store_row(void *dst, int dtype, const float *src, int n) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
+    } else {
+        _Float16 *d = (_Float16 *)dst;
+#pragma omp simd
+        for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
+    }
+}
+
+static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
+
+/* ---- vectors ------------------------------------------------------------------------------ */
+
+/* 16 float32 lanes: one AVX-512 register (the compiler splits it where the CPU is narrower).
+   A key tile is 16 keys, so one tile's scores for one query row are one v16. */
+#define LANES 16
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+/* A v16 loaded from or stored to any float-aligned address. */
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+static const v16i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+static inline v16 splat(float x) { return (v16){0} + x; }
+
+/* Lanes of a where mask is set (all ones), else lanes of b. */
+static inline v16 select_lanes(v16i mask, v16 a, v16 b) {
+    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+static inline float hsum(v16 x) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)x);
+#else
+    float total = 0.0f;
+    for (int i = 0; i < LANES; i++) total += x[i];
+    return total;
+#endif
+}
+
+static inline float hmax(v16 x) {
+#ifdef __AVX512F__
+    return _mm512_reduce_max_ps((__m512)x);
+#else
+    float best = x[0];
+    for (int i = 1; i < LANES; i++) best = x[i] > best ? x[i] : best;
+    return best;
+#endif
+}
+
+/* exp(x) per lane for x <= 0 (softmax arguments; below -87 gives ~1e-38, not 0): Cody-Waite
+   range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf. */
+static inline v16 exp_nonpositive(v16 x) {
+    x = select_lanes(x < -87.0f, splat(-87.0f), x);
+    const v16 round = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    v16 n = (x * 1.44269504088896341f + round) - round;
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16)bits;
+}
+
+/* ---- paged attention ---------------------------------------------------------------------- */
+
+typedef struct {
+    const void *query; /* [T, H, D] rows, strided */
+    int64_t query_stride_token, query_stride_head;
+    const void *kv_cache; /* [num_blocks, 2, block_size, Hkv, D], contiguous */
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const int32_t *query_start_loc; /* [B + 1] */
+    const int32_t *seq_lens;        /* [B] */
+    int num_heads, num_kv_heads, head_dim, block_size, dtype;
+    float scale;
+    void *out; /* [T, H, D] contiguous, dtype */
+    /* head_dim rounded up to whole v16s: every float32 row below is padded with zeros. */
+    int padded_dim;
+    /* Whether K/V rows can be read from the cache as they are (float32, whole v16s). */
+    int direct;
+} Attention;
+
+/* One unit of work: query rows [q_begin, q_end) of sequence seq, for the query heads of one
+   KV head. Rows are (query, head-in-group) pairs: row r is query q_begin + r / group. */
+typedef struct {
+    int seq, q_begin, q_end;
+} Tile;
+
+/* Rows below this many take dot products against each key (decodes: the group's heads);
+   from it on, the key tile is transposed once and shared by all rows (prefill chunks). */
+#define TRANSPOSE_MIN_ROWS 8
+/* Rows scored together against a transposed tile: independent chains keep the FMA units busy. */
+#define ROW_BLOCK 4
+
+/* Scratch of one thread (64-byte aligned, rows padded_dim floats): the tile's scaled queries,
+   accumulators and softmax statistics; the current keys' scores and probabilities; key and
+   value rows widened to float32 (when they cannot be read in place) and keys transposed. */
+typedef struct {
+    float *queries, *acc, *row_max, *row_sum;
+    v16 *scores, *keys_t;
+    float *key_rows, *value_rows;
+    const float *keys[LANES], *values[LANES];
+    /* A row past the last (scores and acc only) that pairs with an odd row out. */
+    int spare_row;
+} Scratch;
+
+static const char *kv_row(const Attention *a, const int32_t *table, int pos, int plane, int kvh) {
+    int64_t block = table[pos / a->block_size];
+    int64_t slot = (block * 2 + plane) * a->block_size + pos % a->block_size;
+    int64_t elem = (slot * a->num_kv_heads + kvh) * a->head_dim;
+    return (const char *)a->kv_cache + elem * (int64_t)dtype_size(a->dtype);
+}
+
+/* Point keys[j] / values[j] at the float32 rows of keys [first, first + count) of one KV head:
+   in the cache itself when direct, else widened (and zero-padded) into the scratch rows. */
+static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int first, int count,
+                          Scratch *s) {
+    const int D = a->head_dim, Dp = a->padded_dim;
+    for (int j = 0; j < count; j++) {
+        const char *k = kv_row(a, table, first + j, 0, kvh), *v = kv_row(a, table, first + j, 1, kvh);
+        if (a->direct) {
+            s->keys[j] = (const float *)k;
+            s->values[j] = (const float *)v;
+        } else {
+            float *kr = s->key_rows + (int64_t)j * Dp, *vr = s->value_rows + (int64_t)j * Dp;
+            load_row(k, a->dtype, kr, D);
+            load_row(v, a->dtype, vr, D);
+            s->keys[j] = kr;
+            s->values[j] = vr;
+        }
+    }
+}
+
+/* scores[r] lane j = q_r . k_j for rows [row0, rows), one dot product per (row, key). */
+static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    const int chunks = a->padded_dim / LANES;
+    for (int r = row0; r < rows; r++) s->scores[r] = splat(0.0f);
+    for (int j = 0; j < count; j++) {
+        const float *k = s->keys[j];
+        for (int r = row0; r < rows; r++) {
+            const float *q = s->queries + (int64_t)r * a->padded_dim;
+            v16 sum = splat(0.0f);
+            for (int c = 0; c < chunks; c++) sum += *(const v16 *)(q + c * LANES) * *(const v16u *)(k + c * LANES);
+            s->scores[r][j] = hsum(sum);
+        }
+    }
+}
+
+/* The same scores from the tile transposed once (keys_t[d] lane j = k_j[d]): rows [row0, rows). */
+static void score_by_transpose(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    const int D = a->head_dim, Dp = a->padded_dim;
+    for (int d = 0; d < D; d++) {
+        v16 column = splat(0.0f);
+        for (int j = 0; j < count; j++) column[j] = s->keys[j][d];
+        s->keys_t[d] = column;
+    }
+    for (int r = row0; r < rows; r += ROW_BLOCK) {
+        const int n = rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK;
+        v16 even[ROW_BLOCK], odd[ROW_BLOCK];
+        for (int i = 0; i < ROW_BLOCK; i++) even[i] = odd[i] = splat(0.0f);
+        int d = 0;
+        for (; d + 1 < D; d += 2) {
+            for (int i = 0; i < ROW_BLOCK; i++) {
+                const float *q = s->queries + (int64_t)(i < n ? r + i : r) * Dp;
+                even[i] += q[d] * s->keys_t[d];
+                odd[i] += q[d + 1] * s->keys_t[d + 1];
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            const float *q = s->queries + (int64_t)(r + i) * Dp;
+            s->scores[r + i] = even[i] + odd[i] + (d < D ? q[d] * s->keys_t[d] : splat(0.0f));
+        }
+    }
+}
+
+/* Fold the tile's scores into row r's online softmax: keys [first, first + count) of which the
+   row sees those up to last_key (its own position). Leaves the row's probabilities in scores. */
+static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int last_key) {
+    int visible = last_key - first + 1;
+    visible = visible < count ? visible : count;
+    const v16i seen = LANE_INDEX < visible;
+    const v16 scores = select_lanes(seen, s->scores[r], splat(-INFINITY));
+    const float old_max = s->row_max[r], tile_max = hmax(scores);
+    const float new_max = tile_max > old_max ? tile_max : old_max;
+    const v16 probs = select_lanes(seen, exp_nonpositive(scores - new_max), splat(0.0f));
+    if (new_max > old_max) {
+        const float correction = old_max == -INFINITY ? 0.0f : exp_nonpositive(splat(old_max - new_max))[0];
+        v16 *acc = (v16 *)(s->acc + (int64_t)r * Dp);
+        for (int c = 0; c < Dp / LANES; c++) acc[c] *= correction;
+        s->row_sum[r] *= correction;
+        s->row_max[r] = new_max;
+    }
+    s->row_sum[r] += hsum(probs);
+    s->scores[r] = probs;
+}
+
+/* acc[c] += sum_j p[j] v_j[c] for chunks [c, c + 4) of rows r0 and r1: eight independent
+   accumulator chains, each value chunk loaded once for both rows. */
+static inline void accumulate_four_chunks(Scratch *s, int Dp, int r0, int r1, int c, int count) {
+    v16 *acc0 = (v16 *)(s->acc + (int64_t)r0 * Dp) + c, *acc1 = (v16 *)(s->acc + (int64_t)r1 * Dp) + c;
+    const v16 p0 = s->scores[r0], p1 = s->scores[r1];
+    v16 a0 = acc0[0], a1 = acc0[1], a2 = acc0[2], a3 = acc0[3];
+    v16 b0 = acc1[0], b1 = acc1[1], b2 = acc1[2], b3 = acc1[3];
+    for (int j = 0; j < count; j++) {
+        const float *v = s->values[j] + c * LANES;
+        const v16 v0 = *(const v16u *)v, v1 = *(const v16u *)(v + LANES);
+        const v16 v2 = *(const v16u *)(v + 2 * LANES), v3 = *(const v16u *)(v + 3 * LANES);
+        a0 += p0[j] * v0, a1 += p0[j] * v1, a2 += p0[j] * v2, a3 += p0[j] * v3;
+        b0 += p1[j] * v0, b1 += p1[j] * v1, b2 += p1[j] * v2, b3 += p1[j] * v3;
+    }
+    acc0[0] = a0, acc0[1] = a1, acc0[2] = a2, acc0[3] = a3;
+    acc1[0] = b0, acc1[1] = b1, acc1[2] = b2, acc1[3] = b3;
+}
+
+/* acc_r += sum_j p_rj v_j for rows [row0, rows), two rows and four v16 chunks at a time. */
+static void accumulate_values(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    const int Dp = a->padded_dim, chunks = Dp / LANES, whole = chunks / 4 * 4;
+    s->scores[s->spare_row] = splat(0.0f);
+    for (int r = row0; r < rows; r += 2) {
+        /* An odd row out pairs with the spare row, whose probabilities are zero. */
+        const int partner = r + 1 < rows ? r + 1 : s->spare_row;
+        for (int c = 0; c < whole; c += 4) accumulate_four_chunks(s, Dp, r, partner, c, count);
+        for (int rr = r; rr <= r + 1 && rr < rows; rr++) {
+            v16 *acc = (v16 *)(s->acc + (int64_t)rr * Dp);
+            for (int j = 0; j < count; j++) {
+                const float p = s->scores[rr][j];
+                for (int c = whole; c < chunks; c++) acc[c] += p * *(const v16u *)(s->values[j] + c * LANES);
+            }
+        }
+    }
+}
+
+static void load_queries(const Attention *a, const Tile *t, int kvh, Scratch *s, int rows) {
+    const int D = a->head_dim, Dp = a->padded_dim, group = a->num_heads / a->num_kv_heads;
+    const int q_first = a->query_start_loc[t->seq];
+    for (int r = 0; r < rows; r++) {
+        int64_t token = q_first + t->q_begin + r / group, head = kvh * group + r % group;
+        const char *src = (const char *)a->query + (token * a->query_stride_token +
+                                                    head * a->query_stride_head) *
+                                                       (int64_t)dtype_size(a->dtype);
+        float *q = s->queries + (int64_t)r * Dp;
+        memset(q, 0, (size_t)Dp * sizeof(float));
+        load_row(src, a->dtype, q, D);
+        for (int d = 0; d < D; d++) q[d] *= a->scale;
+        memset(s->acc + (int64_t)r * Dp, 0, (size_t)Dp * sizeof(float));
+        s->row_max[r] = -INFINITY;
+        s->row_sum[r] = 0.0f;
+    }
+}
+
+static void run_tile(const Attention *a, const Tile *t, int kvh, Scratch *s) {
+    const int Dp = a->padded_dim, group = a->num_heads / a->num_kv_heads;
+    const int q_first = a->query_start_loc[t->seq];
+    const int num_queries = a->query_start_loc[t->seq + 1] - q_first;
+    /* Query i of the sequence sits at position seq_len - num_queries + i. */
+    const int first_pos = a->seq_lens[t->seq] - num_queries;
+    const int rows = (t->q_end - t->q_begin) * group;
+    const int32_t *table = a->block_tables + (int64_t)t->seq * a->block_table_stride;
+    load_queries(a, t, kvh, s, rows);
+    const int num_keys = first_pos + t->q_end; /* the tile's last query sees keys up to itself */
+    for (int first = 0; first < num_keys; first += LANES) {
+        const int count = num_keys - first < LANES ? num_keys - first : LANES;
+        load_key_tile(a, table, kvh, first, count, s);
+        /* Rows ascend in position: skip those that see none of this tile. */
+        int row0 = 0;
+        while (row0 < rows && first_pos + t->q_begin + row0 / group < first) row0++;
+        if (rows - row0 >= TRANSPOSE_MIN_ROWS) {
+            score_by_transpose(a, s, row0, rows, count);
+        } else {
+            score_by_dots(a, s, row0, rows, count);
+        }
+        for (int r = row0; r < rows; r++) {
+            softmax_update(s, r, Dp, first, count, first_pos + t->q_begin + r / group);
+        }
+        accumulate_values(a, s, row0, rows, count);
+    }
+    const int D = a->head_dim, H = a->num_heads;
+    for (int r = 0; r < rows; r++) {
+        int64_t token = q_first + t->q_begin + r / group, head = kvh * group + r % group;
+        float *acc = s->acc + (int64_t)r * Dp;
+        const float inv = 1.0f / s->row_sum[r];
+        for (int d = 0; d < D; d++) acc[d] *= inv;
+        char *dst = (char *)a->out + ((token * H + head) * D) * (int64_t)dtype_size(a->dtype);
+        store_row(dst, a->dtype, acc, D);
+    }
+}
+
+/* Per-thread scratch for up to max_rows rows; NULL if out of memory. */
+static float *alloc_scratch(const Attention *a, int max_rows, Scratch *s) {
+    const size_t Dp = (size_t)a->padded_dim, rows = (size_t)max_rows + 1;
+    s->spare_row = max_rows;
+    const size_t floats = rows * Dp * 2 + rows * 2 + rows * LANES + (size_t)a->head_dim * LANES +
+                          (size_t)LANES * Dp * 2 + 3 * LANES;
+    const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
+    float *buffer = aligned_alloc(64, bytes);
+    if (buffer == NULL) return NULL;
+    memset(buffer, 0, bytes);
+    float *next = buffer;
+    s->queries = next, next += rows * Dp;
+    s->acc = next, next += rows * Dp;
+    s->scores = (v16 *)next, next += rows * LANES;
+    s->keys_t = (v16 *)next, next += (size_t)a->head_dim * LANES;
+    s->key_rows = next, next += (size_t)LANES * Dp;
+    s->value_rows = next, next += (size_t)LANES * Dp;
+    s->row_max = next, next += rows + LANES;
+    s->row_sum = next;
+    return buffer;
+}
+
+/* Attention of the query rows of the sequences seq_ids[0..num_selected) of a varlen batch
+   (rows of other sequences are left alone). Returns 0, or -1 if scratch memory could not be
+   allocated. `query_tile`: queries of one sequence handled together (they share each key
+   tile); decode sequences have one. */
+int headrace_paged_attention(const void *query, int64_t query_stride_token,
+                             int64_t query_stride_head, const void *kv_cache,
+                             const int32_t *block_tables, int64_t block_table_stride,
+                             const int32_t *query_start_loc, const int32_t *seq_lens,
+                             const int32_t *seq_ids, int num_selected, int num_heads,
+                             int num_kv_heads, int head_dim, int block_size, float scale,
+                             int dtype, int query_tile, void *out) {
+    const int padded_dim = (head_dim + LANES - 1) / LANES * LANES;
+    Attention a = {query,        query_stride_token, query_stride_head, kv_cache,
+                   block_tables, block_table_stride, query_start_loc,   seq_lens,
+                   num_heads,    num_kv_heads,       head_dim,          block_size,
+                   dtype,        scale,              out,               padded_dim,
+                   dtype == F32 && head_dim == padded_dim};
+    int num_tiles = 0;
+    for (int k = 0; k < num_selected; k++) {
+        int n = query_start_loc[seq_ids[k] + 1] - query_start_loc[seq_ids[k]];
+        num_tiles += (n + query_tile - 1) / query_tile;
+    }
+    Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
+    if (tiles == NULL) return -1;
+    /* Prefill sequences (last in the batch, the longest work) first, so the dynamic schedule
+       ends with short decode tiles (seq_ids ascend). */
+    int next = 0;
+    for (int k = num_selected - 1; k >= 0; k--) {
+        const int i = seq_ids[k], n = query_start_loc[i + 1] - query_start_loc[i];
+        for (int q = 0; q < n; q += query_tile) {
+            tiles[next].seq = i;
+            tiles[next].q_begin = q;
+            tiles[next].q_end = q + query_tile < n ? q + query_tile : n;
+            next++;
+        }
+    }
+    const int max_rows = query_tile * (num_heads / num_kv_heads);
+    const int64_t num_items = (int64_t)num_tiles * num_kv_heads;
+    int failed = 0;
+#pragma omp parallel if (num_items > 1)
+    {
+        Scratch s = {0};
+        float *buffer = alloc_scratch(&a, max_rows, &s);
+        if (buffer == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (buffer != NULL) run_tile(&a, &tiles[item / num_kv_heads], (int)(item % num_kv_heads), &s);
+        }
+        free(buffer);
+    }
+    free(tiles);
+    return failed ? -1 : 0;
+}
+
+/* ---- KV-cache write ----------------------------------------------------------------------- */
+
+/* Token t's K and V rows ([Hkv, D], strided by head) go to cache slot slot_mapping[t] of
+   planes 0 and 1. The inputs are already in the cache's dtype. */
+void headrace_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_stride_head,
+                             const void *value, int64_t value_stride_token,
+                             int64_t value_stride_head, void *kv_cache,
+                             const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
+                             int head_dim, int block_size, int dtype) {
+    const size_t esize = dtype_size(dtype), row_bytes = (size_t)head_dim * esize;
+#pragma omp parallel for if (num_tokens >= 64)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        int64_t slot = slot_mapping[t];
+        if (slot < 0) continue; /* padding: nothing to write */
+        int64_t block = slot / block_size, offset = slot % block_size;
+        for (int plane = 0; plane < 2; plane++) {
+            const char *src = plane == 0 ? (const char *)key : (const char *)value;
+            int64_t stride_t = plane == 0 ? key_stride_token : value_stride_token;
+            int64_t stride_h = plane == 0 ? key_stride_head : value_stride_head;
+            char *dst = (char *)kv_cache +
+                        (((block * 2 + plane) * block_size + offset) * num_kv_heads) * row_bytes;
+            for (int h = 0; h < num_kv_heads; h++) {
+                memcpy(dst + h * row_bytes, src + (t * stride_t + h * stride_h) * esize, row_bytes);
+            }
+        }
+    }
+}
+
+/* ---- argmax ------------------------------------------------------------------------------- */
+
+/* out[r] = the index of the first maximum of row r (NaN counts as the maximum, as numpy). */
+void headrace_argmax_rows(const float *x, int64_t num_rows, int64_t num_cols, int64_t row_stride,
+                          int64_t *out) {
+#pragma omp parallel for schedule(static) if (num_rows * num_cols >= (1 << 16))
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *row = x + r * row_stride;
+        float best = -INFINITY;
+        int has_nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : has_nan)
+        for (int64_t c = 0; c < num_cols; c++) {
+            best = row[c] > best ? row[c] : best;
+            has_nan |= row[c] != row[c];
+        }
+        int64_t index = 0;
+        for (int64_t c = 0; c < num_cols; c++) {
+            if (has_nan ? row[c] != row[c] : row[c] == best) {
+                index = c;
+                break;
+            }
+        }
+        out[r] = index;
+    }
+}

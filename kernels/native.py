@@ -1,0 +1,129 @@
+"""Builds and loads the C kernels of ``kernels/csrc`` for the CPU backend.
+
+The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
+the CPU it runs on (``-march=native``, OpenMP), into a cache keyed by the source, the compiler,
+the flags and the CPU's model and feature flags, so a second process loads it in
+milliseconds and a different machine never loads a build made for another. Processes that
+build at once (the ranks of a parallel worker) each write a private file and rename it into
+place. It is linked against libgomp, which resolves to the copy torch has loaded: one OpenMP
+pool for torch and these kernels.
+
+No compiler, or a failed build, is not fatal: `load()` returns None with the reason in
+`build_error()`, and the engine keeps the torch reference kernels.
+
+Environment: ``HEADRACE_CACHE`` moves the cache (default ``~/.cache/headrace``);
+``HEADRACE_CC`` names the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno") + (
+    # gcc keeps to 256-bit vectors on x86 unless told; the kernels' tiles are 512 bits.
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+)
+
+_error: str | None = None
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+#: Argument types of each exported function, checked by ctypes on every call.
+_SIGNATURES = {
+    "headrace_paged_attention": (
+        [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P] + [_INT] * 5 + [ctypes.c_float, _INT, _INT, _P],
+        _INT,
+    ),
+    "headrace_write_kv_cache": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64] + [_INT] * 4, None),
+    "headrace_argmax_rows": ([_P, _I64, _I64, _I64, _P], None),
+}
+
+
+def cache_root() -> Path:
+    root = os.environ.get("HEADRACE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "headrace"
+
+
+def compiler() -> str | None:
+    name = os.environ.get("HEADRACE_CC") or os.environ.get("CC") or "cc"
+    return shutil.which(name)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first use; None if it cannot be built."""
+    global _error
+    try:
+        path = _build()
+        library = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _error = str(exc)
+        logger.warning("CPU kernels unavailable, using the torch reference kernels: %s", exc)
+        return None
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
+    return library
+
+
+def build_error() -> str | None:
+    """Why `load()` returned None (after it did)."""
+    return _error
+
+
+def _build() -> Path:
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set HEADRACE_CC or CC, or install gcc)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, _compiler_version(cc), " ".join(FLAGS).encode(), _cpu_identity()):
+        key.update(part)
+    target = cache_root() / "kernels" / key.hexdigest()[:20] / "libheadrace_cpu.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr.strip()}")
+        partial.replace(target)  # atomic: a concurrent builder's file is equal
+    finally:
+        partial.unlink(missing_ok=True)
+    logger.info("built the CPU kernels into %s", target)
+    return target
+
+
+def _compiler_version(cc: str) -> bytes:
+    done = subprocess.run([cc, "--version"], capture_output=True, timeout=60)
+    return done.stdout
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native depends on: the CPU's model name and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine.encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted)).encode()

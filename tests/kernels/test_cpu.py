@@ -1,0 +1,175 @@
+"""The C kernels of the CPU backend equal the torch references: attention read from the paged
+cache in place (decodes, prefills, mixed; GQA; block sizes that do and do not divide the key
+tile; fp32 / bf16 / fp16; strided queries), the KV-cache write bit for bit, and argmax with
+ties and NaN as numpy breaks them. Also: the build is cached, and a machine without a
+compiler falls back to the reference kernels.
+
+Tolerances: fp32 agrees to float rounding (1e-5); bf16 / fp16 attention is compared with the
+float32 reference over the same rounded inputs, and the kernel rounds its output once (2e-2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from headrace.kernels import cpu_ops, native, reference, select_kernels
+
+from tests.kernels.paged import build_paged_batch, contiguous_attention
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.available(), reason=f"no C compiler here: {native.build_error()}"
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+HEADS = [(4, 4), (9, 3), (8, 1)]
+
+
+def mixed_seqs(block_size: int) -> tuple[list[tuple[int, int]], int]:
+    """(context after the step, new tokens), decodes first: a 1-token context, block edges,
+    a long context; prefills fresh, continuing a prefix, and longer than a query tile."""
+    decodes = [(1, 1), (block_size, 1), (2 * block_size + 3, 1), (300, 1)]
+    prefills = [(block_size, block_size), (37, 5), (3 * block_size, block_size + 1), (130, 40)]
+    return decodes + prefills, len(decodes)
+
+
+def wide(batch):
+    return type(batch)(
+        batch.query.float(),
+        batch.kv_cache.float(),
+        batch.metadata,
+        batch.keys,
+        batch.values,
+        batch.seqs,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
+@pytest.mark.parametrize("block_size", [16, 5, 32])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_paged_attention_equals_reference(head_dim, block_size, num_heads, num_kv_heads, dtype):
+    torch.manual_seed(head_dim + block_size + num_heads)
+    seqs, num_decode = mixed_seqs(block_size)
+    batch = build_paged_batch(
+        seqs, num_decode, block_size, num_heads, num_kv_heads, head_dim, dtype
+    )
+    expected_batch = wide(batch)
+    expected = reference.paged_attention(
+        expected_batch.query, expected_batch.kv_cache, batch.metadata, batch.scale
+    )
+    out = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "seqs,num_decode", [([(5, 1), (64, 1), (700, 1)], 3), ([(70, 70), (9, 3)], 0)]
+)
+def test_decode_only_and_prefill_only_against_contiguous_sdpa(seqs, num_decode):
+    torch.manual_seed(1)
+    batch = build_paged_batch(seqs, num_decode, 16, 6, 2, 64, torch.float32)
+    out = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    for i, (_, num_new) in enumerate(seqs):
+        start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+        want = contiguous_attention(batch.queries(i), batch.keys[i], batch.values[i], num_new)
+        torch.testing.assert_close(out[start:end], want, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_query_view_of_a_fused_projection():
+    """The model passes q as a view of the fused qkv output: a token stride wider than H * D."""
+    torch.manual_seed(2)
+    seqs, num_decode = mixed_seqs(16)
+    batch = build_paged_batch(seqs, num_decode, 16, 6, 2, 64, torch.float32)
+    fused = torch.randn(batch.query.shape[0], 10, 64)
+    fused[:, 2:8] = batch.query
+    strided = fused[:, 2:8]
+    assert not strided.is_contiguous()
+    want = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    got = cpu_ops.paged_attention(strided, batch.kv_cache, batch.metadata, batch.scale)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(1, 64), (3, 64), (8, 128)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_write_kv_cache_equals_reference(block_size, num_kv_heads, head_dim, dtype):
+    torch.manual_seed(3)
+    num_tokens, num_blocks = 97, 24
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_dim).to(dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    want = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim).to(dtype)
+    got = want.clone()
+    reference.write_kv_cache(key, value, want, slots)
+    cpu_ops.write_kv_cache(key, value, got, slots)
+    assert torch.equal(got, want)  # a copy: bit-exact, untouched slots too
+
+
+def test_write_kv_cache_converts_to_the_cache_dtype():
+    torch.manual_seed(4)
+    key, value = torch.randn(2, 7, 2, 16).unbind(0)
+    want = torch.zeros(4, 2, 4, 2, 16, dtype=torch.bfloat16)
+    got = want.clone()
+    slots = torch.tensor([0, 3, 5, 6, 9, 12, 15])
+    reference.write_kv_cache(key, value, want, slots)
+    cpu_ops.write_kv_cache(key, value, got, slots)
+    assert torch.equal(got, want)
+
+
+def test_argmax_equals_numpy_with_ties_and_nan():
+    torch.manual_seed(5)
+    x = torch.randn(37, 5003)
+    x[3, 10] = x[3, 4000] = 100.0  # a tie: the first wins
+    x[7, :] = -torch.inf
+    x[9, 50] = torch.nan  # NaN wins, as in numpy
+    x[11, 7] = torch.inf
+    want = np.argmax(x.numpy(), axis=-1)
+    assert cpu_ops.argmax(x).tolist() == want.tolist()
+    # A strided view of rows (logits of some rows of a bigger batch).
+    assert cpu_ops.argmax(x[::2]).tolist() == want[::2].tolist()
+
+
+def test_the_build_is_cached_and_keyed(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADRACE_CACHE", str(tmp_path))
+    first = native._build()
+    assert first.is_relative_to(tmp_path) and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert native._build() == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DHEADRACE_OTHER"))
+    assert native._build() != first  # other flags: another build
+
+
+def test_no_compiler_falls_back_to_the_reference(monkeypatch):
+    monkeypatch.setenv("HEADRACE_CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        assert "no C compiler" in (native.build_error() or "")
+        assert select_kernels("auto", torch.device("cpu")).NAME == "reference"
+        with pytest.raises(ValueError, match="no C compiler"):
+            select_kernels("cpu", torch.device("cpu"))
+    finally:
+        native.load.cache_clear()  # the next load (with the environment restored) rebuilds
+
+
+def test_auto_picks_the_c_kernels_on_the_cpu():
+    assert select_kernels("auto", torch.device("cpu")).NAME == "cpu"
+    assert select_kernels("cpu", torch.device("cpu")) is cpu_ops
+    with pytest.raises(ValueError, match="run on the CPU"):
+        select_kernels("cpu", torch.device("meta"))
+
+
+def test_long_prefill_chunks_mixed_with_kernel_rows():
+    """Chunks longer than LONG_PREFILL go to torch's flash attention, the rest to the kernel:
+    one batch mixing both still equals the reference row for row."""
+    torch.manual_seed(6)
+    long = cpu_ops.LONG_PREFILL + 9
+    seqs = [(40, 1), (3, 1), (long + 20, long), (50, 7), (long, long)]
+    batch = build_paged_batch(seqs, 2, 16, 6, 2, 64, torch.float32)
+    expected = reference.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    got = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
