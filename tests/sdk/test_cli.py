@@ -112,3 +112,11 @@ def test_dtype_takes_the_usual_spellings(spelling: str) -> None:
     from headrace.worker.config import EngineConfig
 
     assert EngineConfig(model="unused", dtype=spelling).dtype == spelling
+
+
+@pytest.mark.parametrize("name", ["worker", "bench engine"])
+def test_attention_backend_choices_are_the_kernel_backends(name: str) -> None:
+    from headrace.kernels import BACKEND_NAMES
+
+    (action,) = [a for a in _commands()[name]._actions if a.dest == "attention_backend"]
+    assert tuple(action.choices) == BACKEND_NAMES

@@ -14,7 +14,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headrace.kernels.backend import BACKEND_NAMES
 from headrace.sdk.cli_help import HelpFormatter
 from headrace.worker.models.store import DEFAULT_MODEL
 
@@ -94,7 +93,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--baseline", choices=["none", "hf"], default="none", help="also run transformers")
     add(
         "--attention-backend",
-        choices=list(BACKEND_NAMES),
+        choices=["auto", "triton", "cpu", "reference"],  # kernels.BACKEND_NAMES (no torch here)
         default="auto",
         help="kernels: auto = Triton on CUDA, the C kernels on CPU; reference = plain torch",
     )
