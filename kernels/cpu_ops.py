@@ -19,7 +19,15 @@ from headrace.kernels.reference import apply_rotary, extend, rms_norm
 
 NAME = "cpu"
 
-__all__ = ["NAME", "apply_rotary", "argmax", "paged_attention", "rms_norm", "write_kv_cache"]
+__all__ = [
+    "NAME",
+    "apply_rotary",
+    "argmax",
+    "paged_attention",
+    "rms_norm",
+    "sample_rows",
+    "write_kv_cache",
+]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Queries of one prefill sequence that share each key tile (rows per work item, per KV head).
@@ -146,6 +154,36 @@ def argmax(x: torch.Tensor) -> torch.Tensor:  # [N, V] float32 -> [N] int64
         x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _library().headrace_argmax_rows(_ptr(x), x.shape[0], x.shape[1], x.stride(0), _ptr(out))
+    return out
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [S, V] float32, rows with unit stride
+    temperature: torch.Tensor,  # [S] float32, > 0
+    top_p_floor: torch.Tensor,  # [S] float32: 1 - top_p (<= 0: no top-p)
+    min_p: torch.Tensor,  # [S] float32
+    keys: torch.Tensor,  # [S, 2] int64: (odd multiplier, offset) of each row's uniforms
+    max_attempts: int,
+) -> torch.Tensor:  # [S] int64
+    """One draw per row from softmax(logits / T) truncated by min-p and top-p, by inverse CDF
+    with a top-p rejection test (see `headrace.worker.sampling.draw`); -1 for a row whose
+    max_attempts draws all fell outside its top-p set."""
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu", logits
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    columns = [t.to(torch.float32).contiguous() for t in (temperature, top_p_floor, min_p)]
+    keys = keys.to(torch.int64).contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _library().headrace_sample_rows(
+        _ptr(logits),
+        logits.shape[0],
+        logits.shape[1],
+        logits.stride(0),
+        *(_ptr(c) for c in columns),
+        _ptr(keys),
+        max_attempts,
+        _ptr(out),
+    )
     return out
 
 

@@ -9,6 +9,8 @@
      Decode rows (one query) and prefill chunks (many) take the same path.
    - write_kv_cache: scatter new K/V rows into their cache slots.
    - argmax_rows: each row's first maximum, rows split among threads.
+   - sample_rows: one seeded draw per row from softmax(logits / T), truncated by min-p and
+     top-p, by inverse-CDF sampling with a counter-based uniform and a top-p rejection test.
 
    Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention computes in float32 whatever the storage
    dtype (softmax statistics, scores and the weighted sum of V all in float32).
@@ -489,5 +491,163 @@ void headrace_argmax_rows(const float *x, int64_t num_rows, int64_t num_cols, in
             }
         }
         out[r] = index;
+    }
+}
+
+/* ---- sampling ----------------------------------------------------------------------------- */
+
+/* The counter-based uniform of draw `attempt` of a row keyed (multiplier, offset): the same
+   Weyl-sequence-and-xorshift-multiply hash headrace.worker.sampling.draw computes in torch. */
+static inline double key_uniform(const int64_t *key, int64_t attempt) {
+    uint32_t h = (uint32_t)((uint64_t)attempt * (uint64_t)key[0] + (uint64_t)key[1]);
+    h ^= h >> 16;
+    h *= 0x21F0AAADu;
+    h ^= h >> 15;
+    h *= 0x735A2D97u;
+    h ^= h >> 15;
+    return ((double)h + 0.5) * (1.0 / 4294967296.0);
+}
+
+/* Elements per first-level block of the CDF (one v16) and per second-level block. */
+#define SMALL_BLOCK LANES
+#define LARGE_BLOCK (LANES * LANES)
+
+typedef struct {
+    float *scaled;  /* [V] logits / T (NaN as -inf) */
+    float *weights; /* [V] exp(scaled - max): 0 for -inf */
+    double *small;  /* [V / 16] sums of the weights min-p keeps, per small block */
+    double *large;  /* [V / 256] the same per large block */
+    float min_p;
+} SampleScratch;
+
+/* 16 floats from [first, first + 16), missing lanes as fill. */
+static inline v16 load_block(const float *row, int64_t first, int64_t vocab, float fill) {
+    if (first + LANES <= vocab) return *(const v16u *)(row + first);
+    v16 out = splat(fill);
+    for (int64_t i = first; i < vocab; i++) out[i - first] = row[i];
+    return out;
+}
+
+/* Scale the row and weigh it; sum the weights of all tokens (for top-p) and, by small and
+   large block, of those min-p keeps (for the inverse CDF). Returns the row's max. */
+static float weigh_row(const float *logits, int64_t vocab, float temperature, SampleScratch *s,
+                       double *kept_total, double *all_total) {
+    const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
+    v16 best_lanes = splat(-INFINITY);
+    for (int64_t b = 0; b < num_small; b++) {
+        v16 x = load_block(logits, b * SMALL_BLOCK, vocab, -INFINITY) / temperature;
+        x = select_lanes(x == x, x, splat(-INFINITY)); /* a NaN logit can never be drawn */
+        *(v16 *)(s->scaled + b * SMALL_BLOCK) = x;
+        best_lanes = select_lanes(x > best_lanes, x, best_lanes);
+    }
+    const float best = hmax(best_lanes);
+    double all = 0.0, kept = 0.0, large = 0.0;
+    for (int64_t b = 0; b < num_small; b++) {
+        const v16 x = *(const v16 *)(s->scaled + b * SMALL_BLOCK);
+        const v16 w = select_lanes(x == -INFINITY, splat(0.0f), exp_nonpositive(x - best));
+        *(v16 *)(s->weights + b * SMALL_BLOCK) = w;
+        const float block_kept = hsum(select_lanes(w < s->min_p, splat(0.0f), w));
+        all += hsum(w);
+        s->small[b] = block_kept;
+        kept += block_kept;
+        large += block_kept;
+        if (b % LANES == LANES - 1 || b == num_small - 1) {
+            s->large[b / LANES] = large;
+            large = 0.0;
+        }
+    }
+    *kept_total = kept;
+    *all_total = all;
+    return best;
+}
+
+/* The token where the cumulative kept weight (in vocab order, summed by large block, small
+   block, then element) first exceeds target. */
+static int64_t inverse_cdf(const SampleScratch *s, int64_t vocab, double target) {
+    const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
+    const int64_t num_large = (num_small + LANES - 1) / LANES;
+    double before = 0.0;
+    int64_t large = 0;
+    while (large < num_large - 1 && before + s->large[large] <= target) before += s->large[large++];
+    int64_t small = large * LANES, small_end = small + LANES < num_small ? small + LANES : num_small;
+    while (small < small_end - 1 && before + s->small[small] <= target) before += s->small[small++];
+    int64_t last = -1;
+    for (int64_t i = small * SMALL_BLOCK; i < (small + 1) * SMALL_BLOCK && i < vocab; i++) {
+        const float w = s->weights[i] < s->min_p ? 0.0f : s->weights[i];
+        if (w > 0.0f) {
+            last = i;
+            before += w;
+            if (before > target) return i;
+        }
+    }
+    if (last >= 0) return last; /* rounding left the target just past this block's end */
+    for (int64_t i = vocab - 1; i >= 0; i--) {
+        if (s->weights[i] >= s->min_p && s->weights[i] > 0.0f) return i;
+    }
+    return 0;
+}
+
+/* Whether top-p keeps token j: the probability of the tokens no more likely than it exceeds
+   floor = 1 - top_p (HF's rule: drop the ascending prefix whose cumulative probability is
+   <= 1 - top_p, never the most likely token). */
+static int top_p_keeps(const SampleScratch *s, int64_t vocab, int64_t j, float best,
+                       double all_total, float floor) {
+    const float x = s->scaled[j];
+    if (floor <= 0.0f || x == best) return 1;
+    double mass = 0.0;
+    const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
+    for (int64_t b = 0; b < num_small; b += LANES) {
+        v16 block = splat(0.0f);
+        for (int64_t k = b; k < b + LANES && k < num_small; k++) {
+            const v16 scaled = *(const v16 *)(s->scaled + k * SMALL_BLOCK);
+            const v16 w = *(const v16 *)(s->weights + k * SMALL_BLOCK);
+            block += select_lanes(scaled <= x, w, splat(0.0f));
+        }
+        mass += hsum(block);
+    }
+    return (float)(mass / all_total) > floor;
+}
+
+/* One token per row: out[r] = the draw, or -1 if max_attempts draws were all outside the
+   top-p set (the caller then draws exactly from the sorted distribution). keys [rows, 2]. */
+void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
+                          const float *temperature, const float *top_p_floor, const float *min_p,
+                          const int64_t *keys, int max_attempts, int64_t *out) {
+#pragma omp parallel if (num_rows > 1)
+    {
+        /* Rows padded to whole v16s: the pad lanes are -inf (weight 0). */
+        const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
+        const size_t padded = (size_t)num_small * SMALL_BLOCK * sizeof(float);
+        SampleScratch s;
+        s.scaled = aligned_alloc(64, padded);
+        s.weights = aligned_alloc(64, padded);
+        s.small = malloc((size_t)num_small * sizeof(double));
+        s.large = malloc((size_t)(num_small / LANES + 1) * sizeof(double));
+        const int ok = s.scaled && s.weights && s.small && s.large;
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < num_rows; r++) {
+            out[r] = -1;
+            if (!ok) continue;
+            double kept_total, all_total;
+            s.min_p = min_p[r];
+            const float best = weigh_row(logits + r * row_stride, vocab, temperature[r], &s,
+                                         &kept_total, &all_total);
+            if (best == -INFINITY) { /* every token removed (bans): nothing to weigh */
+                out[r] = 0;
+                continue;
+            }
+            for (int attempt = 0; attempt < max_attempts; attempt++) {
+                const double target = key_uniform(keys + 2 * r, attempt) * kept_total;
+                const int64_t j = inverse_cdf(&s, vocab, target);
+                if (top_p_keeps(&s, vocab, j, best, all_total, top_p_floor[r])) {
+                    out[r] = j;
+                    break;
+                }
+            }
+        }
+        free(s.scaled);
+        free(s.weights);
+        free(s.small);
+        free(s.large);
     }
 }

@@ -4,23 +4,25 @@ Stages, in the order HF and vLLM apply them, each run on the rows that need it o
   1. history processors: repetition penalty (prompt + output), presence / frequency penalties
      (output), no_repeat_ngram_size bans, min_tokens bans on the stop token ids;
   2. greedy rows (temperature 0) take the argmax;
-  3. sampling rows: temperature, top-k, top-p, min-p, then a Gumbel-max draw.
+  3. sampling rows: temperature, top-k, top-p, min-p, drawn by inverse CDF with a top-p
+     rejection test (`headrace.worker.sampling.draw`: no sort, no noise per vocabulary entry).
 Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import math
 from dataclasses import dataclass, field
 
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.outputs import TokenLogprob
-from headrace.worker.sampling.gumbel import gumbel_argmax, seeded_key
+from headrace.worker.sampling.draw import draw, seeded_key
 from headrace.worker.sampling.logprobs import token_logprobs
 from headrace.worker.sampling.ops import argmax, column, select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
-from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top_p
+from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top_p, top_p_floor
 from headrace.worker.sequence import Sequence
 
 
@@ -35,9 +37,8 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, vocab_size: int, seed: int = 0) -> None:
         self.vocab_size = vocab_size
-        # Draws the noise keys of rows with no seed of their own (one batched call per step).
+        # Draws the keys of rows with no seed of their own (one batched call per step).
         self._generator = torch.Generator().manual_seed(seed)
-        self._vocab_ids: dict[torch.device, torch.Tensor] = {}
 
     def __call__(
         self, logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]
@@ -48,15 +49,38 @@ class Sampler:
         if plan.is_plain_greedy:
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))
         logits = logits.float()
-        processed, warped = _process(logits, seqs, plan)
+        processed = _apply_history(logits, seqs, plan)
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         if plan.greedy_rows:
             token_ids[plan.greedy_rows] = argmax(select_rows(processed, plan.greedy_rows))
-        if warped is not None:
-            keys = self._noise_keys([seqs[i] for i in plan.sample_rows]).to(logits.device)
-            token_ids[plan.sample_rows] = gumbel_argmax(warped, keys, self._all_token_ids(warped))
+        if plan.sample_rows:
+            token_ids[plan.sample_rows] = self._draw(processed, seqs, plan, processed is logits)
         logprobs = token_logprobs(logits, token_ids, seqs, plan.logprob_rows)
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def _draw(
+        self,
+        processed: torch.Tensor,
+        seqs: collections.abc.Sequence[Sequence],
+        plan: _Plan,
+        shared: bool,
+    ) -> torch.Tensor:
+        """The sampling rows' tokens. ``shared``: processed is the raw logits (not to write)."""
+        configs = [seqs[row].config for row in plan.sample_rows]
+        device = processed.device
+        x = select_rows(processed, plan.sample_rows)
+        if any(0 < c.top_k < self.vocab_size for c in configs):
+            if shared and x is processed:
+                x = x.clone()
+            _mask_top_k(x, configs)
+        keys = self._noise_keys([seqs[i] for i in plan.sample_rows]).to(device)
+        return draw(
+            x,
+            column([c.temperature for c in configs], device).view(-1),
+            top_p_floor(configs, device).view(-1),
+            column([c.min_p for c in configs], device).view(-1),
+            keys,
+        )
 
     def _noise_keys(self, seqs: list[Sequence]) -> torch.Tensor:
         """[S, 2] int64 noise key per row: an odd multiplier and an offset, both < 2**32.
@@ -75,14 +99,6 @@ class Sampler:
         keys_tensor = torch.tensor(keys, dtype=torch.long).view(len(seqs), 2)
         keys_tensor[:, 0] |= 1
         return keys_tensor
-
-    def _all_token_ids(self, like: torch.Tensor) -> torch.Tensor:
-        """arange(V) on like's device, kept across steps."""
-        ids = self._vocab_ids.get(like.device)
-        if ids is None:
-            ids = torch.arange(like.shape[1], dtype=torch.long, device=like.device)
-            self._vocab_ids[like.device] = ids
-        return ids
 
 
 def process_logits(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
@@ -145,18 +161,34 @@ def _has_penalty(config: GenerationConfig) -> bool:
     )
 
 
+def _apply_history(
+    logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence], plan: _Plan
+) -> torch.Tensor:
+    """The logits after penalties and bans: a copy where any apply, else logits itself."""
+    if not plan.needs_history:
+        return logits
+    processed = logits.clone(memory_format=torch.contiguous_format)
+    apply_penalties(processed, seqs, plan.penalty_rows)
+    apply_bans(processed, seqs, plan.ngram_rows, plan.min_tokens_rows)
+    return processed
+
+
+def _mask_top_k(x: torch.Tensor, configs: list[GenerationConfig]) -> None:
+    """Set to -inf, in place, what top-k removes from x / temperature (HF warps the scaled
+    logits; masking the unscaled ones where the scaled are removed keeps its tie rule)."""
+    rows = [i for i, c in enumerate(configs) if 0 < c.top_k < x.shape[1]]
+    top_k_configs = [configs[i] for i in rows]
+    scaled = x[rows] / column([c.temperature for c in top_k_configs], x.device)
+    apply_top_k(scaled, top_k_configs)
+    x[rows] = x[rows].masked_fill_(scaled == -math.inf, -math.inf)
+
+
 def _process(
     logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence], plan: _Plan
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(history-processed logits [B, V], warped logits of the sampling rows [S, V] or None).
-
-    logits itself is never written: it is what logprobs are computed from.
-    """
-    processed = logits
-    if plan.needs_history:
-        processed = logits.clone(memory_format=torch.contiguous_format)
-        apply_penalties(processed, seqs, plan.penalty_rows)
-        apply_bans(processed, seqs, plan.ngram_rows, plan.min_tokens_rows)
+    """(history-processed logits [B, V], warped logits of the sampling rows [S, V] or None),
+    for `process_logits`. logits itself is never written."""
+    processed = _apply_history(logits, seqs, plan)
     if not plan.sample_rows:
         return processed, None
     configs = [seqs[row].config for row in plan.sample_rows]

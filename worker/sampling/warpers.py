@@ -29,26 +29,31 @@ def apply_top_k(x: torch.Tensor, configs: list[GenerationConfig]) -> None:
 
 
 def apply_top_p(x: torch.Tensor, configs: list[GenerationConfig]) -> None:
-    """Keep the smallest set of most likely tokens whose probability reaches top_p.
+    """Keep the smallest set of most likely tokens whose probability reaches top_p."""
+    rows = [i for i, c in enumerate(configs) if c.top_p < 1.0]
+    if not rows:
+        return
+    floor = top_p_floor([configs[i] for i in rows], x.device)
+    _mask_rows(x, rows, lambda scores: top_p_removed(scores, floor))
+
+
+def top_p_floor(configs: list[GenerationConfig], device: torch.device) -> torch.Tensor:
+    """[N, 1] float32 1 - top_p per row: in double, then float32, as HF compares it."""
+    return column([1.0 - c.top_p for c in configs], device)
+
+
+def top_p_removed(scores: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Where top-p removes a token of scores [N, V], given floor = 1 - top_p [N, 1].
 
     HF's rule (drop the ascending prefix whose cumulative probability is <= 1 - top_p, never
     the last), with the prefix found by count and applied as a logit threshold, so only
     the values are sorted: the same tokens unless logits tie at the cut.
     """
-    rows = [i for i, c in enumerate(configs) if c.top_p < 1.0]
-    if not rows:
-        return
-    # 1 - top_p in double, then float32, as HF compares it.
-    floor = column([1.0 - configs[i].top_p for i in rows], x.device)
-
-    def removed(scores: torch.Tensor) -> torch.Tensor:
-        ascending = _sorted_values(scores)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        num_removed = (cumulative <= floor).sum(dim=-1, keepdim=True)
-        num_removed.clamp_(max=scores.shape[1] - 1)  # the most likely token always stays
-        return scores < ascending.gather(1, num_removed)
-
-    _mask_rows(x, rows, removed)
+    ascending = _sorted_values(scores)
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+    num_removed = (cumulative <= floor).sum(dim=-1, keepdim=True)
+    num_removed.clamp_(max=scores.shape[1] - 1)  # the most likely token always stays
+    return scores < ascending.gather(1, num_removed)
 
 
 def _sorted_values(x: torch.Tensor) -> torch.Tensor:

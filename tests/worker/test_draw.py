@@ -1,0 +1,139 @@
+"""The inverse-CDF draw with its top-p rejection test (headrace.worker.sampling.draw).
+
+- The seeded stream is pinned against a plain-Python implementation of the documented
+  algorithm (integer hash, float64 sums, a linear CDF walk): same seeds, same tokens.
+- The C kernel and the torch twin give the same tokens; the exact (sorting) fallback gives
+  the same distribution.
+- Every drawn token is one HF's top-k / top-p / min-p rules keep, and draws are spread like
+  the truncated softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from headrace.kernels import cpu_ops
+from headrace.worker.sampling import draw as draw_module
+from headrace.worker.sampling.draw import draw, draw_torch, seeded_key
+from headrace.worker.sampling.warpers import top_p_removed
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler here")
+
+
+def python_uniform(key: tuple[int, int], attempt: int) -> float:
+    h = (attempt * key[0] + key[1]) & 0xFFFFFFFF
+    for shift, factor in ((16, 0x21F0AAAD), (15, 0x735A2D97)):
+        h = ((h ^ (h >> shift)) * factor) & 0xFFFFFFFF
+    h ^= h >> 15
+    return (h + 0.5) / 2**32
+
+
+def python_draw(
+    logits: list[float], temperature: float, top_p: float, min_p: float, key: tuple[int, int]
+) -> int:
+    """The algorithm as the design note states it, one token at a time in Python floats."""
+    scaled = [x / temperature for x in logits]
+    best = max(scaled)
+    weights = [math.exp(x - best) for x in scaled]
+    total = sum(weights)
+    kept = [w if w >= min_p else 0.0 for w in weights]
+    for attempt in range(draw_module.MAX_ATTEMPTS):
+        token = first_crossing(kept, python_uniform(key, attempt) * sum(kept))
+        mass = sum(w for x, w in zip(scaled, weights, strict=True) if x <= scaled[token]) / total
+        if mass > 1.0 - top_p or scaled[token] == best:
+            return token
+    raise AssertionError("no draw accepted; pick a case that does not need the fallback")
+
+
+def first_crossing(weights: list[float], target: float) -> int:
+    cumulative = 0.0
+    for token, w in enumerate(weights):
+        cumulative += w
+        if w > 0 and cumulative > target:
+            return token
+    raise AssertionError("the target is past the total")
+
+
+def key_tensor(keys: list[tuple[int, int]]) -> torch.Tensor:
+    out = torch.tensor(keys, dtype=torch.long)
+    out[:, 0] |= 1
+    return out
+
+
+def draw_rows(logits, temperature, top_p, min_p, keys, fn=draw):
+    rows = logits.shape[0]
+    column = lambda v: torch.full((rows,), v, dtype=torch.float32)  # noqa: E731
+    floor = torch.full((rows,), 1.0 - top_p, dtype=torch.float32)
+    return fn(logits, column(temperature), floor, column(min_p), keys).tolist()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "min_p"), [(1.0, 1.0, 0.0), (0.7, 0.9, 0.0), (1.3, 0.6, 0.05)]
+)
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+def test_the_seeded_stream_is_the_documented_algorithm(
+    use_kernel, temperature, top_p, min_p, monkeypatch
+):
+    if use_kernel and not cpu_ops.available():
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(cpu_ops, "available", lambda: use_kernel)
+    gen = torch.Generator().manual_seed(21)
+    logits = torch.randn(40, 300, generator=gen) * 2
+    keys = [seeded_key(seed, position=seed + 7) for seed in range(40)]
+    keys = [(m | 1, o) for m, o in keys]
+    got = draw_rows(logits, temperature, top_p, min_p, key_tensor(keys))
+    want = [
+        python_draw(row.tolist(), temperature, top_p, min_p, key)
+        for row, key in zip(logits, keys, strict=True)
+    ]
+    assert got == want
+
+
+@needs_kernels
+def test_kernel_and_torch_twin_agree_on_a_large_vocabulary():
+    gen = torch.Generator().manual_seed(22)
+    logits = torch.randn(64, 49152, generator=gen) * 3
+    logits[5, 1000:] = -math.inf  # a row most of whose vocabulary top-k removed
+    keys = key_tensor(torch.randint(0, 1 << 32, (64, 2), generator=gen).tolist())
+    for temperature, top_p, min_p in ((0.8, 0.9, 0.0), (1.0, 1.0, 0.1), (0.5, 0.3, 0.0)):
+        kernel = draw_rows(logits, temperature, top_p, min_p, keys)
+        twin = draw_rows(logits, temperature, top_p, min_p, keys, fn=draw_torch)
+        assert kernel == twin
+
+
+def test_every_draw_is_a_token_top_p_keeps():
+    """Against the sort-based rule on rows with ties and a low top_p (many rejections)."""
+    gen = torch.Generator().manual_seed(23)
+    logits = torch.randint(-3, 4, (200, 40), generator=gen).float()  # many ties
+    keys = key_tensor(torch.randint(0, 1 << 32, (200, 2), generator=gen).tolist())
+    for top_p in (0.2, 0.5, 0.95):
+        tokens = torch.tensor(draw_rows(logits, 1.0, top_p, 0.0, keys))
+        floor = torch.full((200, 1), 1.0 - top_p)
+        removed = top_p_removed(logits, floor)
+        assert not removed.gather(1, tokens.view(-1, 1)).any()
+
+
+def test_rows_that_keep_rejecting_fall_back_to_an_exact_draw(monkeypatch):
+    """With no attempts allowed every row takes the sorting fallback; its draws keep to the
+    top-p set and are spread like the truncated softmax."""
+    monkeypatch.setattr(draw_module, "MAX_ATTEMPTS", 0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, -3.0])
+    num_draws = 20_000
+    keys = key_tensor([seeded_key(i, 3) for i in range(num_draws)])
+    tokens = draw_rows(logits.expand(num_draws, 8).contiguous(), 1.0, 0.7, 0.0, keys)
+    probs = logits.softmax(-1)
+    kept = ~top_p_removed(logits.view(1, -1), torch.tensor([[0.3]])).view(-1)
+    expected = torch.where(kept, probs, 0.0)
+    expected = (expected / expected.sum()).double()
+    frequencies = torch.bincount(torch.tensor(tokens), minlength=8).double() / num_draws
+    tolerance = 5 * (expected * (1 - expected) / num_draws).sqrt() + 1e-9
+    assert ((frequencies - expected).abs() <= tolerance).all()
+
+
+def test_a_row_with_every_token_removed_draws_token_zero():
+    logits = torch.full((2, 5), -math.inf)
+    keys = key_tensor([(3, 4), (5, 6)])
+    assert draw_rows(logits, 1.0, 0.9, 0.0, keys) == [0, 0]
+    assert draw_rows(logits, 1.0, 0.9, 0.0, keys, fn=draw_torch) == [0, 0]
