@@ -113,10 +113,23 @@ class WorkerLink:
         return self.healthy and self.report is not None and not self.report.draining
 
     def has_room(self, request: RoutedRequest) -> bool:
-        if not self.accepting or self.num_inflight >= self.config.max_inflight_per_worker:
+        """Whether the request may go here now: accepting, under the in-flight cap, and KV
+        room by the estimates. Over the cap (up to twice it) a request still goes where
+        something of lower priority is in flight: the worker serves it first (preempting at
+        its own sequence cap), so holding it back here would only delay it."""
+        if not self.accepting:
+            return False
+        cap = self.config.max_inflight_per_worker
+        if self.num_inflight >= cap and not (
+            self.num_inflight < 2 * cap and self._outranks_one_in_flight(request)
+        ):
             return False
         assert self.report is not None
         return self.free_kv_blocks >= self._blocks_for(request) or not self.inflight
+
+    def _outranks_one_in_flight(self, request: RoutedRequest) -> bool:
+        priority = request.parsed.priority
+        return priority > min((r.parsed.priority for r in self.inflight.values()), default=priority)
 
     def _blocks_for(self, request: RoutedRequest) -> int:
         """KV blocks the request may take here: its estimate, but never more than one

@@ -128,6 +128,47 @@ def test_high_priority_overtakes_queued_low_priority(
     assert all(first_token["high"] < first_token[low] for low in queued), first_token
 
 
+def test_high_priority_starts_at_once_when_the_worker_is_at_its_sequence_cap(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The worker runs two sequences at most and the router gives it two (as the router's
+    docs advise); two long low-priority streams run, four wait. A high-priority request
+    then passes the router's cap and preempts a running low one at the worker: it finishes
+    before either of the two that were running (each needs 400 tokens), and starts before
+    every waiting one. Without preemption at the cap it waited for a running one to end."""
+    long = GenerationConfig(max_tokens=400, temperature=0.0, ignore_eos=True)
+    short = GenerationConfig(max_tokens=8, temperature=0.0, ignore_eos=True)
+    events: list[tuple[str, str]] = []  # (what, request) in the order the client saw them
+
+    async def run(target: str) -> set[str]:
+        async with AsyncClient(target) as client:
+
+            async def one(name: str, priority: int, config: GenerationConfig) -> None:
+                async for chunk in client.stream(f"{name} story", config, priority=priority):
+                    if chunk.token_ids and ("first", name) not in events:
+                        events.append(("first", name))
+                events.append(("done", name))
+
+            lows = [asyncio.create_task(one(f"low{i}", 0, long)) for i in range(6)]
+            while len(events) < 2:  # two lows running, four waiting
+                await asyncio.sleep(0.005)
+            running = {name for _, name in events}
+            await asyncio.gather(one("high", 10, short), *lows)
+        return running
+
+    with (
+        _worker(tiny_model, tmp_path, "capped", "--max-num-seqs", "2") as worker,
+        _router([worker], tmp_path, "--max-inflight-per-worker", "2") as router,
+    ):
+        running = asyncio.run(run(router.target))
+        wait_all_blocks_free(worker.target)
+    assert len(running) == 2
+    order = events.index
+    assert all(order(("done", "high")) < order(("done", low)) for low in running), events
+    waiting = {f"low{i}" for i in range(6)} - running
+    assert all(order(("first", "high")) < order(("first", low)) for low in waiting), events
+
+
 def test_cancel_through_the_router_frees_worker_blocks(
     two_workers: list[ServerProcess], tmp_path: Path
 ) -> None:

@@ -3,6 +3,7 @@ cancellation and resuming after a worker loss, over fake worker links."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
 
@@ -338,3 +339,29 @@ def test_to_client_drops_prompt_logprobs_on_resume_once_sent():
     resumed = request.for_worker("w2")
     assert not resumed.config.HasField("prompt_logprobs")
     assert list(resumed.token_ids.ids) == [*PROMPT_IDS, 9]
+
+
+def test_over_its_cap_a_worker_still_takes_what_outranks_something_it_holds() -> None:
+    """The worker serves a higher priority first (preempting at its sequence cap), so at the
+    in-flight cap the router still sends it one, up to twice the cap; never a peer."""
+    from types import SimpleNamespace
+
+    from headrace.router.workers import WorkerLink
+
+    config = RouterConfig(workers=("127.0.0.1:1",), max_inflight_per_worker=2)
+
+    def routed(priority: int) -> Any:
+        return SimpleNamespace(parsed=SimpleNamespace(priority=priority), num_tokens_estimate=8)
+
+    async def check() -> None:  # a link's channel belongs to an event loop
+        link = WorkerLink("127.0.0.1:1", config, None)  # type: ignore[arg-type]
+        link.healthy = True
+        link.report = worker_pb2.LoadReport(free_kv_blocks=1000, block_size=16, max_model_len=4096)
+        link.inflight = {"a": routed(0), "b": routed(3)}
+        assert not link.has_room(routed(0))  # at the cap: a peer of the lowest waits
+        assert link.has_room(routed(1))  # outranks the priority-0 one in flight
+        link.inflight.update(c=routed(5), d=routed(5))
+        assert not link.has_room(routed(9))  # twice the cap: no more, whatever the priority
+        await link.channel.close()
+
+    asyncio.run(check())

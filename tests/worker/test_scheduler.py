@@ -123,6 +123,37 @@ def test_sequence_cap_limits_running_sequences():
     assert len(step.chunks) == 2 and scheduler.num_waiting == 1
 
 
+def test_high_priority_arrival_preempts_at_the_sequence_cap():
+    """With blocks to spare but the running set full, a higher-priority arrival takes the
+    place of the lowest-priority, latest running sequence in the very next step."""
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=64)
+    low = [make_seq(3, priority=p) for p in (1, 0, 0)]
+    for seq in low:
+        scheduler.add(seq)
+    run_step(scheduler)
+    assert len(scheduler.running) == 3
+    urgent = make_seq(5, priority=5)
+    scheduler.add(urgent)
+    step = run_step(scheduler)
+    assert step.preempted == [low[2]]  # priority 0, the later of the two
+    assert planned(step) == {low[0].request_id: 1, low[1].request_id: 1, urgent.request_id: 5}
+    assert low[2].status == SequenceStatus.WAITING and low[2].num_computed_tokens == 0
+    # Priority 1 displaces the other priority-0 sequence; priority 0 then displaces nobody.
+    peer = make_seq(2, priority=1)
+    scheduler.add(peer)
+    step = run_step(scheduler)
+    assert step.preempted == [low[1]] and peer.request_id in planned(step)
+    late = make_seq(2, priority=1)
+    scheduler.add(late)
+    step = run_step(scheduler)
+    assert step.preempted == [] and late.status == SequenceStatus.WAITING
+    # A finished sequence frees a place: the waiting one of highest priority takes it.
+    scheduler.finish(urgent, FinishReason.LENGTH)
+    step = run_step(scheduler)
+    assert late.request_id in planned(step)
+    assert low[1].status == low[2].status == SequenceStatus.WAITING
+
+
 def test_finish_frees_blocks_wherever_the_sequence_is():
     scheduler = make_scheduler(num_blocks=8)
     running, waiting = make_seq(8), make_seq(8)

@@ -11,7 +11,9 @@ prompt never stalls running decodes.
    the prefix cache), repeating until it fits or the sequence preempted itself.
 2. Then waiting sequences are admitted in the same order while budget, sequence cap and blocks
    allow. A waiting sequence of higher priority may preempt running ones of lower priority,
-   even ones already planned into this step (their chunk is taken back).
+   even ones already planned into this step (their chunk is taken back): when blocks run out,
+   and when the running set is at `max_num_seqs`, so a high-priority arrival starts in the
+   next step rather than after some running sequence finishes.
 
 The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, then calls
 `update_after_step` so computed-token counts and the prefix cache move forward.
@@ -194,9 +196,18 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while not plan.is_full and len(self.running) < self.config.max_num_seqs:
+        while plan.budget > 0:
             seq = self._peek_waiting()
-            if seq is None or not self._try_admit(seq, plan):
+            if seq is None:
+                return
+            if len(self.running) >= self.config.max_num_seqs:
+                # At the sequence cap a higher priority takes the place of the lowest one.
+                victim = self._victim(plan)
+                if victim is None or victim.priority >= seq.priority:
+                    return
+                self._preempt(victim, plan)
+                continue
+            if len(plan.chunks) >= plan.max_seqs or not self._try_admit(seq, plan):
                 return
 
     def _try_admit(self, seq: Sequence, plan: _StepPlan) -> bool:
