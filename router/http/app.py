@@ -26,7 +26,7 @@ from headrace.router.http.auth import HttpAuth
 from headrace.router.http.call import HttpCall
 from headrace.router.http.models import ModelCatalog
 from headrace.router.http.requests import ApiRequest, parse_chat, parse_completion
-from headrace.router.http.responses import ResponseBuilder
+from headrace.router.http.responses import ResponseBuilder, encode
 from headrace.router.router import Router
 from headrace.router.session import RouterSession
 from headrace.sdk import auth, tracing, wire
@@ -197,7 +197,7 @@ class HttpDoor:
 def _error_response(error: HeadraceError) -> Response:
     answer = errors.http_error(error)
     return Response(
-        errors.encode(errors.error_body(error)),
+        encode(errors.error_body(error)),
         answer.status,
         headers=errors.retry_after(error),
         media_type="application/json",

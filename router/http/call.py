@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from headrace.protos import generation_pb2 as pb
 from headrace.router.http import errors
 from headrace.router.http.requests import ApiRequest
-from headrace.router.http.responses import Json, ResponseBuilder
+from headrace.router.http.responses import ResponseBuilder, encode, sse
 from headrace.router.session import RouterSession
 from headrace.sdk import status
 from headrace.sdk.errors import HeadraceError
@@ -45,16 +45,12 @@ DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499
 
 
-def sse(event: Json) -> bytes:
-    return b"data: " + errors.encode(event) + b"\n\n"
-
-
 async def send_json(send: Send, status_code: int, body: object, headers: dict[str, str]) -> None:
     extra = [(k.encode(), v.encode()) for k, v in headers.items()]
     await send(
         {"type": "http.response.start", "status": status_code, "headers": JSON_HEADERS + extra}
     )
-    await send({"type": "http.response.body", "body": errors.encode(body)})
+    await send({"type": "http.response.body", "body": encode(body)})
 
 
 class CallLog(Protocol):
@@ -136,9 +132,8 @@ class HttpCall:
     ) -> None:
         self.log.status(200)
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        events = self.builder.first_events()
+        data, error = self._events(chunks, self.builder.first_events())
         while True:
-            data, error = self._events(chunks, events)
             if data:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             if error is not None:
@@ -146,28 +141,23 @@ class HttpCall:
             response = await anext(responses, None)
             if response is None:
                 break
-            chunks, events = list(response.chunks), []
+            data, error = self._events(list(response.chunks), b"")
         if error is None and self.request.include_usage:
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse(self.builder.usage_event()),
-                    "more_body": True,
-                }
-            )
+            usage = self.builder.usage_event()
+            await send({"type": "http.response.body", "body": usage, "more_body": True})
         await send({"type": "http.response.body", "body": DONE})
 
-    def _events(
-        self, chunks: list[pb.Chunk], events: list[Json]
-    ) -> tuple[bytes, HeadraceError | None]:
-        """The SSE bytes of one response's chunks, and the error that ends the stream."""
+    def _events(self, chunks: list[pb.Chunk], data: bytes) -> tuple[bytes, HeadraceError | None]:
+        """``data`` and the SSE events of one response's chunks, and the error that ends
+        the stream, if one does (its event is the last)."""
+        events = [data]
         for chunk in chunks:
             if chunk.HasField("error"):
                 error = status.from_wire(chunk.error)
-                events.append(errors.error_body(error, self._param(error)))
-                return b"".join(sse(e) for e in events), error
-            events.extend(self.builder.events(chunk))
-        return b"".join(sse(e) for e in events), None
+                events.append(sse(errors.error_body(error, self._param(error))))
+                return b"".join(events), error
+            events.append(self.builder.events(chunk))
+        return b"".join(events), None
 
 
 def _error(chunks: list[pb.Chunk]) -> HeadraceError | None:

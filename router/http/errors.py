@@ -10,7 +10,6 @@ arrives here as a `HeadraceError` and leaves as
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -95,8 +94,3 @@ def as_headrace_error(error: BaseException) -> HeadraceError:
         return error
     logger.error("unexpected error in the HTTP door", exc_info=error)
     return InternalError(f"internal error: {type(error).__name__}")
-
-
-def encode(body: object) -> bytes:
-    """JSON as the door sends it: compact, UTF-8, never a raw newline (SSE needs that)."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()

@@ -15,6 +15,7 @@ not its text. A token is therefore written ``"token_id:<id>"`` (vLLM's conventio
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,6 +30,16 @@ ID_PREFIXES = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETION: "cmpl-"}
 CHUNK_OBJECTS = {Endpoint.CHAT: "chat.completion.chunk", Endpoint.COMPLETION: "text_completion"}
 
 Json = dict[str, Any]
+
+
+def encode(body: object) -> bytes:
+    """JSON as the door sends it: compact, UTF-8, never a raw newline (SSE needs that)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(event: Json) -> bytes:
+    """One Server-Sent Event carrying ``event``."""
+    return b"data: " + encode(event) + b"\n\n"
 
 
 def token_name(token_id: int) -> str:
@@ -60,6 +71,9 @@ class ResponseBuilder:
         #: The request id of each prompt (what the router's logs and spans name), and back.
         self.request_ids = [f"{self.id}-{i}" for i in range(len(request.prompts))]
         self._prompt_index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        # A stream event is `data: {<envelope>,"choices":[<choice>](,"usage":null)}\n\n`.
+        self._event_head = b"data: " + encode(self._envelope())[:-1] + b',"choices":['
+        self._event_tail = b'],"usage":null}\n\n' if request.include_usage else b"]}\n\n"
 
     def index(self, chunk: pb.Chunk) -> int:
         """The OpenAI choice index of a chunk."""
@@ -127,19 +141,20 @@ class ResponseBuilder:
 
     # --- streams ------------------------------------------------------------------------
 
-    def first_events(self) -> list[Json]:
+    def first_events(self) -> bytes:
         """Chat streams open each choice with the assistant's role, as OpenAI's do."""
         if self.endpoint is not Endpoint.CHAT:
-            return []
+            return b""
         delta = {"role": "assistant", "content": ""}
-        return [self._event(i, delta, None, None) for i in range(len(self.choices))]
+        return b"".join(self._event(i, delta, None, None) for i in range(len(self.choices)))
 
-    def events(self, chunk: pb.Chunk) -> list[Json]:
-        """The stream events of one chunk (none for a chunk that only closes a request)."""
+    def events(self, chunk: pb.Chunk) -> bytes:
+        """The stream events of one chunk, as SSE (none for a chunk that only closes a
+        request, or whose token has no text yet)."""
         self.record_usage(chunk)
         finish_reason = FINISH_REASONS.get(chunk.finish_reason)
         if not chunk.text and not chunk.logprobs and finish_reason is None:
-            return []
+            return b""
         index = self.index(chunk)
         choice = self.choices[index]
         logprobs = None
@@ -149,16 +164,18 @@ class ResponseBuilder:
         choice.num_chars += len(chunk.text)
         if self.endpoint is Endpoint.CHAT:
             delta = {"content": chunk.text} if chunk.text or finish_reason is None else {}
-            return [self._event(index, delta, logprobs, finish_reason)]
-        return [self._event(index, chunk.text, logprobs, finish_reason)]
+            return self._event(index, delta, logprobs, finish_reason)
+        return self._event(index, chunk.text, logprobs, finish_reason)
 
-    def usage_event(self) -> Json:
+    def usage_event(self) -> bytes:
         """The last event of a stream with ``include_usage``: no choices, the usage."""
-        return {**self._envelope(), "choices": [], "usage": self.usage_json()}
+        return sse({**self._envelope(), "choices": [], "usage": self.usage_json()})
 
     def _event(
         self, index: int, content: Json | str, logprobs: Json | None, finish_reason: str | None
-    ) -> Json:
+    ) -> bytes:
+        """One choice's event. Every event of a call has the same envelope (id, object,
+        created, model), so it is encoded once and only the choice is encoded here."""
         key = "delta" if self.endpoint is Endpoint.CHAT else "text"
         choice = {
             "index": index,
@@ -166,10 +183,7 @@ class ResponseBuilder:
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        event = {**self._envelope(), "choices": [choice]}
-        if self.request.include_usage:
-            event["usage"] = None
-        return event
+        return self._event_head + encode(choice) + self._event_tail
 
     def _envelope(self) -> Json:
         object_name = CHUNK_OBJECTS[self.endpoint]
