@@ -119,7 +119,8 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
     top = fields.get("top_logprobs")
     if top is not None and not logprobs:
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
-    params = {"logprobs": "top_logprobs", "chat": "messages", "prompt": "messages"}
+    params = {"logprobs": "top_logprobs", "chat": "messages", "prompt": "messages",
+              "prompt_token_ids": "messages"}  # fmt: skip
     options = {"logprobs": (top if top is not None else 0) if logprobs else None}
     max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     options["max_tokens"] = _max_tokens(fields, max_name, default_max_tokens)
@@ -141,7 +142,7 @@ def parse_completion(body: Any) -> ApiRequest:
     best_of = fields.get("best_of")
     if best_of is not None and best_of != fields.get("n", 1):
         raise InvalidArgumentError("best_of", "must equal n (best-of selection is not supported)")
-    params = {"chat": "prompt"}
+    params = {"chat": "prompt", "prompt_token_ids": "prompt"}
     return _request(Endpoint.COMPLETION, fields, prompts, options, params, logprobs is not None)
 
 
