@@ -102,9 +102,10 @@ class ApiRequest:
         name = headrace_field.removeprefix("config.")
         if not name:
             return None
-        head, dot, rest = name.partition(".")
-        if head in self.params:
-            return self.params[head] + dot + rest
+        for field_name in sorted(self.params, key=len, reverse=True):
+            rest = name.removeprefix(field_name)
+            if rest != name and (not rest or rest[0] in ".["):
+                return self.params[field_name] + rest
         return name
 
 
@@ -119,8 +120,8 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
     top = fields.get("top_logprobs")
     if top is not None and not logprobs:
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
-    params = {"logprobs": "top_logprobs", "chat": "messages", "prompt": "messages",
-              "prompt_token_ids": "messages"}  # fmt: skip
+    params = {"logprobs": "top_logprobs", "chat": "messages", "chat.messages": "messages",
+              "prompt": "messages", "prompt_token_ids": "messages"}  # fmt: skip
     options = {"logprobs": (top if top is not None else 0) if logprobs else None}
     max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     options["max_tokens"] = _max_tokens(fields, max_name, default_max_tokens)

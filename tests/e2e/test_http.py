@@ -344,3 +344,38 @@ def test_health_and_unknown_paths(servers):
     assert missing.status_code == 404 and missing.json()["error"]["param"] is None
     assert httpx.get(f"{root}/v1/completions").status_code == 405
     assert httpx.post(f"{root}/v1/completions", content=b"{not json").status_code == 400
+
+
+LIMITED_KEY = "http-limited-0123456789abcdef"
+OPEN_KEY = "http-open-0123456789abcdef"
+
+
+def test_api_keys_are_honoured_as_on_grpc(servers, model: str, tmp_path: Path):
+    """With --api-key-file: no key or an unknown one is a 401, a priority above the key's
+    ceiling a 403, more requests than its max_concurrency a 429; /health stays open."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(
+        f"{LIMITED_KEY} name=limited max_priority=5 max_concurrency=1\n{OPEN_KEY} name=open\n"
+    )
+    args = ["--http-port", "0", "--api-key-file", str(keys)]
+    with start_router([servers[0].target], *args, log_path=tmp_path / "router.log") as router:
+        assert wait_serving(router.target)
+        url = f"{base_url(router)}/completions"
+        assert httpx.post(url, json={"prompt": PROMPT}).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            client_for(router, "not-a-key-0123456789").completions.create(model=model, prompt="a")
+        assert httpx.get(f"http://127.0.0.1:{router.http_port}/health").status_code == 200
+        assert client_for(router, OPEN_KEY).models.list().data[0].id == model
+        limited = client_for(router, LIMITED_KEY)
+        extra = {"max_tokens": 2, "extra_body": {"priority": 6}}
+        with pytest.raises(openai.PermissionDeniedError):
+            limited.completions.create(model=model, prompt=PROMPT, **extra)  # type: ignore[arg-type]
+        extra["extra_body"] = {"priority": 5}
+        assert limited.completions.create(model=model, prompt=PROMPT, **extra).choices  # type: ignore[arg-type]
+        # Two prompts are two requests: the second is one more than the key may have.
+        over = httpx.post(
+            url,
+            json={"prompt": [PROMPT, PROMPT]},
+            headers={"authorization": f"Bearer {LIMITED_KEY}"},
+        )
+    assert over.status_code == 429 and over.headers["retry-after"] == "1"
