@@ -9,7 +9,7 @@ closes the session, which abandons whatever still runs, so a client that disconn
 its KV blocks within one engine step, whether its request was queued, prefilling or
 decoding.
 
-The response starts only with the session's first response: an error there (a refusal at
+The response starts only with the session's first chunks: an error there (a refusal at
 admission, an unknown model or a prompt a worker cannot take) is still an HTTP status. A
 plain response waits for every request to finish. A stream is Server-Sent Events, each
 ``data: <json>\\n\\n``, ending with ``data: [DONE]\\n\\n``; an error after it started is one
@@ -89,9 +89,8 @@ class HttpCall:
             self.log.end()
 
     async def _respond(self, send: Send) -> None:
-        responses = self.session.responses()
-        first = await anext(responses, None)
-        chunks = list(first.chunks) if first is not None else []
+        responses = self.session.chunk_lists()
+        chunks = await anext(responses, [])
         error = _error(chunks)
         if error is not None:
             await self._send_error(send, error)
@@ -111,7 +110,7 @@ class HttpCall:
         return self.request.param(field) if field else None
 
     async def _whole(
-        self, send: Send, chunks: list[pb.Chunk], responses: AsyncIterator[pb.GenerateResponse]
+        self, send: Send, chunks: list[pb.Chunk], responses: AsyncIterator[list[pb.Chunk]]
     ) -> None:
         builder = self.builder
         while True:
@@ -120,15 +119,15 @@ class HttpCall:
                     await self._send_error(send, status.from_wire(chunk.error))
                     return
                 builder.add(chunk)
-            response = await anext(responses, None)
-            if response is None:
+            next_chunks = await anext(responses, None)
+            if next_chunks is None:
                 break
-            chunks = list(response.chunks)
+            chunks = next_chunks
         self.log.status(200)
         await send_json(send, 200, builder.body(), {})
 
     async def _stream(
-        self, send: Send, chunks: list[pb.Chunk], responses: AsyncIterator[pb.GenerateResponse]
+        self, send: Send, chunks: list[pb.Chunk], responses: AsyncIterator[list[pb.Chunk]]
     ) -> None:
         self.log.status(200)
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -138,10 +137,10 @@ class HttpCall:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             if error is not None:
                 break
-            response = await anext(responses, None)
-            if response is None:
+            next_chunks = await anext(responses, None)
+            if next_chunks is None:
                 break
-            data, error = self._events(list(response.chunks), b"")
+            data, error = self._events(next_chunks, b"")
         if error is None and self.request.include_usage:
             usage = self.builder.usage_event()
             await send({"type": "http.response.body", "body": usage, "more_body": True})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -379,3 +380,22 @@ def test_api_keys_are_honoured_as_on_grpc(servers, model: str, tmp_path: Path):
             headers={"authorization": f"Bearer {LIMITED_KEY}"},
         )
     assert over.status_code == 429 and over.headers["retry-after"] == "1"
+
+
+def test_a_draining_router_finishes_the_streams_in_flight(servers, model: str, tmp_path: Path):
+    """SIGTERM while a stream runs: it still ends with its usage and [DONE]; the router then
+    exits cleanly."""
+    args = ["--http-port", "0", "--grace-period", "30"]
+    router = start_router([servers[0].target], *args, log_path=tmp_path / "router.log")
+    with router:
+        assert wait_serving(router.target)
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", f"{base_url(router)}/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: {")
+            router.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert router.proc.wait(timeout=60) == 0
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 400
