@@ -17,7 +17,7 @@ including errors raised later by the router or a worker, which name headrace's f
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +124,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
               "prompt": "messages", "prompt_token_ids": "messages"}  # fmt: skip
     options = {"logprobs": (top if top is not None else 0) if logprobs else None}
     max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-    options["max_tokens"] = _max_tokens(fields, max_name, default_max_tokens)
+    options["max_tokens"] = fields.get(max_name, default_max_tokens)
     params["max_tokens"] = max_name
     return _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
 
@@ -139,7 +139,7 @@ def parse_completion(body: Any) -> ApiRequest:
     prompts = completion_prompts(fields.get("prompt"))
     logprobs = fields.get("logprobs")
     options: dict[str, object] = {"logprobs": logprobs}
-    options["max_tokens"] = _max_tokens(fields, "max_tokens", COMPLETION_MAX_TOKENS)
+    options["max_tokens"] = fields.get("max_tokens", COMPLETION_MAX_TOKENS)
     best_of = fields.get("best_of")
     if best_of is not None and best_of != fields.get("n", 1):
         raise InvalidArgumentError("best_of", "must equal n (best-of selection is not supported)")
@@ -192,10 +192,6 @@ def _config(options: dict[str, object], params: dict[str, str]) -> GenerationCon
         raise InvalidArgumentError(param, message) from None
 
 
-def _max_tokens(fields: dict[str, Any], name: str, default: int) -> object:
-    return fields.get(name, default)
-
-
 def _include_usage(options: Any, stream: bool) -> bool:
     if options is None:
         return False
@@ -237,6 +233,3 @@ def _typed(
 
 
 _KIND_NAMES: dict[type, str] = {bool: "boolean", int: "integer", str: "string"}
-
-#: What the endpoints parse with (for the app's table of routes).
-Parser = Callable[[Any], ApiRequest]
