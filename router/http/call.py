@@ -90,7 +90,7 @@ class HttpCall:
 
     async def _respond(self, send: Send) -> None:
         responses = self.session.chunk_lists()
-        chunks = await anext(responses, [])
+        chunks: list[pb.Chunk] = await anext(responses, [])
         error = _error(chunks)
         if error is not None:
             await self._send_error(send, error)
