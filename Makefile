@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MODEL ?= smollm2-135m-instruct
 PORT ?= 50051
+HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
 
 .PHONY: run test lint typecheck pytest bench bench-service protos install clean
@@ -28,12 +29,14 @@ $(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package-lock.json
 
 install: $(VENV)/.installed
 
-# A router on localhost:$(PORT) in front of $(WORKERS) worker(s) serving the model, until
-# Ctrl-C; stream from it with `headrace generate`.
+# A router on localhost:$(PORT) (gRPC) and localhost:$(HTTP_PORT) (the OpenAI API, /v1) in
+# front of $(WORKERS) worker(s) serving the model, until Ctrl-C; stream from it with
+# `headrace generate`, or any OpenAI client with base_url http://localhost:$(HTTP_PORT)/v1.
 WORKERS ?= 1
 run: install
 	$(VENV)/bin/headrace models prepare $(MODEL)
-	$(VENV)/bin/headrace up --num-workers $(WORKERS) --model $(MODEL) --host 127.0.0.1 --port $(PORT)
+	$(VENV)/bin/headrace up --num-workers $(WORKERS) --model $(MODEL) --host 127.0.0.1 --port $(PORT) \
+		--http-port $(HTTP_PORT)
 
 lint: install
 	$(VENV)/bin/ruff check .

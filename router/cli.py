@@ -69,6 +69,13 @@ def add_router_options(parser: argparse.ArgumentParser) -> None:
     add("--max-queued-requests", type=int, default=4096, help="then RESOURCE_EXHAUSTED")
     add("--max-queued-tokens", type=int, default=4_000_000, help="then RESOURCE_EXHAUSTED")
     add("--aging", type=float, default=1.0, help="priority a waiting request gains per second")
+    add(
+        "--http-port",
+        type=int,
+        metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API here (/v1/chat/completions, "
+        "/v1/completions, /v1/models, /health; 0: a free port)",
+    )
 
 
 def router_config(args: argparse.Namespace, workers: list[str] | None = None) -> RouterConfig:
@@ -87,10 +94,12 @@ def router_config(args: argparse.Namespace, workers: list[str] | None = None) ->
 
 
 def _router(args: argparse.Namespace) -> int:
+    from headrace.router.http.server import HttpOptions
     from headrace.router.server import RouterOptions, run
 
     setup_logging(args.log_level)
-    return run(router_config(args), RouterOptions(**listen_options(args)))
+    options = RouterOptions(**listen_options(args))
+    return run(router_config(args), options, HttpOptions(port=args.http_port))
 
 
 def add_up_command(subparsers: argparse._SubParsersAction) -> None:
@@ -124,6 +133,7 @@ this process, however it ends.
 
     headrace up                                      # the default model, one worker
     headrace up --num-workers 2 --model PATH --port 50051
+    headrace up --http-port 8000                     # and the OpenAI API on :8000/v1
 """
 
 
@@ -140,6 +150,7 @@ def _router_args(args: argparse.Namespace) -> list[str]:
         "--max-stream-backlog": args.max_stream_backlog,
         "--slow-reader-timeout": args.slow_reader_timeout,
         "--metrics-port": args.metrics_port,  # the router's; workers report through it
+        "--http-port": args.http_port,
     }
     return [
         item for flag, value in values.items() if value is not None for item in (flag, str(value))
@@ -172,8 +183,11 @@ def _up(args: argparse.Namespace) -> int:
         if not wait_serving(f"{probe_host}:{router.port}"):
             print("headrace up: the router found no healthy worker", file=sys.stderr)
             return 1
+        http = (
+            f", OpenAI API on http://{args.host}:{router.http_port}/v1" if router.http_port else ""
+        )
         print(
-            f"headrace up: router on {args.host}:{router.port}, workers {', '.join(targets)}",
+            f"headrace up: router on {args.host}:{router.port}{http}, workers {', '.join(targets)}",
             flush=True,
         )
         while not stop.wait(0.5):

@@ -1,9 +1,10 @@
 """The router process: `headrace router --workers HOST:PORT,... --port 50051`.
 
-It imports no torch: only grpc, protobuf and headrace's protos and SDK. Health is SERVING
-while at least one worker is healthy. SIGTERM / SIGINT drains like a worker: NOT_SERVING,
-new requests refused with UNAVAILABLE, in-flight ones finish within the grace period, then
-the server stops.
+It imports no torch: only grpc, protobuf and headrace's protos and SDK (and, for the
+OpenAI-compatible door on ``--http-port``, Starlette and uvicorn on the same event loop).
+Health is SERVING while at least one worker is healthy. SIGTERM / SIGINT drains like a
+worker: NOT_SERVING, new requests refused with UNAVAILABLE (503 over HTTP), in-flight ones
+finish within the grace period, then the servers stop.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 
 from headrace.protos import generation_pb2
 from headrace.router.config import RouterConfig
+from headrace.router.http.app import HttpDoor
+from headrace.router.http.server import HttpOptions, HttpServer
 from headrace.router.router import Router
 from headrace.router.service import RouterService
 from headrace.sdk import serving
@@ -32,12 +35,21 @@ RouterOptions = serving.ListenOptions
 
 
 class RouterServer:
-    def __init__(self, config: RouterConfig, options: RouterOptions) -> None:
+    def __init__(
+        self, config: RouterConfig, options: RouterOptions, http: HttpOptions | None = None
+    ) -> None:
         self.options = options
+        self.http_options = http or HttpOptions()
         self.router = Router(config)
         self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib, options.security)
         service = RouterService(self.router, options.flow)
         serving.add_service(service, self.grpc.server, GENERATION_DESCRIPTOR)
+        self.http: HttpServer | None = None
+        if self.http_options.port is not None:
+            door = HttpDoor(
+                self.router, options.flow, self.grpc.key_check, self.http_options.max_body_bytes
+            )
+            self.http = HttpServer(door.app, options.host, options.security.tls)
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
@@ -49,6 +61,8 @@ class RouterServer:
             )
         port = await self.grpc.start(self.options.host, self.options.port)
         await self.grpc.set_serving(False)
+        if self.http is not None and self.http_options.port is not None:
+            await self.http.start(self.http_options.port)
         if self.options.health_port is not None:
             await self.grpc.serve_health(self.options.host, self.options.health_port)
         self._health_task = asyncio.create_task(self._follow_health())
@@ -77,12 +91,14 @@ class RouterServer:
             logger.warning("grace period over; cancelling %d requests", active)
         remaining_s = max(0.0, self.options.grace_period_s - (time.monotonic() - start))
         await self.grpc.stop(min(remaining_s, 1.0))
+        if self.http is not None:
+            await self.http.stop(min(remaining_s, 1.0))
         await self.router.close()
 
 
-def run(config: RouterConfig, options: RouterOptions) -> int:
+def run(config: RouterConfig, options: RouterOptions, http: HttpOptions | None = None) -> int:
     async def main() -> None:
-        server = RouterServer(config, options)
+        server = RouterServer(config, options, http)
         await serving.serve(
             "headrace-router",
             server.start,

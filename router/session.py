@@ -139,15 +139,21 @@ class RouterSession:
     # --- responses ----------------------------------------------------------------------
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        async for chunks in self.chunk_lists():
+            response = pb.GenerateResponse(chunks=chunks, duplicates=self.duplicates)
+            self.duplicates = []
+            if response.chunks or response.duplicates:
+                yield response
+
+    async def chunk_lists(self) -> AsyncIterator[list[pb.Chunk]]:
+        """What the router sent this session, one list per worker step (empty: a wake-up),
+        until the session is done; a request is forgotten as its last chunk passes."""
         while not self._is_done():
             chunks = await self.outbox.get()
             for chunk in chunks:
                 if chunk.finished:
                     self._forget(chunk.request_id)
-            response = pb.GenerateResponse(chunks=chunks, duplicates=self.duplicates)
-            self.duplicates = []
-            if response.chunks or response.duplicates:
-                yield response
+            yield chunks
 
     def _is_done(self) -> bool:
         if self.fault is not None:

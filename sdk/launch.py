@@ -27,6 +27,7 @@ from typing import IO
 _LISTENING = re.compile(r"serving .* on (\S+):(\d+)$")
 _METRICS = re.compile(r"^metrics on http://\S+:(\d+)/metrics$")
 _HEALTH = re.compile(r"^health on \S+:(\d+)$")
+_HTTP = re.compile(r"^http on \S+:(\d+)$")
 START_TIMEOUT_S = 180.0
 
 
@@ -66,6 +67,8 @@ class ServerProcess:
         self.metrics_port: int | None = None
         #: The plaintext health port, if the server was started with --health-port.
         self.health_port: int | None = None
+        #: The router's OpenAI-compatible HTTP port, if it was started with --http-port.
+        self.http_port: int | None = None
         self.port = self._wait_for_port()
         self.target = f"{host}:{self.port}"
 
@@ -82,6 +85,8 @@ class ServerProcess:
                 self.metrics_port = int(metrics.group(1))
             if health := _HEALTH.search(line):
                 self.health_port = int(health.group(1))
+            if http := _HTTP.search(line):
+                self.http_port = int(http.group(1))
             if match := _LISTENING.search(line):
                 return int(match.group(2))
         code = self.proc.poll()

@@ -24,6 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from headrace.protos import generation_pb2
 from headrace.sdk import status, tracing
+from headrace.sdk.auth import ApiKeyInterceptor
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.security import ServerSecurity
 from headrace.sdk.streams import FlowLimits, Undecodable
@@ -104,8 +105,12 @@ class Server:
     ) -> None:
         self.services = services
         self.security = security or ServerSecurity()
+        interceptors = self.security.interceptors()
+        #: The API-key check of this port (None: no keys); the router's HTTP door asks it
+        #: too, so a key's limits count its requests through both.
+        self.key_check = next((i for i in interceptors if isinstance(i, ApiKeyInterceptor)), None)
         self.server = grpc.aio.server(
-            options=channel_options(max_message_mib), interceptors=self.security.interceptors()
+            options=channel_options(max_message_mib), interceptors=interceptors
         )
         self.metrics_server: MetricsServer | None = None
         self.health_server: grpc.aio.Server | None = None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from headrace.worker.models.store import CACHE_ENV
 
-from tests.e2e.processes import ServerProcess
+from tests.e2e.processes import ServerProcess, start_router, wait_serving
 
 
 def bench(*args: str, env: dict[str, str] | None = None) -> dict:
@@ -42,5 +42,18 @@ def test_bench_serve_loads_a_running_worker(worker: ServerProcess):
         "--output-lens", "3-5", "--request-rate", "200", "--max-concurrency", "4",
     )  # fmt: skip
     assert 12 * 3 <= summary["num_tokens"] <= 12 * 5
+    for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"):
+        assert summary[key] > 0, key
+
+
+def test_bench_serve_api_openai_loads_the_routers_http_door(worker: ServerProcess, tmp_path: Path):
+    with start_router([worker.target], "--http-port", "0", log_path=tmp_path / "r.log") as router:
+        assert wait_serving(router.target)
+        summary = bench(
+            "serve", "--target", router.target, "--api", "openai", "--http-target",
+            f"127.0.0.1:{router.http_port}", "--num-requests", "12", "--prompt-lens", "4-9",
+            "--output-lens", "3-5", "--max-concurrency", "4",
+        )  # fmt: skip
+    assert 12 * 3 <= summary["num_tokens"] <= 12 * 5  # the usage each stream reported
     for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"):
         assert summary[key] > 0, key

@@ -1,7 +1,8 @@
 """The README's Python examples run as written, against a real worker serving the default
 model (SmolLM2-135M-Instruct, prepared once per session), each in a fresh interpreter: an
 example that breaks fails here, not in a new user's first hour. The only change made to an
-example is the server's address (the test's worker listens on a free port)."""
+example is the server's address (the test's worker listens on a free port; examples of the
+OpenAI-compatible API talk to a router with an HTTP port in front of it)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from headrace.sdk.launch import ServerProcess, start_worker
+from headrace.sdk.launch import ServerProcess, start_router, start_worker
+from headrace.sdk.serving import wait_serving
 from headrace.worker.models.store import CACHE_ENV
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SNIPPET = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 README_TARGET = "localhost:50051"
+README_HTTP_TARGET = "localhost:8000"
 
 
 def python_snippets() -> list[str]:
@@ -46,11 +49,22 @@ def test_the_readme_has_the_examples_this_test_runs() -> None:
     assert any("Client(" in s for s in snippets) and any("LLM(" in s for s in snippets)
 
 
+@pytest.fixture(scope="module")
+def default_router(default_worker: ServerProcess, tmp_path_factory) -> Iterator[ServerProcess]:  # type: ignore[no-untyped-def]
+    log = tmp_path_factory.mktemp("readme-router") / "router.log"
+    with start_router([default_worker.target], "--http-port", "0", log_path=log) as router:
+        assert wait_serving(router.target)
+        yield router
+
+
 @pytest.mark.parametrize("index", range(len(python_snippets())))
 def test_a_readme_example_runs(
-    index: int, default_worker: ServerProcess, prepared_cache: Path
+    index: int, default_worker: ServerProcess, prepared_cache: Path, request: pytest.FixtureRequest
 ) -> None:
     snippet = python_snippets()[index].replace(README_TARGET, default_worker.target)
+    if README_HTTP_TARGET in snippet:
+        router = request.getfixturevalue("default_router")
+        snippet = snippet.replace(README_HTTP_TARGET, f"127.0.0.1:{router.http_port}")
     done = subprocess.run(
         [sys.executable, "-c", snippet],
         capture_output=True,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
@@ -125,8 +126,9 @@ def stack(
         worker = start_worker(tiny_model, logs, "--metrics-port", "0")
         with worker:
             router = start_router(
-                [worker.target], "--metrics-port", "0", log_path=logs / "router.log"
-            )
+                [worker.target], "--metrics-port", "0", "--http-port", "0",
+                log_path=logs / "router.log",
+            )  # fmt: skip
             with router:
                 assert wait_serving(router.target)
                 yield worker, router
@@ -217,6 +219,35 @@ def test_generate_one_joins_the_trace_in_call_metadata(
     _wait_for(lambda: {"router.generate", "worker.generate"} <= _names(spans, trace_id))
     (router_span,) = [s for s in spans.in_trace(trace_id) if s.name == "router.generate"]
     assert router_span.parent_span_id == parent_id
+
+
+def test_an_http_call_is_one_span_joining_the_callers_trace(
+    stack: tuple[ServerProcess, ServerProcess], collector: tuple[Collector, int]
+) -> None:
+    """The OpenAI door: its span is the child of the caller's `traceparent` header and the
+    parent of the router's span of the request; /metrics counts the call by route and status."""
+    _, router = stack
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    before = _scrape(router.metrics_port)
+    reply = httpx.post(
+        f"http://127.0.0.1:{router.http_port}/v1/completions",
+        json={"prompt": [3, 4, 5], "max_tokens": 2},
+        headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
+    )
+    assert reply.status_code == 200
+    spans = collector[0]
+    names = {"POST /v1/completions", "router.generate", "worker.generate"}
+    _wait_for(lambda: names <= _names(spans, trace_id))
+    by_name = {span.name: span for span in spans.in_trace(trace_id)}
+    http_span = by_name["POST /v1/completions"]
+    assert http_span.service == "headrace-router" and http_span.parent_span_id == parent_id
+    assert http_span.attributes["http.response.status_code"] == 200
+    assert by_name["router.generate"].parent_span_id == http_span.span_id
+    assert by_name["worker.generate"].parent_span_id == by_name["router.generate"].span_id
+    after = _scrape(router.metrics_port)
+    labels = {"route": "/v1/completions", "status": "200"}
+    counter = "headrace_router_http_requests_total"
+    assert _value(after, counter, **labels) - _value(before, counter, **labels) == 1
 
 
 def _names(collector: Collector, trace_id: str) -> set[str]:

@@ -133,6 +133,15 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", help="without --target: the worker's model (default: a tiny random one)")
     add("--dtype", default="float32", help="without --target: the worker's dtype")
     add("--rounds", type=int, default=3, help="without --target: rounds of each path")
+    add(
+        "--api",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="openai: streamed /v1/completions through the router's OpenAI door (without "
+        "--target, compared with the router's gRPC; with it, at --http-target)",
+    )
+    add("--http-target", help="--api openai with --target: the door's HOST:PORT (default: "
+        "--target's host, port 8000)")  # fmt: skip
 
 
 def kernels_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,10 @@ Without a target it starts a worker (the tiny random model unless ``--model``) a
 in front of it, and runs the same load ``--rounds`` times each way, alternating: in-process
 through `AsyncEngine` (the baseline), through the worker over gRPC, and through the router.
 ``ratio_direct_in_process`` and ``ratio_router_direct`` compare the best rounds' tok/s.
+With ``--api openai`` a fourth way goes through the router's OpenAI-compatible HTTP door
+(`serve_http`): ``ratio_http_grpc`` compares it with the router over gRPC, and
+``http_added_ttft_p50_ms`` is the TTFT it adds. With ``--target``, ``--api openai`` loads
+the door at ``--http-target`` instead of gRPC.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class _Timings:
+class Timings:
     """What one request saw, in seconds."""
 
     num_tokens: int = 0
@@ -44,7 +48,7 @@ class _Timings:
     itl_s: list[float] = field(default_factory=list)
 
 
-def _arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
+def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
     """When each request is sent, from the run's start: a Poisson process, or all at 0."""
     if rate == float("inf"):
         return [0.0] * num_requests
@@ -59,13 +63,13 @@ async def run_load(
     target: str, workload: Workload, args: argparse.Namespace, name: str = "load"
 ) -> Report:
     """Send the workload to ``target`` over one SDK client; the report of the run."""
-    offsets = _arrival_offsets(len(workload.prompts), args.request_rate, args.seed)
+    offsets = arrival_offsets(len(workload.prompts), args.request_rate, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(workload.prompts))
 
-    async def one(client: AsyncClient, i: int, start: float) -> _Timings:
+    async def one(client: AsyncClient, i: int, start: float) -> Timings:
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
         config = GenerationConfig(max_tokens=workload.max_tokens[i], temperature=0, ignore_eos=True)
-        timings = _Timings()
+        timings = Timings()
         async with limit:
             last = sent = time.perf_counter()
             async for chunk in client.stream(workload.prompts[i], config):
@@ -82,10 +86,10 @@ async def run_load(
         await client.generate([100, 101], GenerationConfig(max_tokens=1))  # open the stream
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, i, start) for i in range(len(offsets))))
-    return _report(name, start, results)
+    return timings_report(name, start, results)
 
 
-def _report(name: str, start: float, results: list[_Timings]) -> Report:
+def timings_report(name: str, start: float, results: list[Timings]) -> Report:
     return Report(
         name,
         time.perf_counter() - start,
@@ -98,9 +102,9 @@ def _report(name: str, start: float, results: list[_Timings]) -> Report:
 async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int) -> Report:
     """The baseline: the same workload straight into the engine's streaming API."""
 
-    async def one(i: int) -> _Timings:
+    async def one(i: int) -> Timings:
         config = GenerationConfig(max_tokens=workload.max_tokens[i], temperature=0, ignore_eos=True)
-        timings, last = _Timings(), time.perf_counter()
+        timings, last = Timings(), time.perf_counter()
         sent = last
         async for output in engine.generate(f"r{round_no}-{i}", workload.prompts[i], config):
             now = time.perf_counter()
@@ -114,10 +118,11 @@ async def run_in_process(engine: AsyncEngine, workload: Workload, round_no: int)
 
     start = time.perf_counter()
     results = await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
-    return _report(IN_PROCESS, start, results)
+    return timings_report(IN_PROCESS, start, results)
 
 
 IN_PROCESS, DIRECT, ROUTED = "in-process AsyncEngine", "gRPC worker + SDK", "router -> worker + SDK"
+HTTP = "router HTTP (OpenAI door)"
 
 
 def run(args: argparse.Namespace) -> Summary:
@@ -130,7 +135,13 @@ def run(args: argparse.Namespace) -> Summary:
         info.vocab_size, args.num_requests, args.prompt_lens, args.output_lens, args.seed
     )
     print(describe_workload(args, info.name))
-    report = asyncio.run(run_load(args.target, workload, args))
+    if args.api == "openai":
+        from headrace.worker.bench.serve_http import run_http_load
+
+        http_target = args.http_target or f"{args.target.rpartition(':')[0]}:8000"
+        report = asyncio.run(run_http_load(http_target, workload, args))
+    else:
+        report = asyncio.run(run_load(args.target, workload, args))
     print(report.describe())
     summary: Summary = {"bench": "serve", "target": args.target, "model": info.name}
     summary.update(report.summary())

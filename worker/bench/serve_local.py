@@ -25,12 +25,14 @@ from headrace.worker.bench.common import (
 )
 from headrace.worker.bench.serve import (
     DIRECT,
+    HTTP,
     IN_PROCESS,
     ROUTED,
     describe_workload,
     run_in_process,
     run_load,
 )
+from headrace.worker.bench.serve_http import run_http_load
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
@@ -63,17 +65,24 @@ def _run_rounds(
     print(describe_workload(args, name) + f", dtype {args.dtype}")
     worker_args = ["--dtype", args.dtype, "--max-num-seqs", max_num_seqs]
     worker = start_worker(model, *worker_args, log_path=tmp / "worker.log")
-    router = start_router([worker.target], "--log-level", "warning", log_path=tmp / "router.log")
+    router_args = ["--log-level", "warning"] + (
+        ["--http-port", "0"] if args.api == "openai" else []
+    )
+    router = start_router([worker.target], *router_args, log_path=tmp / "router.log")
     rounds: dict[str, list[Report]] = {}
     try:
         with worker, router:
             numbers = itertools.count()
             for _ in range(args.rounds):
-                for result in (
+                results = [
                     asyncio.run(run_in_process(engine, workload, next(numbers))),
                     asyncio.run(run_load(worker.target, workload, args, DIRECT)),
                     asyncio.run(run_load(router.target, workload, args, ROUTED)),
-                ):
+                ]
+                if router.http_port is not None:
+                    door = f"127.0.0.1:{router.http_port}"
+                    results.append(asyncio.run(run_http_load(door, workload, args, HTTP)))
+                for result in results:
                     print(result.describe())
                     rounds.setdefault(result.name, []).append(result)
     finally:
@@ -99,4 +108,19 @@ def _summary(rounds: dict[str, list[Report]], model: str) -> Summary:
     summary.update(added)
     summary["ratio_direct_in_process"] = round(direct_ratio, 3)
     summary["ratio_router_direct"] = round(router_ratio, 3)
+    if HTTP in best:
+        summary.update(_http_summary(rounds, best))
     return summary
+
+
+def _http_summary(rounds: dict[str, list[Report]], best: dict[str, Report]) -> Summary:
+    """The OpenAI door against the router's gRPC: tok/s ratio and the TTFT it adds."""
+    ratio = best[HTTP].tokens_per_s / best[ROUTED].tokens_per_s
+    grpc = quantile([t for r in rounds[ROUTED] for t in r.ttft_s], 0.5)
+    http = quantile([t for r in rounds[HTTP] for t in r.ttft_s], 0.5)
+    print(f"HTTP / router gRPC: {ratio:.2f}x; TTFT p50: gRPC {grpc * 1e3:.1f} ms, "
+          f"HTTP {http * 1e3:.1f} ms")  # fmt: skip
+    return {
+        "ratio_http_grpc": round(ratio, 3),
+        "http_added_ttft_p50_ms": round((http - grpc) * 1e3, 3),
+    }

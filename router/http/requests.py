@@ -1,0 +1,235 @@
+"""OpenAI request bodies → headrace requests: one `ApiRequest` per HTTP call.
+
+Design note. A body is read once, field by field, against three tables: OpenAI's sampling
+fields and headrace's extensions (both straight onto `GenerationConfig`, whose own checks are
+the only validation of values), fields accepted and ignored, and fields refused because
+headrace cannot honour them yet. Any other field is refused as OpenAI does ("unrecognized"),
+so a typo never silently changes nothing. Errors are `InvalidArgumentError`s whose ``field``
+is the OpenAI ``param`` (``messages[1].content``, ``top_logprobs``, ``max_completion_tokens``),
+including errors raised later by the router or a worker, which name headrace's fields
+(``config.top_p``, ``chat``, ``prompt``): `ApiRequest.param` translates them back.
+
+`response_format` needs constrained decoding, which headrace does not have yet: anything but
+``{"type": "text"}`` is refused naming it (`_response_format`, the one place to map it onto a
+`GenerationConfig` field once constraints exist).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from headrace.router.http.prompts import chat_prompt, completion_prompts
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.prompts import Prompt
+
+
+class Endpoint(enum.Enum):
+    CHAT = "chat.completion"
+    COMPLETION = "text_completion"
+
+
+#: OpenAI sampling fields that are `GenerationConfig` fields of the same name and meaning.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+)
+#: headrace extensions: extra body fields (``extra_body`` in the openai package), also
+#: `GenerationConfig` fields of the same name. `priority` is the request's, not the config's.
+EXTENSION_FIELDS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+#: Accepted and ignored: they change nothing headrace does.
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+#: Fields every endpoint reads itself (not config fields).
+COMMON_FIELDS = frozenset(
+    {"model", "stream", "stream_options", "priority", "max_tokens", "logit_bias", "logprobs"}
+)
+CHAT_FIELDS = frozenset(
+    {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "response_format",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "add_generation_prompt",
+    }
+)
+COMPLETION_FIELDS = frozenset({"prompt", "echo", "suffix", "best_of"})
+#: /v1/completions' default max_tokens (OpenAI's); chat generates until EOS or the context.
+COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """One HTTP call, in headrace's terms: a `Request` per prompt, all with one config."""
+
+    endpoint: Endpoint
+    #: As the client named it ("" = the served model).
+    model: str
+    #: Chat: one `Chat`; completions: one or more prompts (a batch).
+    prompts: tuple[Prompt, ...]
+    config: GenerationConfig
+    priority: int
+    stream: bool
+    #: Streaming: end with a chunk that carries the usage.
+    include_usage: bool
+    #: Return logprobs (in the endpoint's format).
+    logprobs: bool
+    #: headrace field → the OpenAI param that set it (for errors named by router or worker).
+    params: Mapping[str, str] = field(default_factory=dict)
+
+    def param(self, headrace_field: str) -> str | None:
+        """The OpenAI param behind a headrace field name (``config.top_p`` → ``top_p``)."""
+        name = headrace_field.removeprefix("config.")
+        if not name:
+            return None
+        for field_name in sorted(self.params, key=len, reverse=True):
+            rest = name.removeprefix(field_name)
+            if rest != name and (not rest or rest[0] in ".["):
+                return self.params[field_name] + rest
+        return name
+
+
+def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
+    """A ``/v1/chat/completions`` body; ``default_max_tokens``: the model's context."""
+    fields = _fields(body, CHAT_FIELDS)
+    _refuse_tools(fields)
+    _response_format(fields.get("response_format"))
+    add_generation_prompt = _typed(fields, "add_generation_prompt", bool, True)
+    prompt = chat_prompt(fields.get("messages"), add_generation_prompt)
+    logprobs = _typed(fields, "logprobs", bool, False)
+    top = fields.get("top_logprobs")
+    if top is not None and not logprobs:
+        raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
+    params = {"logprobs": "top_logprobs", "chat": "messages", "chat.messages": "messages",
+              "prompt": "messages", "prompt_token_ids": "messages"}  # fmt: skip
+    options = {"logprobs": (top if top is not None else 0) if logprobs else None}
+    max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    options["max_tokens"] = fields.get(max_name, default_max_tokens)
+    params["max_tokens"] = max_name
+    return _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
+
+
+def parse_completion(body: Any) -> ApiRequest:
+    """A ``/v1/completions`` body: prompt as text or token ids (or a list of either), echo off."""
+    fields = _fields(body, COMPLETION_FIELDS)
+    if _typed(fields, "echo", bool, False):
+        raise InvalidArgumentError("echo", "echo is not supported (the prompt is not returned)")
+    if fields.get("suffix") not in (None, ""):
+        raise InvalidArgumentError("suffix", "suffix (insertion) is not supported")
+    prompts = completion_prompts(fields.get("prompt"))
+    logprobs = fields.get("logprobs")
+    options: dict[str, object] = {"logprobs": logprobs}
+    options["max_tokens"] = fields.get("max_tokens", COMPLETION_MAX_TOKENS)
+    best_of = fields.get("best_of")
+    if best_of is not None and best_of != fields.get("n", 1):
+        raise InvalidArgumentError("best_of", "must equal n (best-of selection is not supported)")
+    params = {"chat": "prompt", "prompt_token_ids": "prompt"}
+    return _request(Endpoint.COMPLETION, fields, prompts, options, params, logprobs is not None)
+
+
+def _fields(body: Any, endpoint_fields: frozenset[str]) -> dict[str, Any]:
+    """The body's fields with nulls dropped (null means "the default" everywhere here);
+    refuses a body that is not an object and any field nobody knows."""
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("", "the request body must be a JSON object")
+    known = COMMON_FIELDS | endpoint_fields | IGNORED_FIELDS
+    for name in body:
+        if name not in known and name not in SAMPLING_FIELDS and name not in EXTENSION_FIELDS:
+            raise InvalidArgumentError(name, f"unrecognized request argument: {name!r}")
+    return {name: value for name, value in body.items() if value is not None}
+
+
+def _request(
+    endpoint: Endpoint,
+    fields: dict[str, Any],
+    prompts: tuple[Prompt, ...],
+    options: dict[str, object],
+    params: dict[str, str],
+    logprobs: bool,
+) -> ApiRequest:
+    model = _typed(fields, "model", str, "")
+    stream = _typed(fields, "stream", bool, False)
+    include_usage = _include_usage(fields.get("stream_options"), stream)
+    priority = _typed(fields, "priority", int, 0)
+    if fields.get("logit_bias"):
+        raise InvalidArgumentError("logit_bias", "logit_bias is not supported")
+    for name in (*SAMPLING_FIELDS, *EXTENSION_FIELDS):
+        if name in fields:
+            options[name] = fields[name]
+    config = _config(options, params)
+    return ApiRequest(
+        endpoint, model, prompts, config, priority, stream, include_usage, logprobs, params
+    )
+
+
+def _config(options: dict[str, object], params: dict[str, str]) -> GenerationConfig:
+    """`GenerationConfig` checks every value; its errors are renamed to the OpenAI param."""
+    try:
+        return GenerationConfig(**{k: v for k, v in options.items() if v is not None})  # type: ignore[arg-type]
+    except InvalidArgumentError as error:
+        param = params.get(error.field, error.field)
+        message = str(error).removeprefix(f"{error.field}: ")
+        raise InvalidArgumentError(param, message) from None
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidArgumentError("stream_options", "is only allowed with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise InvalidArgumentError("stream_options", 'must be {"include_usage": true|false}')
+    return _typed(options, "include_usage", bool, False, "stream_options.include_usage")
+
+
+def _refuse_tools(fields: dict[str, Any]) -> None:
+    for name in ("tools", "functions"):
+        if fields.get(name):
+            raise InvalidArgumentError(name, "tool and function calling is not supported")
+    for name in ("tool_choice", "function_call"):
+        if fields.get(name, "none") != "none":
+            raise InvalidArgumentError(name, "tool and function calling is not supported")
+
+
+def _response_format(value: Any) -> None:
+    """``response_format``: only plain text until headrace has constrained decoding. When it
+    does, return the `GenerationConfig` options (json_object / json_schema) from here."""
+    if value is None or value == {"type": "text"}:
+        return
+    raise InvalidArgumentError(
+        "response_format",
+        "structured output (json_object, json_schema) needs constrained decoding, which this "
+        'server does not support yet; only {"type": "text"} is accepted',
+    )
+
+
+def _typed(
+    fields: Mapping[str, Any], name: str, kind: type, default: Any, param: str | None = None
+) -> Any:
+    value = fields.get(name, default)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidArgumentError(param or name, f"must be a {_KIND_NAMES[kind]}, got {value!r}")
+    return value
+
+
+_KIND_NAMES: dict[type, str] = {bool: "boolean", int: "integer", str: "string"}

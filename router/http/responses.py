@@ -1,0 +1,217 @@
+"""headrace chunks → OpenAI response bodies: whole (``stream: false``) or as stream chunks.
+
+Design note. One HTTP call is one or more headrace requests (one per prompt, named
+``<call id>-<prompt index>``), each with ``n`` samples; OpenAI numbers the choices
+``prompt_index * n + sample_index``. A `ResponseBuilder` turns the chunks the router sends
+into either the events of a stream (one event per chunk that carries text, logprobs or a
+finish reason) or, folded, the one body of a plain response. Usage is the sum of each
+request's usage, which the router already reports across failovers, so it equals the gRPC
+path's.
+
+Logprobs carry token ids only: the router has no tokenizer, and the wire says which token,
+not its text. A token is therefore written ``"token_id:<id>"`` (vLLM's convention for
+``return_tokens_as_token_ids``), with ``bytes`` null; logprob values are the worker's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from headrace.protos import generation_pb2 as pb
+from headrace.router.http.requests import ApiRequest, Endpoint
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+ID_PREFIXES = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETION: "cmpl-"}
+CHUNK_OBJECTS = {Endpoint.CHAT: "chat.completion.chunk", Endpoint.COMPLETION: "text_completion"}
+
+Json = dict[str, Any]
+
+
+def encode(body: object) -> bytes:
+    """JSON as the door sends it: compact, UTF-8, never a raw newline (SSE needs that)."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(event: Json) -> bytes:
+    """One Server-Sent Event carrying ``event``."""
+    return b"data: " + encode(event) + b"\n\n"
+
+
+def token_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One choice's output so far (plain responses), or its text length (streams)."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    #: Characters of text so far (completions' ``text_offset``).
+    num_chars: int = 0
+    #: Per token in `logprobs`: where the text of its chunk starts (plain completions).
+    text_offsets: list[int] = field(default_factory=list)
+
+
+class ResponseBuilder:
+    def __init__(self, request: ApiRequest, model: str) -> None:
+        self.request = request
+        self.endpoint = request.endpoint
+        self.model = model
+        self.id = ID_PREFIXES[request.endpoint] + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(len(request.prompts) * request.config.n)]
+        self.usage = pb.Usage()
+        #: The request id of each prompt (what the router's logs and spans name), and back.
+        self.request_ids = [f"{self.id}-{i}" for i in range(len(request.prompts))]
+        self._prompt_index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        # A stream event is `data: {<envelope>,"choices":[<choice>](,"usage":null)}\n\n`.
+        self._event_head = b"data: " + encode(self._envelope())[:-1] + b',"choices":['
+        self._event_tail = b'],"usage":null}\n\n' if request.include_usage else b"]}\n\n"
+
+    def index(self, chunk: pb.Chunk) -> int:
+        """The OpenAI choice index of a chunk."""
+        return self._prompt_index[chunk.request_id] * self.request.config.n + chunk.index
+
+    def record_usage(self, chunk: pb.Chunk) -> None:
+        if chunk.finished and chunk.HasField("usage"):
+            self.usage.prompt_tokens += chunk.usage.prompt_tokens
+            self.usage.generated_tokens += chunk.usage.generated_tokens
+            self.usage.cached_tokens += chunk.usage.cached_tokens
+
+    def usage_json(self) -> Json:
+        usage = self.usage
+        return {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.generated_tokens,
+            "total_tokens": usage.prompt_tokens + usage.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        }
+
+    # --- plain responses ----------------------------------------------------------------
+
+    def add(self, chunk: pb.Chunk) -> None:
+        """Fold a chunk into its choice."""
+        self.record_usage(chunk)
+        choice = self.choices[self.index(chunk)]
+        choice.text.append(chunk.text)
+        choice.logprobs.extend(chunk.logprobs)
+        choice.text_offsets.extend(choice.num_chars for _ in chunk.logprobs)
+        choice.num_chars += len(chunk.text)
+        if chunk.finish_reason in FINISH_REASONS:
+            choice.finish_reason = FINISH_REASONS[chunk.finish_reason]
+
+    def body(self) -> Json:
+        """The whole response, once every request has finished."""
+        choices = [self._choice_json(i, choice) for i, choice in enumerate(self.choices)]
+        return {
+            "id": self.id,
+            "object": self.endpoint.value,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage_json(),
+        }
+
+    def _choice_json(self, index: int, choice: _Choice) -> Json:
+        text = "".join(choice.text)
+        logprobs = None
+        if self.request.logprobs:
+            logprobs = self._logprobs(choice.logprobs, choice.text_offsets)
+        if self.endpoint is Endpoint.CHAT:
+            message = {"role": "assistant", "content": text}
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+            }
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+        }
+
+    # --- streams ------------------------------------------------------------------------
+
+    def first_events(self) -> bytes:
+        """Chat streams open each choice with the assistant's role, as OpenAI's do."""
+        if self.endpoint is not Endpoint.CHAT:
+            return b""
+        delta = {"role": "assistant", "content": ""}
+        return b"".join(self._event(i, delta, None, None) for i in range(len(self.choices)))
+
+    def events(self, chunk: pb.Chunk) -> bytes:
+        """The stream events of one chunk, as SSE (none for a chunk that only closes a
+        request, or whose token has no text yet)."""
+        self.record_usage(chunk)
+        finish_reason = FINISH_REASONS.get(chunk.finish_reason)
+        if not chunk.text and not chunk.logprobs and finish_reason is None:
+            return b""
+        index = self.index(chunk)
+        choice = self.choices[index]
+        logprobs = None
+        if self.request.logprobs:
+            offsets = [choice.num_chars] * len(chunk.logprobs)
+            logprobs = self._logprobs(chunk.logprobs, offsets)
+        choice.num_chars += len(chunk.text)
+        if self.endpoint is Endpoint.CHAT:
+            delta = {"content": chunk.text} if chunk.text or finish_reason is None else {}
+            return self._event(index, delta, logprobs, finish_reason)
+        return self._event(index, chunk.text, logprobs, finish_reason)
+
+    def usage_event(self) -> bytes:
+        """The last event of a stream with ``include_usage``: no choices, the usage."""
+        return sse({**self._envelope(), "choices": [], "usage": self.usage_json()})
+
+    def _event(
+        self, index: int, content: Json | str, logprobs: Json | None, finish_reason: str | None
+    ) -> bytes:
+        """One choice's event. Every event of a call has the same envelope (id, object,
+        created, model), so it is encoded once and only the choice is encoded here."""
+        key = "delta" if self.endpoint is Endpoint.CHAT else "text"
+        choice = {
+            "index": index,
+            key: content,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+        return self._event_head + encode(choice) + self._event_tail
+
+    def _envelope(self) -> Json:
+        object_name = CHUNK_OBJECTS[self.endpoint]
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    # --- logprobs -----------------------------------------------------------------------
+
+    def _logprobs(self, entries: Sequence[pb.TokenLogprob], text_offsets: list[int]) -> Json:
+        if self.endpoint is Endpoint.CHAT:
+            return {"content": [_chat_logprob(entry) for entry in entries], "refusal": None}
+        return {
+            "tokens": [token_name(entry.token_id) for entry in entries],
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [
+                {token_name(t.token_id): t.logprob for t in entry.top} for entry in entries
+            ],
+            # Token texts are unknown here: each token starts where its chunk's text does.
+            "text_offset": text_offsets,
+        }
+
+
+def _chat_logprob(entry: pb.TokenLogprob) -> Json:
+    return {
+        "token": token_name(entry.token_id),
+        "logprob": entry.logprob,
+        "bytes": None,
+        "top_logprobs": [
+            {"token": token_name(t.token_id), "logprob": t.logprob, "bytes": None}
+            for t in entry.top
+        ],
+    }

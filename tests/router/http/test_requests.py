@@ -1,0 +1,149 @@
+"""OpenAI bodies → headrace requests: every field lands where it should, and every refusal
+names the OpenAI param the caller sent."""
+
+from __future__ import annotations
+
+import pytest
+from headrace.router.http.requests import (
+    COMPLETION_MAX_TOKENS,
+    Endpoint,
+    parse_chat,
+    parse_completion,
+)
+from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.prompts import Chat, ChatMessage
+
+CONTEXT = 512
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: object):
+    return parse_chat({"model": "m", "messages": MESSAGES, **fields}, CONTEXT)
+
+
+def test_every_sampling_field_and_extension_lands_on_the_config():
+    api = chat(
+        max_tokens=7, temperature=0.5, top_p=0.9, n=3, stop=["x", "y"], seed=11,
+        presence_penalty=0.5, frequency_penalty=-0.5, logprobs=True, top_logprobs=4,
+        top_k=20, min_p=0.1, repetition_penalty=1.2, ignore_eos=True, priority=-3,
+        stream=True, stream_options={"include_usage": True}, user="ignored",
+    )  # fmt: skip
+    assert api.config == GenerationConfig(
+        max_tokens=7, temperature=0.5, top_p=0.9, n=3, stop=("x", "y"), seed=11,
+        presence_penalty=0.5, frequency_penalty=-0.5, logprobs=4, top_k=20, min_p=0.1,
+        repetition_penalty=1.2, ignore_eos=True,
+    )  # fmt: skip
+    assert (api.priority, api.stream, api.include_usage, api.logprobs) == (-3, True, True, True)
+    assert api.endpoint is Endpoint.CHAT and api.model == "m"
+    assert api.prompts == (Chat((ChatMessage("user", "hi"),)),)
+
+
+def test_chat_generates_to_the_context_unless_told_and_max_completion_tokens_wins():
+    assert chat().config.max_tokens == CONTEXT
+    assert chat(max_tokens=5).config.max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=9).config.max_tokens == 9
+
+
+def test_null_means_the_default():
+    assert chat(temperature=None, stop=None, seed=None).config == GenerationConfig(
+        max_tokens=CONTEXT
+    )
+
+
+def test_logprobs_without_top_logprobs_is_the_chosen_token_only():
+    assert chat(logprobs=True).config.logprobs == 0
+    assert chat(logprobs=False).config.logprobs is None
+
+
+def test_chat_messages_text_parts_and_roles():
+    messages = [
+        {"role": "developer", "content": "be brief", "name": "ops"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ]
+    (prompt,) = parse_chat({"messages": messages, "add_generation_prompt": False}, CONTEXT).prompts
+    assert prompt == Chat(
+        (
+            ChatMessage("system", "be brief"),
+            ChatMessage("user", "a\nb"),
+            ChatMessage("assistant", ""),
+        ),
+        add_generation_prompt=False,
+    )
+
+
+def test_completion_prompts_defaults_and_batches():
+    api = parse_completion({"prompt": "Once upon"})
+    assert api.prompts == ("Once upon",) and api.config.max_tokens == COMPLETION_MAX_TOKENS
+    assert parse_completion({"prompt": [1, 2, 3]}).prompts == ([1, 2, 3],)
+    assert parse_completion({"prompt": ["a", [4, 5]]}).prompts == ("a", [4, 5])
+    assert parse_completion({"prompt": "a", "logprobs": 2}).config.logprobs == 2
+    assert parse_completion({"prompt": "a", "best_of": 2, "n": 2}).config.n == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 1.5}, "max_completion_tokens"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"content": "no role"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "assistant", "tool_calls": []}]}, "messages[0].tool_calls"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"logit_bias": {"50": 1}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"priority": True}, "priority"),
+        ({"model": 3}, "model"),
+    ],
+)
+def test_a_bad_chat_field_is_refused_naming_its_param(fields: dict, param: str):
+    with pytest.raises(InvalidArgumentError) as refused:
+        parse_chat({"messages": MESSAGES, **fields}, CONTEXT)
+    assert refused.value.field == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["ok", 5]}, "prompt[1]"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "suffix": "z"}, "suffix"),
+        ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "messages": MESSAGES}, "messages"),
+    ],
+)
+def test_a_bad_completion_field_is_refused_naming_its_param(fields: dict, param: str):
+    with pytest.raises(InvalidArgumentError) as refused:
+        parse_completion(fields)
+    assert refused.value.field == param
+
+
+def test_response_format_text_is_accepted_and_the_rest_waits_for_constraints():
+    assert chat(response_format={"type": "text"}).config == GenerationConfig(max_tokens=CONTEXT)
+    with pytest.raises(InvalidArgumentError, match="constrained decoding"):
+        chat(response_format={"type": "json_object"})
+
+
+def test_fields_named_by_the_router_or_a_worker_become_openai_params():
+    api = chat(max_completion_tokens=3)
+    assert api.param("config.top_p") == "top_p"
+    assert api.param("config.logprobs") == "top_logprobs"
+    assert api.param("config.max_tokens") == "max_completion_tokens"
+    assert api.param("chat.messages[1].role") == "messages[1].role"
+    assert api.param("chat") == "messages" and api.param("prompt_token_ids") == "messages"
+    completion = parse_completion({"prompt": "a"})
+    assert completion.param("prompt") == "prompt" and completion.param("config.n") == "n"
+    assert completion.param("") is None
