@@ -256,13 +256,15 @@ class LlamaForCausalLM(nn.Module):
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
-    def load_weights(self, tensors: Iterable[tuple[str, LoadedTensor]]) -> None:
+    def load_weights(
+        self, tensors: Iterable[tuple[str, LoadedTensor]], complete: bool = True
+    ) -> None:
         stage_tensors = (
             (target, tensor)
             for name, tensor in tensors
             if (target := self._stage_name(name)) is not None
         )
-        load_weights(self, stage_tensors, self.packed_modules_mapping)
+        load_weights(self, stage_tensors, self.packed_modules_mapping, complete=complete)
 
     def _stage_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor fills on this pipeline stage, or None.
