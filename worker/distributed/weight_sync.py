@@ -24,6 +24,7 @@ group) and a gloo or NCCL process group built on it directly.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,22 @@ class FromRankZero:
 
 #: What a caller may update from (rank 0 turns `FromTensors` into `FromRankZero` for others).
 WeightSource = FromDisk | FromTensors | FromGroup
+
+
+def weight_source(weights: str | Path | Iterable[tuple[str, torch.Tensor]]) -> WeightSource:
+    """A checkpoint folder's path, or (name, tensor) pairs, as a source."""
+    if isinstance(weights, str | Path):
+        return FromDisk(Path(weights))
+    tensors = tuple(weights)
+    for i, entry in enumerate(tensors):
+        if (
+            not isinstance(entry, tuple)
+            or len(entry) != 2
+            or not isinstance(entry[0], str)
+            or not isinstance(entry[1], torch.Tensor)
+        ):
+            raise InvalidArgumentError("weights", f"entry {i} is not a (name, tensor) pair")
+    return FromTensors(tensors)
 
 
 @dataclass(frozen=True, slots=True)
