@@ -23,7 +23,6 @@ import torch.distributed as dist
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.distributed.weight_sync import (
     FromDisk,
-    FromGroup,
     FromRankZero,
     FromTensors,
     WeightGroup,
@@ -88,6 +87,12 @@ class RankControl:
         #: The worker's own gloo group over all its ranks (None with a single rank).
         self.plan_group = plan_group
         self.weight_group: WeightGroup | None = None
+
+    def close(self) -> None:
+        """Leave the weights group, if any (at shutdown)."""
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
 
     def run(self, command: RankCommand) -> str | None:
         """Apply ``command``; returns why it failed on this rank (None: it did not)."""
@@ -168,7 +173,9 @@ class RankControl:
             raise failure
 
     def _join(self, spec: WeightGroupSpec) -> None:
-        self.weight_group = None  # a new group replaces the old one
+        if self.weight_group is not None:  # a new group replaces the old one
+            self.weight_group.close()
+            self.weight_group = None
         rank = spec.rank_offset + self.parallel.rank
         self.weight_group = WeightGroup.join(
             spec.host, spec.port, spec.world_size, rank, spec.backend, spec.timeout_s

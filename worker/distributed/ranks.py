@@ -276,6 +276,7 @@ def _serve_steps(shard: Shard) -> None:
         inputs = [shard.runner.build_inputs(mirrors.chunks(mb)) for mb in message.micro_batches]
         stage.run(inputs, [mb.logit_rows for mb in message.micro_batches], sends)
         sends.wait()
+    control.close()
 
 
 def _exit_with_parent() -> None:

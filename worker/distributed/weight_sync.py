@@ -174,3 +174,15 @@ class WeightGroup:
     def barrier(self) -> None:
         flag = torch.zeros(1, device=self.device)
         self.process_group.allreduce([flag]).wait()
+
+    def close(self) -> None:
+        """Leave the group: the process group first, then its store. (Left to interpreter
+        exit, the store can go first, and the process then aborts.)"""
+        self.process_group = None
+        self.store = None
+
+    def __enter__(self) -> WeightGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

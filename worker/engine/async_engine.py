@@ -264,8 +264,8 @@ class AsyncEngine:
                 self._fail_everything()
                 continue
             self._deliver(outputs)
-            self._resolve_drained()
             self._publish_load()
+            self._resolve_drained()
 
     def _publish_load(self, now_too: bool = False) -> None:
         now = time.monotonic()
@@ -304,18 +304,20 @@ class AsyncEngine:
             self._run_control(command)
 
     def _run_control(self, command: _Control) -> None:
+        error: Exception | None = None
         try:
             self._deliver(self.engine.settle())
             self._deliver(command.call(self.engine) or [])
         except Exception as exc:  # the caller gets it; the engine goes on
-            command.future.set_exception(exc)
+            error = exc
+        self._publish_load(now_too=True)  # before the caller learns the call is done
+        if error is not None:
+            command.future.set_exception(error)
+        elif command.until_drained:
+            self._drain_waiters.append(command.future)
         else:
-            if command.until_drained:
-                self._drain_waiters.append(command.future)
-            else:
-                command.future.set_result(None)
+            command.future.set_result(None)
         self._resolve_drained()
-        self._publish_load(now_too=True)
 
     def _resolve_drained(self) -> None:
         """Resolve WAIT pauses once drained, or once no longer waiting (resumed, re-paused)."""

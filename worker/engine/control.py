@@ -142,9 +142,7 @@ class GenerationControl:
             self.block_manager.reset_prefix_cache()
         self.weight_version = version
         self.incomplete = None
-        logger.info(
-            "weights updated to version %r in %.3f s", version, time.perf_counter() - start
-        )
+        logger.info("weights updated to version %r in %.3f s", version, time.perf_counter() - start)
 
     def join_weight_group(self, spec: WeightGroupSpec) -> None:
         try:

@@ -39,7 +39,7 @@ from headrace.worker.sampling.stops import finish_reason
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
-from headrace.worker.sequence import Sequence, SequenceStatus
+from headrace.worker.sequence import Sequence
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,9 @@ class Engine:
     def resume_generation(self) -> None:
         self.control.resume(self.scheduler)
 
-    def update_weights(self, source: WeightSource, version: str, validate_only: bool = False) -> None:
+    def update_weights(
+        self, source: WeightSource, version: str, validate_only: bool = False
+    ) -> None:
         """New weights on every rank; a bad update raises InvalidArgumentError, copying nothing."""
         if validate_only:
             return self.control.check_update(source, version)

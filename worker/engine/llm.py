@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError, UnavailableError
 from headrace.sdk.outputs import Completion, GenerationResult
@@ -100,7 +99,6 @@ class LLM:
                 apply_output(results[output.request_id], output)
                 if output.finished:
                     unfinished.discard(output.request_id)
-
 
     # --- generation control ------------------------------------------------------------
 

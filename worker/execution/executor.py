@@ -77,6 +77,7 @@ class Executor:
             self.rank_control.run_everywhere(command)
 
     def close(self) -> None:
+        self.rank_control.close()
         if self.distributed is not None:
             self.distributed.close()
             self.distributed = None

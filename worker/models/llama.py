@@ -277,7 +277,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         parts = name.split(".")
         if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
-            return name if int(parts[2]) in self.model.layer_range else None
+            layer = int(parts[2])  # one beyond the model's layers is kept, so it is refused
+            ours = layer in self.model.layer_range
+            return name if ours or layer >= self.config.num_layers else None
         if name.startswith("model.embed_tokens."):
             if self.model.embed_tokens is not None:
                 return name
