@@ -137,6 +137,7 @@ def _worker(args: argparse.Namespace) -> int:
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
         max_prompt_bytes=args.max_prompt_bytes,
+        weight_version=args.weight_version,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -152,7 +153,8 @@ def _add_worker(subparsers: SubParsers) -> None:
     worker = subparsers.add_parser(
         "worker",
         help="serve a model over gRPC",
-        description="Load a model and serve the Generation and WorkerControl services.",
+        description="Load a model and serve the Generation, WorkerControl and "
+        "GenerationControl services.",
     )
     add = worker.add_argument
     add("--model", default=DEFAULT_MODEL, help="a local HF checkpoint folder or a known name")
@@ -201,6 +203,11 @@ def _add_worker(subparsers: SubParsers) -> None:
         "--max-prompt-bytes",
         type=int,
         help="longest text prompt in UTF-8 bytes (default: the most that could fit the context)",
+    )
+    add(
+        "--weight-version",
+        default="default",
+        help="the version the weights loaded at start go by (weight updates set new ones)",
     )
     worker.set_defaults(handler=_worker)
 

@@ -40,6 +40,7 @@ from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
+from headrace.worker.models.weight_check import WeightChecker
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,11 @@ class AsyncEngine:
         self._commands.put(_Hold(request_ids, paused=False))
 
     # --- generation control (any thread; await the result) ----------------------------------
+
+    @property
+    def weight_checker(self) -> WeightChecker:
+        """Checks tensors against the model; read-only, so any thread may use it."""
+        return self.engine.control.checker
 
     async def pause_generation(self, mode: PauseMode) -> None:
         """Pause (see `GenerationControl`); with WAIT, returns once the requests in flight

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 
-from headrace.sdk.errors import InternalError, UnavailableError
+from headrace.sdk.errors import FailedPreconditionError, InternalError, UnavailableError
 from headrace.sdk.weights import GenerationState, PauseMode, check_version
 from headrace.worker.distributed.rank_control import (
     JoinWeightGroup,
@@ -35,7 +35,7 @@ from headrace.worker.distributed.rank_control import (
     ReleaseMemory,
     RestoreMemory,
 )
-from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
+from headrace.worker.distributed.weight_sync import FromGroup, WeightGroupSpec, WeightSource
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.execution.executor import Executor
 from headrace.worker.models.weight_check import WeightChecker
@@ -126,6 +126,8 @@ class GenerationControl:
     def check_update(self, source: WeightSource, version: str) -> None:
         """Refuse (INVALID_ARGUMENT naming the tensor) an update that does not fit."""
         check_version(version)
+        if isinstance(source, FromGroup) and not self.rank_offset:
+            raise FailedPreconditionError("no weights group joined: init the group first")
         self.checker.check_update(source.metas())
 
     def update(self, source: WeightSource, version: str) -> None:
