@@ -14,8 +14,9 @@ import logging
 import sys
 import time
 
-from headrace.protos import generation_pb2
+from headrace.protos import control_pb2, generation_pb2
 from headrace.router.config import RouterConfig
+from headrace.router.control import RouterControlService
 from headrace.router.router import Router
 from headrace.router.service import RouterService
 from headrace.sdk import serving
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.1
 GENERATION_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+CONTROL_DESCRIPTOR = control_pb2.DESCRIPTOR.services_by_name["GenerationControl"]
 
 
 #: Where the router listens and how it stops.
@@ -35,9 +37,12 @@ class RouterServer:
     def __init__(self, config: RouterConfig, options: RouterOptions) -> None:
         self.options = options
         self.router = Router(config)
-        self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib, options.security)
+        services = [GENERATION_SERVICE, CONTROL_DESCRIPTOR.full_name]
+        self.grpc = serving.Server(services, options.max_message_mib, options.security)
         service = RouterService(self.router, options.flow)
         serving.add_service(service, self.grpc.server, GENERATION_DESCRIPTOR)
+        control = RouterControlService(self.router)  # fans out to every worker
+        serving.add_service(control, self.grpc.server, CONTROL_DESCRIPTOR)
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
