@@ -63,8 +63,17 @@ class RouterControlService(control_pb2_grpc.GenerationControlServicer):
     ) -> cpb.ControlResponse:
         """``call`` on every worker at once; their states, or the combined refusal."""
         links = self._links()
-        outcomes = await asyncio.gather(*(_outcome(link, call) for link in links))
-        return _combine(links, list(outcomes))
+        outcomes = list(await asyncio.gather(*(_outcome(link, call) for link in links)))
+        self._note_states(links, outcomes)
+        return _combine(links, outcomes)
+
+    def _note_states(self, links: list[WorkerLink], outcomes: list[Outcome]) -> None:
+        """What the workers answered is newer than their last load reports: act on it now
+        (a request right after `wake_up` finds them awake)."""
+        for link, outcome in zip(links, outcomes, strict=True):
+            if isinstance(outcome, cpb.ControlResponse) and outcome.workers:
+                link.note_state(outcome.workers[0])
+        self.router.on_change()
 
     async def _unary(self, method: str, request: Any) -> cpb.ControlResponse:
         def call(link: WorkerLink) -> Awaitable[cpb.ControlResponse]:
@@ -202,6 +211,7 @@ class RouterControlService(control_pb2_grpc.GenerationControlServicer):
             for forward in forwards:
                 forward.end()
         outcomes: list[Outcome] = [await forward.outcome() for forward in forwards]
+        self._note_states(links, outcomes)
         try:
             staged = _combine(links, outcomes)
         except HeadraceError:

@@ -131,6 +131,16 @@ class WorkerLink:
     def weight_version(self) -> str:
         return self.report.weight_version if self.report is not None else ""
 
+    def note_state(self, state: control_pb2.WorkerState) -> None:
+        """The worker's answer to a control call: its state and version, until the next
+        load report."""
+        if self.report is None:
+            return
+        report = worker_pb2.LoadReport()
+        report.CopyFrom(self.report)
+        report.state, report.weight_version = state.state, state.weight_version
+        self.report = report
+
     def has_room(self, request: RoutedRequest) -> bool:
         """Whether to send ``request`` here now: generating (not paused), room to spare,
         and serving the weights its tokens so far came from (after a failover)."""
