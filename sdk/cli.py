@@ -153,8 +153,7 @@ def _add_worker(subparsers: SubParsers) -> None:
     worker = subparsers.add_parser(
         "worker",
         help="serve a model over gRPC",
-        description="Load a model and serve the Generation, WorkerControl and "
-        "GenerationControl services.",
+        description="Load a model and serve Generation, WorkerControl and GenerationControl.",
     )
     add = worker.add_argument
     add("--model", default=DEFAULT_MODEL, help="a local HF checkpoint folder or a known name")
@@ -204,11 +203,7 @@ def _add_worker(subparsers: SubParsers) -> None:
         type=int,
         help="longest text prompt in UTF-8 bytes (default: the most that could fit the context)",
     )
-    add(
-        "--weight-version",
-        default="default",
-        help="the version the weights loaded at start go by (weight updates set new ones)",
-    )
+    add("--weight-version", default="default", help="the version of the weights loaded at start")
     worker.set_defaults(handler=_worker)
 
 
