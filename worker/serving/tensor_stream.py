@@ -58,10 +58,11 @@ class TensorAssembler:
                 f"{chunk.name}: chunk at byte {chunk.offset}, expected {filling.num_filled} "
                 "(a tensor's chunks must come in order)"
             )
-        end = filling.num_filled + len(chunk.data)
+        data = chunk.data  # (each read of a bytes field copies it)
+        end = filling.num_filled + len(data)
         if end > len(filling.raw):
             raise WeightsError(f"{chunk.name}: more than its {len(filling.raw)} bytes")
-        filling.raw[filling.num_filled : end] = np.frombuffer(chunk.data, dtype=np.uint8)
+        filling.raw[filling.num_filled : end] = np.frombuffer(data, dtype=np.uint8)
         filling.num_filled = end
 
     def finish(self) -> tuple[tuple[str, torch.Tensor], ...]:
