@@ -215,7 +215,8 @@ class RouterControlService(control_pb2_grpc.GenerationControlServicer):
         try:
             staged = _combine(links, outcomes)
         except HeadraceError:
-            await self._unary("DropStagedWeights", cpb.DropStagedWeightsRequest())
+            with contextlib.suppress(HeadraceError):  # (a worker down refused it already)
+                await self._unary("DropStagedWeights", cpb.DropStagedWeightsRequest())
             raise
         if header is None or header.stage_only:
             return staged
