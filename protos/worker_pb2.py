@@ -23,23 +23,24 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from headrace.protos import control_pb2 as headrace_dot_v1_dot_control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18headrace/v1/worker.proto\x12\x0bheadrace.v1\x1a\x1egoogle/protobuf/duration.proto\"?\n\x10WatchLoadRequest\x12+\n\x08interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x9b\x02\n\nLoadReport\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\x03\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x18\n\x10running_requests\x18\x04 \x01(\x03\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x03\x12\x15\n\rqueued_tokens\x18\x06 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_blocks\x18\x07 \x01(\x03\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x15\n\rmax_model_len\x18\t \x01(\x03\x12\x19\n\x11\x61\x64mitted_requests\x18\n \x01(\x03\x12\x18\n\x10max_prompt_bytes\x18\x0b \x01(\x03\"8\n\x0c\x44rainRequest\x12(\n\x05grace\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"+\n\rDrainResponse\x12\x1a\n\x12remaining_requests\x18\x01 \x01(\x03\x32\x96\x01\n\rWorkerControl\x12\x45\n\tWatchLoad\x12\x1d.headrace.v1.WatchLoadRequest\x1a\x17.headrace.v1.LoadReport0\x01\x12>\n\x05\x44rain\x12\x19.headrace.v1.DrainRequest\x1a\x1a.headrace.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18headrace/v1/worker.proto\x12\x0bheadrace.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x19headrace/v1/control.proto\"?\n\x10WatchLoadRequest\x12+\n\x08interval\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xf3\x02\n\nLoadReport\x12\x16\n\x0e\x66ree_kv_blocks\x18\x01 \x01(\x03\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x03\x12\x18\n\x10running_requests\x18\x04 \x01(\x03\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x03\x12\x15\n\rqueued_tokens\x18\x06 \x01(\x03\x12\x1f\n\x17prefix_cache_hit_blocks\x18\x07 \x01(\x03\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x15\n\rmax_model_len\x18\t \x01(\x03\x12\x19\n\x11\x61\x64mitted_requests\x18\n \x01(\x03\x12\x18\n\x10max_prompt_bytes\x18\x0b \x01(\x03\x12\x16\n\x0eweight_version\x18\x0c \x01(\t\x12+\n\x05state\x18\r \x01(\x0e\x32\x1c.headrace.v1.GenerationState\x12\x11\n\tnum_ranks\x18\x0e \x01(\x05\"8\n\x0c\x44rainRequest\x12(\n\x05grace\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"+\n\rDrainResponse\x12\x1a\n\x12remaining_requests\x18\x01 \x01(\x03\x32\x96\x01\n\rWorkerControl\x12\x45\n\tWatchLoad\x12\x1d.headrace.v1.WatchLoadRequest\x1a\x17.headrace.v1.LoadReport0\x01\x12>\n\x05\x44rain\x12\x19.headrace.v1.DrainRequest\x1a\x1a.headrace.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'headrace.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WATCHLOADREQUEST']._serialized_start=73
-  _globals['_WATCHLOADREQUEST']._serialized_end=136
-  _globals['_LOADREPORT']._serialized_start=139
-  _globals['_LOADREPORT']._serialized_end=422
-  _globals['_DRAINREQUEST']._serialized_start=424
-  _globals['_DRAINREQUEST']._serialized_end=480
-  _globals['_DRAINRESPONSE']._serialized_start=482
-  _globals['_DRAINRESPONSE']._serialized_end=525
-  _globals['_WORKERCONTROL']._serialized_start=528
-  _globals['_WORKERCONTROL']._serialized_end=678
+  _globals['_WATCHLOADREQUEST']._serialized_start=100
+  _globals['_WATCHLOADREQUEST']._serialized_end=163
+  _globals['_LOADREPORT']._serialized_start=166
+  _globals['_LOADREPORT']._serialized_end=537
+  _globals['_DRAINREQUEST']._serialized_start=539
+  _globals['_DRAINREQUEST']._serialized_end=595
+  _globals['_DRAINRESPONSE']._serialized_start=597
+  _globals['_DRAINRESPONSE']._serialized_end=640
+  _globals['_WORKERCONTROL']._serialized_start=643
+  _globals['_WORKERCONTROL']._serialized_end=793
 # @@protoc_insertion_point(module_scope)

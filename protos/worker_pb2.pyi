@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import duration_pb2 as _duration_pb2
+from headrace.protos import control_pb2 as _control_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
@@ -15,7 +16,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("free_kv_blocks", "total_kv_blocks", "block_size", "running_requests", "waiting_requests", "queued_tokens", "prefix_cache_hit_blocks", "draining", "max_model_len", "admitted_requests", "max_prompt_bytes")
+    __slots__ = ("free_kv_blocks", "total_kv_blocks", "block_size", "running_requests", "waiting_requests", "queued_tokens", "prefix_cache_hit_blocks", "draining", "max_model_len", "admitted_requests", "max_prompt_bytes", "weight_version", "state", "num_ranks")
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +28,9 @@ class LoadReport(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     free_kv_blocks: int
     total_kv_blocks: int
     block_size: int
@@ -38,7 +42,10 @@ class LoadReport(_message.Message):
     max_model_len: int
     admitted_requests: int
     max_prompt_bytes: int
-    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ...) -> None: ...
+    weight_version: str
+    state: _control_pb2.GenerationState
+    num_ranks: int
+    def __init__(self, free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., prefix_cache_hit_blocks: _Optional[int] = ..., draining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., admitted_requests: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., weight_version: _Optional[str] = ..., state: _Optional[_Union[_control_pb2.GenerationState, str]] = ..., num_ranks: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("grace",)

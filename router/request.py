@@ -60,6 +60,11 @@ class RoutedRequest:
     timer: asyncio.TimerHandle | None = None
     #: When it first went to a worker (monotonic); 0 while it has not.
     first_dispatch_s: float = 0.0
+    #: The weight version of the last tokens it streamed ("" before any).
+    weight_version: str = ""
+    #: Set while it fails over: the version the next worker must serve, so its tokens never
+    #: come from two versions of the weights (cleared by that worker's first chunk).
+    required_version: str = ""
 
     @property
     def arrival_s(self) -> float:
@@ -103,6 +108,8 @@ class RoutedRequest:
             self.prompt_token_ids = list(chunk.prompt_token_ids)
         if not self.original.return_prompt_token_ids or self.num_failovers:
             chunk.ClearField("prompt_token_ids")
+        if chunk.token_ids and chunk.weight_version:
+            self.weight_version = chunk.weight_version
         if chunk.index == 0:
             self.streamed_token_ids.extend(chunk.token_ids)
         self.num_streamed_tokens += len(chunk.token_ids)

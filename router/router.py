@@ -8,7 +8,9 @@ load report, a worker coming up). Dispatch is strictly head-of-line: if the best
 request cannot go anywhere, nothing behind it jumps ahead. Chunks from a worker's stream are
 rewritten for their clients and grouped so each worker step becomes one message per
 client stream. When a worker goes down, its requests re-enter the queue at their original
-place and resume elsewhere (see `RoutedRequest`).
+place and resume elsewhere (see `RoutedRequest`), but only on a worker serving the weight
+version that produced their tokens so far: with none, they fail (UNAVAILABLE) rather than
+mix two policies in one sample.
 """
 
 from __future__ import annotations
@@ -131,11 +133,27 @@ class Router:
         while (request := self.queue.peek()) is not None:
             candidates = [link for link in self.pool.links.values() if link.has_room(request)]
             if not candidates:
+                if not self._version_served(request):
+                    self.fail(request, self._version_gone(request))
+                    continue
                 return
             self.queue.pop()
             link = self.policy.choose(request, candidates)
             self._record_dispatch(request, link)
             link.send(request)
+
+    def _version_served(self, request: RoutedRequest) -> bool:
+        """Some worker in rotation serves the weights the request must resume on."""
+        wanted = request.required_version
+        return not wanted or any(link.weight_version == wanted for link in self.pool.accepting())
+
+    def _version_gone(self, request: RoutedRequest) -> UnavailableError:
+        return UnavailableError(
+            f"no worker serves weight version {request.required_version!r}, which produced "
+            f"this request's first {len(request.streamed_token_ids)} tokens; it is not "
+            "resumed on other weights",
+            self.config.retry_after_s,
+        )
 
     def _record_dispatch(self, request: RoutedRequest, link: WorkerLink) -> None:
         span = request.telemetry.span
@@ -159,6 +177,11 @@ class Router:
             request = link.inflight.get(chunk.request_id)
             if request is None:
                 continue  # cancelled or timed out here already
+            if request.required_version and chunk.weight_version:
+                if chunk.weight_version != request.required_version:  # updated since its report
+                    self.fail(request, self._version_gone(request))
+                    continue
+                request.required_version = ""  # resumed on the same weights
             request.telemetry.clock.tokens(now_s, len(chunk.token_ids), self.metrics.requests)
             out = request.to_client(chunk)
             if out.finished:
@@ -200,6 +223,7 @@ class Router:
         if request.streamed_token_ids and request.remaining_tokens <= 0:
             self._finish_locally(request, pb.FINISH_REASON_LENGTH)
             return
+        request.required_version = request.weight_version if request.streamed_token_ids else ""
         request.num_failovers += 1
         self.metrics.failovers.inc()
         request.telemetry.span.add_event("failover", {"headrace.worker": link.target})

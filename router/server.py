@@ -15,8 +15,9 @@ import logging
 import sys
 import time
 
-from headrace.protos import generation_pb2
+from headrace.protos import control_pb2, generation_pb2
 from headrace.router.config import RouterConfig
+from headrace.router.control import RouterControlService
 from headrace.router.http.app import HttpDoor
 from headrace.router.http.server import HttpOptions, HttpServer
 from headrace.router.router import Router
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.1
 GENERATION_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+CONTROL_DESCRIPTOR = control_pb2.DESCRIPTOR.services_by_name["GenerationControl"]
 
 
 #: Where the router listens and how it stops.
@@ -41,9 +43,12 @@ class RouterServer:
         self.options = options
         self.http_options = http or HttpOptions()
         self.router = Router(config)
-        self.grpc = serving.Server([GENERATION_SERVICE], options.max_message_mib, options.security)
+        services = [GENERATION_SERVICE, CONTROL_DESCRIPTOR.full_name]
+        self.grpc = serving.Server(services, options.max_message_mib, options.security)
         service = RouterService(self.router, options.flow)
         serving.add_service(service, self.grpc.server, GENERATION_DESCRIPTOR)
+        control = RouterControlService(self.router)  # fans out to every worker
+        serving.add_service(control, self.grpc.server, CONTROL_DESCRIPTOR)
         self.http: HttpServer | None = None
         if self.http_options.port is not None:
             door = HttpDoor(

@@ -27,8 +27,14 @@ from typing import Any, Protocol
 
 import grpc
 import grpc.aio
+from headrace.protos import (
+    control_pb2,
+    control_pb2_grpc,
+    generation_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from headrace.protos import generation_pb2 as pb
-from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from headrace.router.config import RouterConfig
 from headrace.router.request import RoutedRequest
 from headrace.sdk.client import CHANNEL_OPTIONS
@@ -80,6 +86,8 @@ class WorkerLink:
         self._files_signature = files_signature
         self._generation = generation_pb2_grpc.GenerationStub(self.channel)
         self._control = worker_pb2_grpc.WorkerControlStub(self.channel)
+        #: The worker's `GenerationControl` (the router's own fans out to it).
+        self.generation_control = control_pb2_grpc.GenerationControlStub(self.channel)
 
     async def _reconnect_if_rotated(self) -> None:
         """While the worker is away: if a certificate file changed, a new channel uses it."""
@@ -110,11 +118,33 @@ class WorkerLink:
 
     @property
     def accepting(self) -> bool:
-        return self.healthy and self.report is not None and not self.report.draining
+        """In rotation: up, not draining, not asleep (a paused worker is: it resumes)."""
+        report = self.report
+        return (
+            self.healthy
+            and report is not None
+            and not report.draining
+            and report.state not in _OUT_OF_ROTATION
+        )
+
+    @property
+    def weight_version(self) -> str:
+        return self.report.weight_version if self.report is not None else ""
+
+    def note_state(self, state: control_pb2.WorkerState) -> None:
+        """The worker's answer to a control call: its state and version, until the next
+        load report."""
+        if self.report is None:
+            return
+        report = worker_pb2.LoadReport()
+        report.CopyFrom(self.report)
+        report.state, report.weight_version = state.state, state.weight_version
+        self.report = report
 
     def has_room(self, request: RoutedRequest) -> bool:
-        """Whether the request may go here now: accepting, under the in-flight cap, and KV
-        room by the estimates. Over the cap (up to twice it) a request still goes where
+        """Whether ``request`` may go here now: generating (not paused), under the in-flight
+        cap, KV room by the estimates, and serving the weights its tokens so far came from
+        (after a failover). Over the cap (up to twice it) a request still goes where
         something of lower priority is in flight: the worker serves it first (preempting at
         its own sequence cap), so holding it back here would only delay it."""
         if not self.accepting:
@@ -125,6 +155,10 @@ class WorkerLink:
         ):
             return False
         assert self.report is not None
+        if self.report.state != control_pb2.GENERATION_STATE_SERVING:
+            return False  # paused: the request waits in the router's queue
+        if request.required_version and request.required_version != self.weight_version:
+            return False
         return self.free_kv_blocks >= self._blocks_for(request) or not self.inflight
 
     def _outranks_one_in_flight(self, request: RoutedRequest) -> bool:
@@ -285,6 +319,12 @@ async def _drain(outgoing: asyncio.Queue[pb.GenerateRequest | None]) -> AsyncIte
     while (message := await outgoing.get()) is not None:
         yield message
 
+
+#: Worker states that take a worker out of rotation (requests are refused, not queued).
+_OUT_OF_ROTATION = (
+    control_pb2.GENERATION_STATE_ASLEEP,
+    control_pb2.GENERATION_STATE_WEIGHTS_INCOMPLETE,
+)
 
 #: A worker's answers that mean it does not accept the router's key.
 _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)

@@ -5,6 +5,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import (
     CancelledError,
     DeadlineExceededError,
+    FailedPreconditionError,
     HeadraceError,
     InternalError,
     InvalidArgumentError,
@@ -33,6 +34,7 @@ __all__ = [
     "Client",
     "Completion",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "FinishReason",
     "GenerationConfig",
     "GenerationResult",

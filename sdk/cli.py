@@ -146,6 +146,7 @@ def _worker(args: argparse.Namespace) -> int:
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
         max_prompt_bytes=args.max_prompt_bytes,
+        weight_version=args.weight_version,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -155,8 +156,8 @@ def _worker(args: argparse.Namespace) -> int:
     return run(engine_config, options)
 
 
-WORKER_DESCRIPTION = """Load a model and serve the Generation and WorkerControl services (and gRPC
-health and reflection) on --host:--port.
+WORKER_DESCRIPTION = """Load a model and serve the Generation, WorkerControl and GenerationControl
+services (and gRPC health and reflection) on --host:--port.
 
     headrace worker                                   # the default model, prepared once
     headrace worker --model /path/to/hf-checkpoint --port 50051 --dtype bf16
@@ -234,6 +235,7 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
         type=int,
         help="longest text prompt in UTF-8 bytes (default: the most that could fit the context)",
     )
+    add("--weight-version", default="default", help="the version of the weights loaded at start")
 
 
 def _add_router(subparsers: SubParsers) -> None:

@@ -38,6 +38,7 @@ from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
 from headrace.sdk import status, tracing, wire
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.control import AsyncControlCalls, ControlCalls
 from headrace.sdk.credentials import Metadata, bearer_metadata, default_api_key
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, UnavailableError
 from headrace.sdk.outputs import GenerationResult, StreamChunk
@@ -121,8 +122,9 @@ class _Multiplexer:
         await asyncio.gather(self._writer, self._reader, return_exceptions=True)
 
 
-class AsyncClient:
-    """A client of one server (router or worker); use it from one event loop."""
+class AsyncClient(AsyncControlCalls):
+    """A client of one server (router or worker); use it from one event loop. Generation
+    control (pause, weight updates, sleep: admin calls) comes from `AsyncControlCalls`."""
 
     def __init__(
         self,
@@ -271,8 +273,10 @@ class AsyncClient:
         return info
 
 
-class Client:
+class Client(ControlCalls):
     """The blocking client: same methods as `AsyncClient`; safe to share across threads."""
+
+    _async: AsyncClient
 
     def __init__(self, target: str, **options: Any) -> None:
         """Takes `AsyncClient`'s keyword arguments (model, TLS PEMs, api_key, ...)."""

@@ -75,6 +75,13 @@ class PermissionDeniedError(HeadraceError):
     grpc_code = "PERMISSION_DENIED"
 
 
+class FailedPreconditionError(HeadraceError):
+    """The call does not fit the server's state (e.g. updating from a weights group no worker
+    joined); the message says what to do first."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class InternalError(HeadraceError):
     """A bug or a fault inside headrace; the message says what failed."""
 
@@ -89,6 +96,7 @@ _BY_CODE: dict[str, type[HeadraceError]] = {
         CancelledError,
         UnauthenticatedError,
         PermissionDeniedError,
+        FailedPreconditionError,
         InternalError,
     )
 }

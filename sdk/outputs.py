@@ -65,6 +65,8 @@ class StreamChunk(SampleDelta):
     usage: Usage | None = None
     #: Once, when config.prompt_logprobs was set.
     prompt_logprobs: list[TokenLogprob] | None = None
+    #: The version of the weights that produced this chunk.
+    weight_version: str = ""
 
 
 @dataclass(slots=True)
@@ -90,6 +92,9 @@ class GenerationResult:
     usage: Usage = field(default_factory=Usage)
     prompt_logprobs: list[TokenLogprob] | None = None
     error: HeadraceError | None = None
+    #: The version of the weights that produced its last chunk (a request kept through a
+    #: weight update shows the new one; each streamed chunk carries its own).
+    weight_version: str = ""
 
     @classmethod
     def empty(
@@ -129,8 +134,11 @@ class GenerationResult:
         prompt_logprobs: list[TokenLogprob] | None = None,
         usage: Usage | None = None,
         error: HeadraceError | None = None,
+        weight_version: str = "",
     ) -> None:
-        """Record the request-level fields a step delivered (None: not in this step)."""
+        """Record the request-level fields a step delivered (None / "": not in this step)."""
+        if weight_version:
+            self.weight_version = weight_version
         if prompt_logprobs is not None:
             self.prompt_logprobs = prompt_logprobs
         if usage is not None:
@@ -140,4 +148,4 @@ class GenerationResult:
 
     def add_chunk(self, chunk: StreamChunk) -> None:
         self.add(chunk)
-        self.update(chunk.prompt_logprobs, chunk.usage)
+        self.update(chunk.prompt_logprobs, chunk.usage, weight_version=chunk.weight_version)

@@ -204,4 +204,5 @@ def chunk_from_wire(wire: pb.Chunk) -> StreamChunk:
         finished=wire.finished,
         usage=usage,
         prompt_logprobs=logprobs_from_wire(wire.prompt_logprobs) if wire.prompt_logprobs else None,
+        weight_version=wire.weight_version,
     )

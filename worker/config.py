@@ -13,6 +13,7 @@ from headrace.kernels.backend import (
 )
 from headrace.kernels.precision import compute_dtype
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.weights import check_version
 from headrace.worker.distributed.parallel import check_parallel_sizes
 
 #: Every spelling users reach for (torch's, NumPy's and the usual short ones).
@@ -73,6 +74,9 @@ class EngineConfig:
     #: Longest text prompt in UTF-8 bytes; None: as long as could fit the context (the
     #: context times the longest token's bytes). Longer prompts are refused untokenized.
     max_prompt_bytes: int | None = None
+    #: The version the weights loaded at start are known by (every output carries the
+    #: version that produced it; weight updates set a new one).
+    weight_version: str = "default"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -103,6 +107,7 @@ class EngineConfig:
             raise InvalidArgumentError(
                 "max_prompt_bytes", f"must be >= 1, got {self.max_prompt_bytes}"
             )
+        check_version(self.weight_version)
         if self.attention_backend not in BACKEND_NAMES:
             raise InvalidArgumentError(
                 "attention_backend",

@@ -56,6 +56,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     #: Hash of each full block of token_ids in order (prefix-cache chain).
     block_hashes: list[int] = field(default_factory=list)
+    #: The prefix cache's epoch its hashes (and its KV) belong to (see `BlockManager.reset`).
+    hash_epoch: int = 0
     #: Times this sequence was preempted (its blocks freed, to be recomputed).
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None

@@ -57,3 +57,13 @@ def test_bench_serve_api_openai_loads_the_routers_http_door(worker: ServerProces
     assert 12 * 3 <= summary["num_tokens"] <= 12 * 5  # the usage each stream reported
     for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"):
         assert summary[key] > 0, key
+
+
+def test_bench_weights_times_every_update_path(tiny_model: Path):
+    summary = bench("weights", "--model", str(tiny_model), "--rounds", "1")
+    for key in (
+        "restart_ms", "in_process_from_disk_ms", "in_process_from_tensors_ms",
+        "gRPC_from_disk_ms", "gRPC_streamed_tensors_ms", "worker_start_ms",
+    ):  # fmt: skip
+        assert summary[key] > 0, key
+    assert summary["ratio_gRPC_streamed_tensors"] > 0

@@ -246,3 +246,26 @@ def test_refusals_are_logged_with_the_key_name_and_never_the_key(
     assert "refused /headrace.v1.Generation/Generate" in log and "key 'client'" in log
     for secret in (wrong, CLIENT_KEY, OPS_KEY, ROUTER_KEY):
         assert secret not in log
+
+
+def test_generation_control_needs_an_admin_key_on_worker_and_router(
+    secure_worker: ServerProcess, secure_router: ServerProcess, pki: Pki
+) -> None:
+    """Pause, weight updates, sleep: admin only. The router forwards a control call with its
+    own key at the workers, so that key must be admin there too: this router's is not."""
+    with pki.client(secure_worker.target, ROUTER_KEY, cert=pki.tester) as client:
+        with pytest.raises(PermissionDeniedError):
+            client.pause("keep")
+        with pytest.raises(PermissionDeniedError):
+            client.weight_version()
+    with pki.client(secure_worker.target, OPS_KEY, cert=pki.tester) as client:
+        assert client.weight_version() == "default"
+    with (
+        pki.client(secure_router.target, CLIENT_KEY) as client,
+        pytest.raises(PermissionDeniedError),
+    ):
+        client.sleep()
+    with pki.client(secure_router.target, OPS_KEY) as client:
+        with pytest.raises(PermissionDeniedError, match=secure_worker.target):
+            client.sleep()  # admitted by the router; refused by the worker (router's key)
+        assert len(client.generate("still serving", GREEDY).token_ids) == 8

@@ -19,7 +19,7 @@ def test_generated_code_matches_the_protos(tmp_path: Path) -> None:
     written = codegen.generate(tmp_path)
     assert {p.name for p in written} == {
         f"{stem}{suffix}"
-        for stem in ("generation", "worker")
+        for stem in ("control", "generation", "worker")
         for suffix in codegen.GENERATED_SUFFIXES
     }
     for path in written:

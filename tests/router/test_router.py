@@ -37,6 +37,7 @@ class FakeLink:
         self.report: worker_pb2.LoadReport | None = None
         self.leaving = False
         self.holds: list[tuple[str, bool]] = []
+        self.weight_version = "v1"
         self._wire_ids = itertools.count()
 
     @property
@@ -51,7 +52,9 @@ class FakeLink:
         self.holds.append((request.wire_id, paused))
 
     def has_room(self, request: RoutedRequest) -> bool:
-        return self.accepting and len(self.inflight) < self.room
+        wanted = request.required_version
+        same_weights = not wanted or wanted == self.weight_version
+        return self.accepting and len(self.inflight) < self.room and same_weights
 
     def send(self, request: RoutedRequest) -> None:
         request.wire_id = f"{self.target}-{next(self._wire_ids)}"
@@ -351,7 +354,9 @@ def test_over_its_cap_a_worker_still_takes_what_outranks_something_it_holds() ->
     config = RouterConfig(workers=("127.0.0.1:1",), max_inflight_per_worker=2)
 
     def routed(priority: int) -> Any:
-        return SimpleNamespace(parsed=SimpleNamespace(priority=priority), num_tokens_estimate=8)
+        return SimpleNamespace(
+            parsed=SimpleNamespace(priority=priority), num_tokens_estimate=8, required_version=""
+        )
 
     async def check() -> None:  # a link's channel belongs to an event loop
         link = WorkerLink("127.0.0.1:1", config, None)  # type: ignore[arg-type]
@@ -365,3 +370,57 @@ def test_over_its_cap_a_worker_still_takes_what_outranks_something_it_holds() ->
         await link.channel.close()
 
     asyncio.run(check())
+
+
+# --- weight versions across failover --------------------------------------------------------
+
+
+def test_a_failed_over_request_resumes_only_on_a_worker_with_its_weight_version():
+    a, b, c = FakeLink("a:1"), FakeLink("b:2"), FakeLink("c:3")
+    b.weight_version = "v2"  # updated already; c still serves v1
+    router = make_router(a, b, c)
+    outbox = Outbox()
+    router.admit(make_request("r"), outbox)
+    assert a.sent  # least loaded first
+    router.on_response(
+        a, chunk(a, 0, token_ids=[20, 21], prompt_token_ids=PROMPT_IDS, weight_version="v1")
+    )
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    assert not b.sent and list(c.sent[0].token_ids.ids) == [*PROMPT_IDS, 20, 21]
+    router.on_response(c, chunk(c, 0, token_ids=[22], finished=True, weight_version="v1"))
+    assert [list(x.token_ids) for x in drain(outbox)] == [[20, 21], [22]]
+
+
+def router_id(link: FakeLink, index: int) -> str:
+    return f"{link.target}-{index}"
+
+
+def test_with_no_worker_on_its_weight_version_a_failed_over_request_fails():
+    """Tokens of two policies never meet in one sample: UNAVAILABLE instead of a resume."""
+    a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
+    router = make_router(a, b)
+    outbox = Outbox()
+    router.admit(make_request("r"), outbox)
+    router.on_response(a, chunk(a, 0, token_ids=[20], weight_version="v1"))
+    b.weight_version, b.room = "v2", 1
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    router.admit(make_request("next"), outbox)  # the failed one does not block the queue
+    (failed,) = [c for c in drain(outbox) if c.request_id == "r" and c.finished]
+    assert failed.error.code == UNAVAILABLE and "weight version 'v1'" in failed.error.message
+    assert [req.request_id for req in b.sent] == [router_id(b, 0)]  # only "next", fresh
+    assert list(b.sent[0].token_ids.ids) == PROMPT_IDS
+
+
+def test_a_worker_updated_since_its_last_report_is_caught_by_its_first_chunk():
+    a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
+    router = make_router(a, b)
+    outbox = Outbox()
+    router.admit(make_request("r"), outbox)
+    router.on_response(a, chunk(a, 0, token_ids=[20], weight_version="v1"))
+    b.room = 1
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    assert b.sent  # its report said v1 ...
+    router.on_response(b, chunk(b, 0, token_ids=[99], weight_version="v2"))  # ... it was not
+    chunks = drain(outbox)
+    assert [list(c.token_ids) for c in chunks] == [[20], []]
+    assert chunks[-1].error.code == UNAVAILABLE and b.cancelled

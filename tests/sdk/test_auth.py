@@ -13,8 +13,8 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from headrace.protos import control_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from headrace.protos import generation_pb2 as pb
-from headrace.protos import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from headrace.sdk import AsyncClient, GenerationConfig, auth, status, wire
 from headrace.sdk.api_keys import ApiKeys
 from headrace.sdk.credentials import API_KEY_ENV, bearer_metadata
@@ -343,3 +343,12 @@ def test_the_sdk_sends_headrace_api_key_unless_told_otherwise(
                 await client.generate("x")
 
     _with_server(test)
+
+
+def test_every_generation_control_call_is_admin_only() -> None:
+    """Pause, weight updates, sleep: none is listed for callers, so each needs an admin key
+    (the worker's and the router's `GenerationControl` alike)."""
+    service = control_pb2.DESCRIPTOR.services_by_name["GenerationControl"]
+    methods = [f"/{service.full_name}/{method.name}" for method in service.methods]
+    assert len(methods) == 10
+    assert not [method for method in methods if auth._for_callers(method)]

@@ -20,6 +20,7 @@ from headrace.sdk.client import AsyncClient
 from headrace.sdk.errors import (
     CancelledError,
     DeadlineExceededError,
+    FailedPreconditionError,
     HeadraceError,
     InternalError,
     InvalidArgumentError,
@@ -41,7 +42,8 @@ MAPPING: dict[grpc.StatusCode, type[HeadraceError]] = {
     grpc.StatusCode.INTERNAL: InternalError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
-    grpc.StatusCode.FAILED_PRECONDITION: HeadraceError,  # no class of its own
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.ABORTED: HeadraceError,  # no class of its own
 }
 
 

@@ -75,3 +75,47 @@ def test_cost_counts_cached_blocks_that_sit_in_the_free_queue():
     cached = bm.match_prefix(again)
     assert len(cached) == 2
     assert bm.cost_of(cached, num_new_blocks=1) == 3
+
+
+def test_after_a_reset_no_sequence_reuses_blocks_computed_before_it():
+    """New weights make cached KV stale: a prompt admitted after `reset_prefix_cache`
+    computes everything again, though the old blocks are still in the free queue."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    before = make_seq(list(range(10)))
+    admit(bm, before)
+    bm.free(before)
+    bm.reset_prefix_cache()
+    after = make_seq(list(range(10)))
+    assert admit(bm, after) == []
+    assert bm.num_prefix_hit_blocks == 0
+    # What the new epoch computes is cached again.
+    assert admit(bm, make_seq(list(range(10)))) == after.block_ids[:2]
+
+
+def test_a_sequence_kept_through_a_reset_never_offers_its_old_blocks():
+    """A sequence holding blocks across a weight update goes on with them, but its KV (of
+    the old weights) is never registered for a later request to reuse."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    kept = make_seq(list(range(6)))
+    admit(bm, kept)
+    bm.reset_prefix_cache()
+    kept.token_ids.extend([6, 7, 8, 9])  # it decodes on into a second full block
+    bm.allocate(kept, 4)
+    kept.num_computed_tokens += 4
+    bm.commit_full_blocks(kept)
+    assert bm.hash_to_block == {}
+    assert admit(bm, make_seq(list(range(10)))) == []
+
+
+def test_a_preempted_sequence_rejoins_the_new_epoch():
+    """Preempted across a reset, a sequence recomputes from scratch with the new weights, so
+    it hashes and registers in the new epoch like any new one."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    seq = make_seq(list(range(10)))
+    admit(bm, seq)
+    bm.free(seq)
+    seq.num_computed_tokens = 0
+    bm.reset_prefix_cache()
+    assert admit(bm, seq) == []
+    assert seq.hash_epoch == bm.epoch
+    assert admit(bm, make_seq(list(range(10)))) == seq.block_ids[:2]

@@ -144,6 +144,14 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--target's host, port 8000)")  # fmt: skip
 
 
+def weights_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
+    add("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    add("--rounds", type=int, default=3, help="updates per path (the best one counts)")
+    add("--chunk-mib", type=int, default=4, help="MiB per streamed message")
+
+
 def kernels_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--batch", type=int, default=64, help="sequences per decode batch")
@@ -191,6 +199,12 @@ BENCHES = (
         "headrace.worker.bench.serve",
     ),
     BenchCommand(
+        "weights",
+        "a live weight update from disk and from streamed tensors, against loading the model",
+        weights_arguments,
+        "headrace.worker.bench.weights",
+    ),
+    BenchCommand(
         "kernels",
         "CUDA: each Triton kernel against SDPA or its torch reference, with bandwidth",
         kernels_arguments,
@@ -202,7 +216,7 @@ BENCHES = (
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: engine, parallel, serve, kernels",
+        help="benchmarks: engine, parallel, serve, weights, kernels",
         description="Benchmarks. Each prints its figures and ratios against a baseline run in "
         "the same process (read the ratios: these machines are noisy); --json adds one JSON "
         "object as the last line. See each bench's --help for what its figures mean.",

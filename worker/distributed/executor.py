@@ -25,6 +25,7 @@ from headrace.worker.distributed.pipeline import (
     send_plan,
     split_micro_batches,
 )
+from headrace.worker.distributed.rank_control import RankCommand, RankControl, for_other_ranks
 from headrace.worker.distributed.ranks import RankGroup, Shard, build_shard
 from headrace.worker.distributed.step_plan import PlanEncoder
 from headrace.worker.execution.batch import PreparedBatch, StepResult, merge_results
@@ -102,6 +103,7 @@ class DistributedExecutor:
         self.num_micro_batches = num_micro_batches
         self.encoder = PlanEncoder()
         self.stage = StageRunner(shard.runner, shard.parallel)
+        self.rank_control = RankControl(shard.runner, shard.parallel, shard.plan_group)
 
     def submit(self, step: SchedulerOutput) -> PendingStep:
         """Send the plan and run rank 0's stage; later stages run on while rank 0 goes on."""
@@ -127,6 +129,19 @@ class DistributedExecutor:
         except Exception as exc:
             self.ranks.fail(f"step failed on rank 0: {exc!r}")
         return merge_results([b.result(lg) for b, lg in zip(batches, logits, strict=True)])
+
+    def control(self, command: RankCommand) -> None:
+        """Run a control command on every rank (no step may be in flight); raises
+        `RankCommandError` naming the ranks where it failed."""
+        sends = PendingSends(self.shard.parallel)
+        try:
+            send_plan(for_other_ranks(command), sends, self.shard.plan_group)
+        except Exception as exc:  # the ranks are out of step now; nothing can be retried
+            self.ranks.fail(f"sending a command failed on rank 0: {exc!r}")
+        try:
+            self.rank_control.run_everywhere(command)
+        finally:
+            sends.wait()
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` just before a rank failure ends the process."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.distributed.rank_control import RankCommand
 from headrace.worker.distributed.step_plan import StepPlan
 from headrace.worker.execution.batch import ModelInputs
 from headrace.worker.execution.model_runner import ModelRunner
@@ -73,8 +74,13 @@ class PendingSends:
         self._sends.clear()
 
 
-def send_plan(plan: StepPlan | None, sends: PendingSends, group: Any) -> None:
-    """Rank 0 sends a step's plan (None: stop) to every other rank, without waiting for them.
+#: What rank 0 sends the other ranks: a step's plan, a control command, or None (stop).
+RankMessage = StepPlan | RankCommand | None
+
+
+def send_plan(plan: RankMessage, sends: PendingSends, group: Any) -> None:
+    """Rank 0 sends a step's plan (or a control command; None: stop) to every other rank,
+    without waiting for them.
 
     Point-to-point rather than a broadcast, which would hold rank 0 until the slowest rank
     (a later pipeline stage still busy with an earlier step) joined it.
@@ -86,13 +92,13 @@ def send_plan(plan: StepPlan | None, sends: PendingSends, group: Any) -> None:
         sends.send(payload, rank, PLAN_TAG, group)
 
 
-def receive_plan(parallel: ParallelConfig, group: Any) -> StepPlan | None:
+def receive_plan(parallel: ParallelConfig, group: Any) -> RankMessage:
     size = torch.empty(1, dtype=torch.int64)
     dist.recv(size, DRIVER_RANK, group=group, tag=PLAN_TAG)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(payload, DRIVER_RANK, group=group, tag=PLAN_TAG)
-    plan: StepPlan | None = pickle.loads(payload.numpy().tobytes())
-    return plan
+    message: RankMessage = pickle.loads(payload.numpy().tobytes())
+    return message
 
 
 class StageRunner:

@@ -34,7 +34,8 @@ from headrace.kernels import select_kernels
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.distributed.pipeline import PendingSends, StageRunner, receive_plan
-from headrace.worker.distributed.step_plan import MirrorTable
+from headrace.worker.distributed.rank_control import RankCommandError, RankControl
+from headrace.worker.distributed.step_plan import MirrorTable, StepPlan
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
 from headrace.worker.models.registry import load_model
@@ -261,14 +262,21 @@ def rank_main(setup: RankSetup, rank: int) -> None:
 
 
 def _serve_steps(shard: Shard) -> None:
+    """Run each step rank 0 sends, and each control command, until told to stop."""
     mirrors = MirrorTable()
     stage = StageRunner(shard.runner, shard.parallel)
     sends = PendingSends(shard.parallel)
-    while (plan := receive_plan(shard.parallel, shard.plan_group)) is not None:
-        mirrors.apply(plan)
-        inputs = [shard.runner.build_inputs(mirrors.chunks(mb)) for mb in plan.micro_batches]
-        stage.run(inputs, [mb.logit_rows for mb in plan.micro_batches], sends)
+    control = RankControl(shard.runner, shard.parallel, shard.plan_group)
+    while (message := receive_plan(shard.parallel, shard.plan_group)) is not None:
+        if not isinstance(message, StepPlan):
+            with contextlib.suppress(RankCommandError):  # rank 0 reports it
+                control.run_everywhere(message)
+            continue
+        mirrors.apply(message)
+        inputs = [shard.runner.build_inputs(mirrors.chunks(mb)) for mb in message.micro_batches]
+        stage.run(inputs, [mb.logit_rows for mb in message.micro_batches], sends)
         sends.wait()
+    control.close()
 
 
 def _exit_with_parent() -> None:

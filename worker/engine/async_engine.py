@@ -13,6 +13,11 @@ engine thread when it arrives (`_Pending`) and added once tokenized, so an abort
 overtakes the tokenizer still finds it.
 
 Bad input arrives in-band: the request's only output is finished, with `error` set.
+
+Generation control (pause, resume, new weights, sleep, wake) runs on the engine thread too,
+between steps: each call is a command whose future the caller awaits. The steps in flight
+are settled (collected and delivered) first; a WAIT pause's future resolves only once the
+requests it lets finish have finished (or another pause mode or a resume replaced it).
 """
 
 from __future__ import annotations
@@ -24,16 +29,19 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError
 from headrace.sdk.outputs import FinishReason, SampleDelta
 from headrace.sdk.prompts import Chat, Prompt
 from headrace.sdk.streams import FlowHooks, FlowLimits, ResponseQueue
+from headrace.sdk.weights import PauseMode
 from headrace.worker.config import EngineConfig
+from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
+from headrace.worker.models.weight_check import WeightChecker
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +109,17 @@ class _Hold:
     paused: bool
 
 
+@dataclass(slots=True)
+class _Control:
+    """A generation-control call, run on the engine thread between steps."""
+
+    #: What to do; returns the outputs of requests it ended (aborted), if any.
+    call: Callable[[Engine], list[RequestOutput] | None]
+    future: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+    #: Resolve once no request is left but those a pause holds back (a WAIT pause).
+    until_drained: bool = False
+
+
 _STOP = object()
 #: How stale `AsyncEngine.load` may get while the engine is busy (load reports go out every
 #: 50 ms by default).
@@ -120,6 +139,8 @@ class AsyncEngine:
         #: every LOAD_PERIOD_S while busy (it walks every request), and whenever it goes idle.
         self.load: EngineLoad = self.engine.load()
         self._load_time_s = time.monotonic()
+        #: WAIT pauses not resolved yet (engine thread only).
+        self._drain_waiters: list[concurrent.futures.Future[None]] = []
         self._thread = threading.Thread(target=self._loop, name="headrace-engine", daemon=True)
         self._thread.start()
 
@@ -162,6 +183,42 @@ class AsyncEngine:
 
     def resume(self, request_ids: list[str]) -> None:
         self._commands.put(_Hold(request_ids, paused=False))
+
+    # --- generation control (any thread; await the result) ----------------------------------
+
+    @property
+    def weight_checker(self) -> WeightChecker:
+        """Checks tensors against the model; read-only, so any thread may use it."""
+        return self.engine.control.checker
+
+    async def pause_generation(self, mode: PauseMode) -> None:
+        """Pause (see `GenerationControl`); with WAIT, returns once the requests in flight
+        have finished."""
+        await self._control(lambda e: e.pause_generation(mode), mode == PauseMode.WAIT)
+
+    async def resume_generation(self) -> None:
+        await self._control(lambda e: e.resume_generation())
+
+    async def update_weights(
+        self, source: WeightSource, version: str, validate_only: bool = False
+    ) -> None:
+        await self._control(lambda e: e.update_weights(source, version, validate_only))
+
+    async def join_weight_group(self, spec: WeightGroupSpec) -> None:
+        await self._control(lambda e: e.join_weight_group(spec))
+
+    async def sleep(self, offload_weights: bool = False) -> None:
+        await self._control(lambda e: e.sleep(offload_weights))
+
+    async def wake_up(self) -> None:
+        await self._control(lambda e: e.wake_up())
+
+    async def _control(
+        self, call: Callable[[Engine], list[RequestOutput] | None], until_drained: bool = False
+    ) -> None:
+        command = _Control(call, until_drained=until_drained)
+        self._commands.put(command)
+        await asyncio.wrap_future(command.future)
 
     async def generate(
         self,
@@ -215,10 +272,12 @@ class AsyncEngine:
                 continue
             self._deliver(outputs)
             self._publish_load()
+            self._resolve_drained()
 
-    def _publish_load(self) -> None:
+    def _publish_load(self, now_too: bool = False) -> None:
         now = time.monotonic()
-        if now - self._load_time_s >= LOAD_PERIOD_S or not self.engine.has_runnable_work():
+        idle = not self.engine.has_runnable_work()
+        if now_too or idle or now - self._load_time_s >= LOAD_PERIOD_S:
             self.load = self.engine.load()
             self._load_time_s = now
 
@@ -248,6 +307,33 @@ class AsyncEngine:
             hold = self.engine.pause_request if command.paused else self.engine.resume_request
             for request_id in command.request_ids:
                 hold(request_id)
+        elif isinstance(command, _Control):
+            self._run_control(command)
+
+    def _run_control(self, command: _Control) -> None:
+        error: Exception | None = None
+        try:
+            self._deliver(self.engine.settle())
+            self._deliver(command.call(self.engine) or [])
+        except Exception as exc:  # the caller gets it; the engine goes on
+            error = exc
+        self._publish_load(now_too=True)  # before the caller learns the call is done
+        if error is not None:
+            command.future.set_exception(error)
+        elif command.until_drained:
+            self._drain_waiters.append(command.future)
+        else:
+            command.future.set_result(None)
+        self._resolve_drained()
+
+    def _resolve_drained(self) -> None:
+        """Resolve WAIT pauses once drained, or once no longer waiting (resumed, re-paused)."""
+        if not self._drain_waiters:
+            return
+        if self.engine.is_drained or self.engine.control.pause_mode != PauseMode.WAIT:
+            for future in self._drain_waiters:
+                future.set_result(None)
+            self._drain_waiters.clear()
 
     def _add(self, add: _Add) -> None:
         if add.announced and self._pending.pop(add.request_id, None) is None:

@@ -7,7 +7,8 @@ its samples (deltas, for streaming), and on the last one the finish reasons and 
 The engine is single-threaded; `AsyncEngine` runs it on a thread of its own for servers, and
 `LLM` drives it to completion for offline batches. Who writes what: the scheduler alone sets
 a sequence's status and finish reason (`Scheduler.finish`); the engine appends sampled tokens
-and reports.
+and reports. Between steps it takes control calls (pause, new weights, sleep), whose state
+`GenerationControl` owns; every output carries the weight version that produced it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, SampleDelta, TokenLogprob, Usage
 from headrace.sdk.prompts import Prompt
+from headrace.sdk.weights import PauseMode
 from headrace.worker.config import EngineConfig
+from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
+from headrace.worker.engine.control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
@@ -35,7 +39,7 @@ from headrace.worker.sampling.stops import finish_reason
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
-from headrace.worker.sequence import Sequence, SequenceStatus
+from headrace.worker.sequence import Sequence
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -50,21 +54,20 @@ class Engine:
         self.spec = ModelSpec.load(config)
         self.device = config.torch_device()
         self.kernels = select_kernels(config.attention_backend, self.device)
+        spec = self.spec
         self.executor = start_executor(
-            config,
-            self.spec.path,
-            self.spec.dtype,
-            self.device,
-            self.kernels,
-            self.spec.max_model_len,
-            self.spec.hf_config,
-        )
+            config, spec.path, spec.dtype, self.device, self.kernels, spec.max_model_len,
+            spec.hf_config,
+        )  # fmt: skip
         self.runner = self.executor.runner
         self.vocab_size = self.runner.model.vocab_size
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
+        self.control = GenerationControl(
+            self.spec, self.executor, self.block_manager, config.weight_version
+        )
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.detokenizer = Detokenizer(self.spec.tokenizer)
         self.intake = RequestIntake(
@@ -125,9 +128,10 @@ class Engine:
             raise InvalidArgumentError("request_id", "must be a non-empty string")
         if request_id in self._requests:
             raise InvalidArgumentError("request_id", f"{request_id!r} is already in use")
+        self.control.check_admission()
         request = self.intake.build(request_id, prompt, config or GenerationConfig(), priority)
         self._requests[request_id] = request
-        self.scheduler.add(request.seqs[0])
+        self.control.admit(request_id, request.seqs[0], self.scheduler)
 
     def abort_request(
         self, request_id: str, error: HeadraceError | None = None
@@ -140,7 +144,8 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
-        output = RequestOutput(request_id)
+        self.control.held.pop(request_id, None)
+        output = RequestOutput(request_id, weight_version=self.control.weight_version)
         if error is not None:
             request.seqs[0].error = error
         self._finish_all(
@@ -179,27 +184,66 @@ class Engine:
 
     def has_runnable_work(self) -> bool:
         """Whether `step()` would do anything: paused requests alone leave nothing to run."""
-        return bool(self._in_flight) or self.scheduler.has_runnable_work()
+        runnable = self.control.may_schedule and self.scheduler.has_runnable_work()
+        return bool(self._in_flight) or runnable
 
     def load(self) -> EngineLoad:
-        num_running = num_queued_tokens = 0
-        for request in self._requests.values():
-            if any(seq.status == SequenceStatus.RUNNING for seq in request.seqs):
-                num_running += 1
-            else:
-                leader = request.seqs[0]
-                num_queued_tokens += max(0, leader.num_tokens - leader.num_computed_tokens)
-        return EngineLoad(
-            num_free_blocks=self.block_manager.num_free_blocks,
-            num_total_blocks=self.block_manager.num_blocks,
-            block_size=self.block_manager.block_size,
-            num_running_requests=num_running,
-            num_waiting_requests=len(self._requests) - num_running,
-            num_queued_tokens=num_queued_tokens,
-            num_prefix_hit_blocks=self.block_manager.num_prefix_hit_blocks,
-            num_prefix_queried_blocks=self.block_manager.num_prefix_queried_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+        seqs = [request.seqs for request in self._requests.values()]
+        return EngineLoad.measure(seqs, self.block_manager, self.scheduler, self.control)
+
+    # --- generation control (between steps: `settle` first) ----------------------------
+
+    def settle(self) -> list[RequestOutput]:
+        """Collect every step in flight and submit none; the outputs of those steps."""
+        outputs: Outputs = {}
+        while self._in_flight:
+            self._collect_oldest(outputs)
+        return self._collect(outputs)
+
+    def pause_generation(self, mode: PauseMode) -> list[RequestOutput]:
+        """Pause (see `GenerationControl`); ABORT returns every request's last output."""
+        self._require_settled()
+        self.control.pause(mode)
+        return self._abort_all() if mode == PauseMode.ABORT else []
+
+    def resume_generation(self) -> None:
+        self.control.resume(self.scheduler)
+
+    def update_weights(
+        self, source: WeightSource, version: str, validate_only: bool = False
+    ) -> None:
+        """New weights on every rank; a bad update raises InvalidArgumentError, copying nothing."""
+        if validate_only:
+            return self.control.check_update(source, version)
+        self._require_settled()
+        self.control.update(source, version)
+
+    def join_weight_group(self, spec: WeightGroupSpec) -> None:
+        self._require_settled()
+        self.control.join_weight_group(spec)
+
+    def sleep(self, offload_weights: bool = False) -> list[RequestOutput]:
+        """Release the KV cache; every request ends (finish reason abort): their outputs."""
+        self._require_settled()
+        outputs = self._abort_all()
+        self.control.sleep(offload_weights)
+        return outputs
+
+    def wake_up(self) -> None:
+        self.control.wake_up()
+
+    @property
+    def is_drained(self) -> bool:
+        """No request is left but those a pause holds back."""
+        return not self._in_flight and len(self._requests) == len(self.control.held)
+
+    def _abort_all(self) -> list[RequestOutput]:
+        outputs = [self.abort_request(request_id) for request_id in list(self._requests)]
+        return [output for output in outputs if output is not None]
+
+    def _require_settled(self) -> None:
+        if self._in_flight:
+            raise InternalError("control calls need the steps in flight settled first")
 
     # --- stepping -----------------------------------------------------------------------
 
@@ -212,8 +256,12 @@ class Engine:
         """
         outputs: Outputs = {}
         self._submit_steps(outputs)
-        if not self._in_flight:
-            return self._collect(outputs)
+        if self._in_flight:
+            self._collect_oldest(outputs)
+        return self._collect(outputs)
+
+    def _collect_oldest(self, outputs: Outputs) -> None:
+        """Collect the oldest step in flight: sample, append, check stops."""
         in_flight = self._in_flight.popleft()
         step = self.last_step = in_flight.step
         try:
@@ -226,7 +274,7 @@ class Engine:
         except Exception as exc:  # a fault in the step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
-            return self._collect(outputs)
+            return
         self.scheduler.update_after_step(step)
         self._record_prompt_logprobs(result)
         if sampled is not None:
@@ -235,12 +283,11 @@ class Engine:
             ):
                 if not chunk.seq.is_finished:  # else aborted while its step was in flight
                     self._append_token(chunk.seq, token_id, logprob, outputs)
-        return self._collect(outputs)
 
     def _submit_steps(self, outputs: Outputs) -> None:
         """Schedule and submit steps until one per pipeline stage is in flight."""
         depth = self.config.steps_in_flight
-        while len(self._in_flight) < depth:
+        while len(self._in_flight) < depth and self.control.may_schedule:
             busy = {c.seq.seq_id for s in self._in_flight for c in s.step.chunks}
             # Share the sequences among the steps in flight, so each stage has work.
             num_seqs = len(self.scheduler.running) + self.scheduler.num_waiting
@@ -302,6 +349,7 @@ class Engine:
 
     def _collect(self, outputs: Outputs) -> list[RequestOutput]:
         for request_id, output in outputs.items():
+            output.weight_version = self.control.weight_version
             request = self._requests[request_id]
             if not request.prompt_token_ids_sent:
                 output.prompt_token_ids = request.prompt_token_ids

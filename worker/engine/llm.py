@@ -3,21 +3,35 @@
 llm = LLM("smollm2-135m-instruct")
 results = llm.generate(["The capital of France is", [1, 504, 3458]], GenerationConfig())
 answers = llm.chat([[{"role": "user", "content": "What is the capital of France?"}]])
+llm.update_weights(policy.named_parameters(), version="step-1")  # or a checkpoint folder
+
+Generation control (RLHF): the same calls as the SDK's `Client`, in-process. `generate` runs
+a batch to its end, so nothing is in flight between calls: `pause` only makes `generate`
+refuse (UNAVAILABLE) until `resume`.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, cast
 
+import torch
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.errors import InvalidArgumentError, UnavailableError
 from headrace.sdk.outputs import Completion, GenerationResult
 from headrace.sdk.prompts import Chat, ChatMessage, Messages, Prompt
+from headrace.sdk.weights import PauseMode, pause_mode
 from headrace.worker.config import EngineConfig
+from headrace.worker.distributed.weight_sync import (
+    FromGroup,
+    WeightGroupSpec,
+    weight_source,
+)
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import RequestOutput
+from headrace.worker.models.weight_check import TensorMeta
 
 __all__ = ["LLM", "Completion", "GenerationResult", "apply_output"]
 
@@ -49,6 +63,8 @@ class LLM:
     ) -> list[GenerationResult]:
         """Generate for every prompt (text, token ids or a `Chat`); results come in prompt
         order."""
+        if self.engine.control.pause_mode is not None:
+            raise UnavailableError("generation is paused: call resume() first")
         batch = _as_batch(prompts)
         configs = _configs_for(batch, config)
         results: dict[str, GenerationResult] = {}
@@ -102,6 +118,58 @@ class LLM:
                 if output.finished:
                     unfinished.discard(output.request_id)
 
+    # --- generation control ------------------------------------------------------------
+
+    def update_weights(
+        self, weights: str | Path | Iterable[tuple[str, torch.Tensor]], version: str
+    ) -> None:
+        """Load new weights in place: a checkpoint folder, or (name, tensor) pairs named as
+        in the checkpoint. Checked whole first: a missing, unknown or wrongly shaped tensor
+        raises InvalidArgumentError naming it, and nothing changes."""
+        self.engine.update_weights(weight_source(weights), version)
+
+    def update_weights_from_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str
+    ) -> None:
+        """`update_weights` from (name, tensor) pairs."""
+        self.engine.update_weights(weight_source(named_tensors), version)
+
+    def init_weights_group(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int = 1,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Join a trainer's weights group (the trainer is rank 0 and hosts it at host:port)."""
+        spec = WeightGroupSpec(host, port, world_size, rank_offset, backend, timeout_s)
+        self.engine.join_weight_group(spec)
+
+    def update_weights_from_group(
+        self, tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]], version: str
+    ) -> None:
+        """Receive the (name, dtype, shape) tensors the trainer broadcasts, in this order."""
+        metas = tuple(TensorMeta(name, tuple(shape), dtype) for name, dtype, shape in tensors)
+        self.engine.update_weights(FromGroup(metas), version)
+
+    def pause(self, mode: str | PauseMode = PauseMode.ABORT) -> None:
+        self.engine.pause_generation(pause_mode(mode))
+
+    def resume(self) -> None:
+        self.engine.resume_generation()
+
+    def sleep(self, offload_weights: bool = False) -> None:
+        """Release the KV cache (and, on a GPU, move the weights to host memory if asked)."""
+        self.engine.sleep(offload_weights)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def weight_version(self) -> str:
+        return self.engine.control.weight_version
+
 
 def _is_single_conversation(conversations: Messages | list[Messages]) -> bool:
     """Whether ``conversations`` is one conversation: its first item is a message (or it has
@@ -114,7 +182,7 @@ def apply_output(result: GenerationResult, output: RequestOutput) -> None:
     """Fold one engine step's output for a request into its result."""
     for delta in output.samples:
         result.add(delta)
-    result.update(output.prompt_logprobs, output.usage, output.error)
+    result.update(output.prompt_logprobs, output.usage, output.error, output.weight_version)
 
 
 def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:

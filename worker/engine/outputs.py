@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.outputs import SampleDelta, TokenLogprob, Usage
+from headrace.sdk.weights import GenerationState
+from headrace.worker.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from headrace.worker.engine.control import GenerationControl
+    from headrace.worker.scheduling.block_manager import BlockManager
+    from headrace.worker.scheduling.scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -38,6 +47,8 @@ class RequestOutput:
     prompt_token_ids: list[int] | None = None
     #: On the last output.
     times: RequestTimes | None = None
+    #: The version of the weights that produced this output.
+    weight_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +69,38 @@ class EngineLoad:
     num_prefix_queried_blocks: int
     #: Sequences preempted (blocks freed, recomputed later) over the engine's life.
     num_preemptions: int
+    #: The version of the weights it serves, and whether it generates (see control.py).
+    weight_version: str = ""
+    state: GenerationState = GenerationState.SERVING
+    #: Its first rank in a trainer's weights group (0: it joined none).
+    rank_offset: int = 0
+
+    @classmethod
+    def measure(
+        cls,
+        requests: Seq[list[Sequence]],
+        block_manager: BlockManager,
+        scheduler: Scheduler,
+        control: GenerationControl,
+    ) -> EngineLoad:
+        """The load of an engine holding ``requests`` (each request's sequences)."""
+        num_running = num_queued_tokens = 0
+        for seqs in requests:
+            if any(seq.status == SequenceStatus.RUNNING for seq in seqs):
+                num_running += 1
+            else:
+                num_queued_tokens += max(0, seqs[0].num_tokens - seqs[0].num_computed_tokens)
+        return cls(
+            num_free_blocks=block_manager.num_free_blocks,
+            num_total_blocks=block_manager.num_blocks,
+            block_size=block_manager.block_size,
+            num_running_requests=num_running,
+            num_waiting_requests=len(requests) - num_running,
+            num_queued_tokens=num_queued_tokens,
+            num_prefix_hit_blocks=block_manager.num_prefix_hit_blocks,
+            num_prefix_queried_blocks=block_manager.num_prefix_queried_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            weight_version=control.weight_version,
+            state=control.state,
+            rank_offset=control.rank_offset,
+        )

@@ -4,12 +4,13 @@
 model here and the `ModelRunner` executes steps directly; with several it hands over to
 `distributed.executor`, which starts the other ranks. Either way the engine submits steps and
 collects their results in order; on one rank a step's result is ready at submission.
+Between steps it runs control commands (new weights, memory release) on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from headrace.kernels import KernelSet
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.executor import DistributedExecutor, PendingStep, start_distributed
 from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.distributed.rank_control import RankCommand, RankControl
 from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
@@ -45,6 +47,14 @@ class Executor:
     parallel: ParallelConfig
     #: Set when the worker has other ranks.
     distributed: DistributedExecutor | None = None
+    #: Rank 0's side of control commands (on one rank, the only side).
+    rank_control: RankControl = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.distributed is not None:
+            self.rank_control = self.distributed.rank_control
+        else:
+            self.rank_control = RankControl(self.runner, self.parallel, None)
 
     def submit(self, step: SchedulerOutput) -> InFlightStep:
         if self.distributed is not None:
@@ -58,7 +68,16 @@ class Executor:
         assert self.distributed is not None and in_flight.pending is not None
         return self.distributed.collect(in_flight.pending)
 
+    def control(self, command: RankCommand) -> None:
+        """Run a control command (new weights, memory) on every rank; no step may be in
+        flight. Raises `RankCommandError` naming the ranks where it failed."""
+        if self.distributed is not None:
+            self.distributed.control(command)
+        else:
+            self.rank_control.run_everywhere(command)
+
     def close(self) -> None:
+        self.rank_control.close()
         if self.distributed is not None:
             self.distributed.close()
             self.distributed = None

@@ -22,14 +22,14 @@ from headrace.worker.execution.batch import (
     StepResult,
     prompt_logprob_rows,
 )
-from headrace.worker.models.interface import CausalLM
+from headrace.worker.models.interface import LoadableModel
 from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: CausalLM,
+        model: LoadableModel,
         device: torch.device,
         dtype: torch.dtype,
         block_size: int,
@@ -42,11 +42,38 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.kv_caches = self._new_kv_caches()
+        #: The weights were moved to host memory by `release_memory`.
+        self.weights_offloaded = False
+
+    def _new_kv_caches(self) -> list[torch.Tensor]:
+        model = self.model
         # Per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim].
-        shape = (num_blocks, 2, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)
+        shape = (self.num_blocks, 2, self.block_size, model.num_kv_heads, model.head_dim)
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(model.num_layers)
         ]
+
+    def release_memory(self, offload_weights: bool) -> None:
+        """Free the KV cache (its contents are lost) and, with ``offload_weights`` on a GPU,
+        move the weights to host memory (in place: every module keeps its parameters)."""
+        self.kv_caches = []
+        if offload_weights and self.device.type != "cpu":
+            for param in self.model.parameters():
+                param.data = param.data.to("cpu")
+            self.weights_offloaded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_memory(self) -> None:
+        """Undo `release_memory`: the weights back on the device, a fresh (zeroed) KV cache."""
+        if self.weights_offloaded:
+            for param in self.model.parameters():
+                param.data = param.data.to(self.device)
+            self.weights_offloaded = False
+        if not self.kv_caches:
+            self.kv_caches = self._new_kv_caches()
 
     @torch.inference_mode()
     def warm_up(self, max_model_len: int) -> None:

@@ -4,7 +4,7 @@ runner or the scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -33,8 +33,16 @@ class CausalLM(Protocol):
 
 
 class LoadableModel(CausalLM, Protocol):
-    """A model as the registry builds it: weights still to load."""
+    """A model as the registry builds it and the runner holds it: weights loaded at start,
+    and loaded again in place by weight updates."""
 
-    def load_weights(self, tensors: Iterable[tuple[str, LoadedTensor]]) -> None: ...
+    def load_weights(
+        self, tensors: Iterable[tuple[str, LoadedTensor]], complete: bool = True
+    ) -> None:
+        """Copy ``tensors`` (checkpoint names) into the parameters, in place; with
+        ``complete`` every parameter must be filled."""
+        ...
 
     def eval(self) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...

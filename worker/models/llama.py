@@ -256,13 +256,15 @@ class LlamaForCausalLM(nn.Module):
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
-    def load_weights(self, tensors: Iterable[tuple[str, LoadedTensor]]) -> None:
+    def load_weights(
+        self, tensors: Iterable[tuple[str, LoadedTensor]], complete: bool = True
+    ) -> None:
         stage_tensors = (
             (target, tensor)
             for name, tensor in tensors
             if (target := self._stage_name(name)) is not None
         )
-        load_weights(self, stage_tensors, self.packed_modules_mapping)
+        load_weights(self, stage_tensors, self.packed_modules_mapping, complete=complete)
 
     def _stage_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor fills on this pipeline stage, or None.
@@ -275,7 +277,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         parts = name.split(".")
         if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
-            return name if int(parts[2]) in self.model.layer_range else None
+            layer = int(parts[2])  # one beyond the model's layers is kept, so it is refused
+            ours = layer in self.model.layer_range
+            return name if ours or layer >= self.config.num_layers else None
         if name.startswith("model.embed_tokens."):
             if self.model.embed_tokens is not None:
                 return name

@@ -69,8 +69,10 @@ def load_weights(
     tensors: Iterable[tuple[str, LoadedTensor]],
     packed_modules: Mapping[str, tuple[str, ShardId]],
     ignored: Collection[str] = (),
+    complete: bool = True,
 ) -> None:
-    """Fill every parameter of ``model`` from ``tensors``.
+    """Fill every parameter of ``model`` from ``tensors`` (with ``complete=False``, only
+    those the tensors name: a part of an update already checked to be whole).
 
     ``packed_modules`` maps a checkpoint module name (``q_proj``) to the fused module that
     holds it and its shard id (``("qkv_proj", "q")``); ``ignored`` names checkpoint tensors
@@ -94,7 +96,7 @@ def load_weights(
         except ValueError as exc:
             raise CheckpointError(f"{name}: {exc}") from exc
         filled.add((target, shard_id))
-    _check_complete(expected - filled, unexpected, packed_modules)
+    _check_complete(expected - filled if complete else set(), unexpected, packed_modules)
 
 
 def _param_name(

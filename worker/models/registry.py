@@ -13,7 +13,7 @@ from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.models.config import UnsupportedModelError
-from headrace.worker.models.interface import CausalLM, LoadableModel
+from headrace.worker.models.interface import LoadableModel
 from headrace.worker.models.llama import LlamaForCausalLM
 from headrace.worker.models.loader import iter_checkpoint
 
@@ -35,7 +35,7 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
 @dataclass(slots=True)
 class LoadedModel:
     #: The model, weights loaded, in eval mode, on the requested device and dtype.
-    model: CausalLM
+    model: LoadableModel
     #: The checkpoint's transformers config (eos ids, max_position_embeddings, ...).
     hf_config: Any
 

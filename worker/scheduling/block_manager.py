@@ -10,6 +10,12 @@ prefix up to the block's end. A new sequence whose prefix hashes match reuses th
 (ref count + 1) and skips computing them. A block whose ref count drops to 0 goes to the back
 of the free queue but keeps its hash; it is only forgotten when the queue's front reaches it
 and it is handed out again, so the least recently used cached blocks are evicted first.
+
+New weights (or KV memory released and given back) make every cached block stale:
+`reset_prefix_cache` forgets them all and starts a new epoch. A sequence belongs to the epoch
+in which its KV computation began (admission with no blocks); one still holding blocks from
+an earlier epoch (kept through a weight update) keeps them but never registers them, and a
+sequence admitted later hashes afresh, so no request ever reuses KV of other weights.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class BlockManager:
         self.num_prefix_hit_blocks = 0
         #: Full prompt blocks looked up in the cache at admission (hits / this = hit rate).
         self.num_prefix_queried_blocks = 0
+        #: Bumped by every reset: sequences of an older epoch neither match nor register.
+        self.epoch = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,6 +70,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        self._join_epoch(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, max_blocks)
         matched: list[int] = []
@@ -71,6 +80,19 @@ class BlockManager:
                 break
             matched.append(block_id)
         return matched
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and start a new epoch (see the design note)."""
+        self.hash_to_block.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.block_tokens = [()] * self.num_blocks
+        self.epoch += 1
+
+    def _join_epoch(self, seq: Sequence) -> None:
+        """A sequence about to compute KV from scratch hashes in the current epoch."""
+        if seq.hash_epoch != self.epoch and not seq.block_ids:
+            seq.block_hashes.clear()
+            seq.hash_epoch = self.epoch
 
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         hashes = seq.block_hashes
@@ -98,6 +120,7 @@ class BlockManager:
     def take_cached(self, seq: Sequence, cached_block_ids: list[int]) -> None:
         """Give a sequence with no blocks yet the matched prefix blocks; mark them computed."""
         assert not seq.block_ids and seq.num_computed_tokens == 0
+        self._join_epoch(seq)
         for block_id in cached_block_ids:
             self._ref(block_id)
         seq.block_ids = list(cached_block_ids)
@@ -118,8 +141,8 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that this step filled, so later sequences can reuse them."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.hash_epoch != self.epoch:
+            return  # (an older epoch's KV is never offered to others)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
         self._extend_hashes(seq, num_full)
         for i in range(num_full - 1, -1, -1):

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc.aio
 from headrace.protos import worker_pb2, worker_pb2_grpc
+from headrace.sdk.weights import state_to_wire
 from headrace.worker.engine.async_engine import AsyncEngine
 from headrace.worker.serving.service import ServingState
 
@@ -26,6 +27,7 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
         self.state = state
         self._drain = drain
         self._spec = engine.engine.spec
+        self._num_ranks = engine.engine.config.world_size
 
     def report(self) -> worker_pb2.LoadReport:
         load = self.engine.load
@@ -41,6 +43,9 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
             max_model_len=self._spec.max_model_len,
             admitted_requests=self.state.num_admitted,
             max_prompt_bytes=self._spec.max_prompt_bytes,
+            weight_version=load.weight_version,
+            state=state_to_wire(load.state),
+            num_ranks=self._num_ranks,
         )
 
     async def WatchLoad(

@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headrace.protos import generation_pb2, worker_pb2
+from headrace.protos import control_pb2, generation_pb2, worker_pb2
 from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
 from headrace.worker.serving.control import WorkerControlService
+from headrace.worker.serving.generation_control import GenerationControlService
 from headrace.worker.serving.metrics import WorkerMetrics
 from headrace.worker.serving.service import GenerationService, ServingState, model_info
 
@@ -32,6 +33,7 @@ FAILURE_FLUSH_S = 0.25
 GENERATION_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 CONTROL_DESCRIPTOR = worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"]
 CONTROL_SERVICE = CONTROL_DESCRIPTOR.full_name
+GENERATION_CONTROL_DESCRIPTOR = control_pb2.DESCRIPTOR.services_by_name["GenerationControl"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +47,16 @@ class WorkerServer:
         self.engine = engine
         self.options = options
         self.state = ServingState()
-        self.grpc = serving.Server(
-            [GENERATION_SERVICE, CONTROL_SERVICE], options.max_message_mib, options.security
-        )
+        services = [GENERATION_SERVICE, CONTROL_SERVICE, GENERATION_CONTROL_DESCRIPTOR.full_name]
+        self.grpc = serving.Server(services, options.max_message_mib, options.security)
         info = model_info(engine, model_name)
         self.metrics = WorkerMetrics(engine, model_name, self.state)
         generation = GenerationService(engine, info, self.state, self.metrics, options.flow)
         serving.add_service(generation, self.grpc.server, GENERATION_DESCRIPTOR)
         control = WorkerControlService(engine, self.state, self.drain)
         serving.add_service(control, self.grpc.server, CONTROL_DESCRIPTOR)
+        rlhf = GenerationControlService(engine)
+        serving.add_service(rlhf, self.grpc.server, GENERATION_CONTROL_DESCRIPTOR)
         self.port = 0
 
     async def start(self) -> int:

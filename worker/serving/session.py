@@ -194,9 +194,10 @@ class WorkerSession:
                 text=delta.text,
                 logprobs=wire.logprobs_to_wire(delta.logprobs),
                 finish_reason=wire.finish_reason_to_wire(delta.finish_reason),
+                weight_version=output.weight_version,
             )
             for delta in output.samples
-        ] or [pb.Chunk(request_id=request_id)]
+        ] or [pb.Chunk(request_id=request_id, weight_version=output.weight_version)]
         if output.prompt_logprobs is not None:
             chunks[0].prompt_logprobs.extend(wire.logprobs_to_wire(output.prompt_logprobs))
         live = self.live.get(request_id)

@@ -1,0 +1,186 @@
+"""Generation control's shared types: pause modes, a worker's state, and the per-worker
+report every control call returns (through a router, one entry per worker).
+
+Also the wire form of streamed weights: `tensor_chunks` cuts named tensors into
+`WeightsChunk` messages no larger than a gRPC message may be. It needs torch, imported when
+called (a caller with tensors to send has it); this module itself does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from headrace.protos import control_pb2 as cpb
+from headrace.sdk.errors import FailedPreconditionError, InvalidArgumentError
+
+#: Bytes of tensor data per streamed message (under the servers' 16 MiB default limit).
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+#: Dtypes that travel on the wire, by their wire names.
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+#: Longest version string accepted.
+MAX_VERSION_CHARS = 256
+
+
+class PauseMode(StrEnum):
+    """What `pause` does to the requests in flight (new ones queue until `resume`)."""
+
+    #: End them now, finish reason "abort", with the tokens they streamed so far.
+    ABORT = "abort"
+    #: Let them finish; `pause` returns once they have.
+    WAIT = "wait"
+    #: Freeze them, KV cache kept; they continue where they stopped on `resume`.
+    KEEP = "keep"
+
+
+class GenerationState(StrEnum):
+    SERVING = "serving"
+    #: Paused: new requests queue (a router holds them in its own queue).
+    PAUSED = "paused"
+    #: Asleep: KV cache released; new requests are refused with UNAVAILABLE.
+    ASLEEP = "asleep"
+    #: An update failed after copying began: nothing runs until an update succeeds.
+    WEIGHTS_INCOMPLETE = "weights_incomplete"
+
+
+_STATES_TO_WIRE = {
+    GenerationState.SERVING: cpb.GENERATION_STATE_SERVING,
+    GenerationState.PAUSED: cpb.GENERATION_STATE_PAUSED,
+    GenerationState.ASLEEP: cpb.GENERATION_STATE_ASLEEP,
+    GenerationState.WEIGHTS_INCOMPLETE: cpb.GENERATION_STATE_WEIGHTS_INCOMPLETE,
+}
+_STATES_FROM_WIRE = {wire: state for state, wire in _STATES_TO_WIRE.items()}
+_MODES_TO_WIRE = {
+    PauseMode.ABORT: cpb.PAUSE_MODE_ABORT,
+    PauseMode.WAIT: cpb.PAUSE_MODE_WAIT,
+    PauseMode.KEEP: cpb.PAUSE_MODE_KEEP,
+}
+_MODES_FROM_WIRE = {wire: mode for mode, wire in _MODES_TO_WIRE.items()}
+
+
+def state_to_wire(state: GenerationState) -> cpb.GenerationState:
+    return _STATES_TO_WIRE[state]
+
+
+def state_from_wire(state: cpb.GenerationState) -> GenerationState:
+    return _STATES_FROM_WIRE.get(state, GenerationState.SERVING)
+
+
+def pause_mode(mode: str | PauseMode) -> PauseMode:
+    try:
+        return PauseMode(mode)
+    except ValueError:
+        modes = ", ".join(m.value for m in PauseMode)
+        raise InvalidArgumentError("mode", f"must be one of {modes}, got {mode!r}") from None
+
+
+def pause_mode_to_wire(mode: PauseMode) -> cpb.PauseMode:
+    return _MODES_TO_WIRE[mode]
+
+
+def pause_mode_from_wire(mode: cpb.PauseMode) -> PauseMode:
+    found = _MODES_FROM_WIRE.get(mode)
+    if found is None:
+        raise InvalidArgumentError("mode", "set mode to PAUSE_MODE_ABORT, _WAIT or _KEEP")
+    return found
+
+
+def check_version(version: str) -> str:
+    if not isinstance(version, str) or not version:
+        raise InvalidArgumentError("version", "must be a non-empty string")
+    if len(version) > MAX_VERSION_CHARS:
+        raise InvalidArgumentError("version", f"must be at most {MAX_VERSION_CHARS} characters")
+    return version
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One worker after a control call."""
+
+    #: The worker's address as the router knows it ("" when a worker answers for itself).
+    worker: str
+    weight_version: str
+    state: GenerationState
+    #: Its processes (tensor x pipeline parallel ranks): its share of a weights group.
+    num_ranks: int = 1
+    #: Its first rank in the weights group (after `init_weights_group`).
+    rank_offset: int = 0
+
+    @classmethod
+    def from_wire(cls, wire: cpb.WorkerState) -> WorkerState:
+        return cls(
+            wire.worker,
+            wire.weight_version,
+            state_from_wire(wire.state),
+            wire.num_ranks,
+            wire.rank_offset,
+        )
+
+    def to_wire(self) -> cpb.WorkerState:
+        return cpb.WorkerState(
+            worker=self.worker,
+            weight_version=self.weight_version,
+            state=state_to_wire(self.state),
+            num_ranks=self.num_ranks,
+            rank_offset=self.rank_offset,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ControlReport:
+    """What a control call left behind: every worker's state."""
+
+    workers: list[WorkerState] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, wire: cpb.ControlResponse) -> ControlReport:
+        return cls([WorkerState.from_wire(w) for w in wire.workers])
+
+    @property
+    def weight_version(self) -> str:
+        """The version every worker serves; raises if they differ."""
+        versions = {w.weight_version for w in self.workers}
+        if len(versions) != 1:
+            each = ", ".join(f"{w.worker or 'worker'}: {w.weight_version!r}" for w in self.workers)
+            raise FailedPreconditionError(f"the workers serve different weight versions ({each})")
+        return versions.pop()
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks over all workers: what a weights group needs besides the trainer."""
+        return sum(w.num_ranks for w in self.workers)
+
+
+def tensor_chunks(
+    named_tensors: Iterable[tuple[str, Any]],
+    version: str,
+    *,
+    stage_only: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[cpb.WeightsChunk]:
+    """The messages of an `UpdateWeightsFromTensors` stream: each tensor (torch, in a dtype of
+    `WIRE_DTYPES`) as consecutive chunks of at most ``chunk_bytes`` raw bytes, row-major,
+    little-endian. The first message carries the version (and ``stage_only``)."""
+    import torch  # the caller has tensors, so it has torch
+
+    first = True
+    for name, tensor in named_tensors:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in WIRE_DTYPES:
+            raise InvalidArgumentError(
+                "named_tensors", f"{name}: dtype {dtype} cannot be sent (use {WIRE_DTYPES})"
+            )
+        flat = tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+        shape = list(tensor.shape)
+        for offset in range(0, max(len(flat), 1), chunk_bytes):
+            chunk = cpb.WeightsChunk(
+                name=name, dtype=dtype, shape=shape, offset=offset,
+                data=flat[offset : offset + chunk_bytes].tobytes(),
+            )  # fmt: skip
+            if first:
+                chunk.version, chunk.stage_only, first = version, stage_only, False
+            yield chunk
+    if first:  # no tensors: still one message, so the server learns the version
+        yield cpb.WeightsChunk(version=version, stage_only=stage_only)
