@@ -26,6 +26,20 @@ from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top
 from headrace.worker.sequence import Sequence
 
 
+def is_plain_greedy(seq: Sequence) -> bool:
+    """Whether the row's token is the argmax of its raw logits: greedy, with nothing that
+    reads or changes the logits first (penalties, bans, logprobs). A step whose rows are all
+    plain greedy can take its tokens from the model's greedy head and skip the sampler."""
+    config = seq.config
+    return (
+        config.is_greedy
+        and config.logprobs is None
+        and not _has_penalty(config)
+        and not config.no_repeat_ngram_size
+        and not (config.min_tokens > seq.num_output_tokens and seq.stop_token_ids)
+    )
+
+
 @dataclass(slots=True)
 class SamplerOutput:
     #: The sampled token of each row.
