@@ -266,7 +266,6 @@ def test_vocab_shards_cover_the_vocab_once_with_zero_padding():
     assert not padded[vocab:].any()
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_rows", [1, 5, 4500])  # 4500 rows: slices of 512 columns
 def test_greedy_head_picks_the_argmax_of_the_logits(dtype, num_rows):
@@ -285,6 +284,7 @@ def test_greedy_head_picks_the_argmax_of_the_logits(dtype, num_rows):
         got = head.greedy(hidden)
     assert got.tolist() == want.tolist()
     assert got[0] == 17
+
 
 # --- rope ---------------------------------------------------------------------------------
 
