@@ -176,16 +176,15 @@ def argmax_update(
 
 
 def sample_rows(
-    logits: torch.Tensor,  # [S, V] float32, rows with unit stride
+    logits: torch.Tensor,  # [S, V] float32 (top-k applied as -inf), rows with unit stride
     temperature: torch.Tensor,  # [S] float32, > 0
     top_p_floor: torch.Tensor,  # [S] float32: 1 - top_p (<= 0: no top-p)
     min_p: torch.Tensor,  # [S] float32
-    keys: torch.Tensor,  # [S, 2] int64: (odd multiplier, offset) of each row's uniforms
-    max_attempts: int,
+    keys: torch.Tensor,  # [S, 2] int64: (odd multiplier, offset) of each row's noise
 ) -> torch.Tensor:  # [S] int64
-    """One draw per row from softmax(logits / T) truncated by min-p and top-p, by inverse CDF
-    with a top-p rejection test (see `headrace.worker.sampling.draw`); -1 for a row whose
-    max_attempts draws all fell outside its top-p set."""
+    """One seeded draw per row: argmax of logits / T plus Gumbel noise over the tokens top-p
+    and min-p keep (see `headrace.worker.sampling.draw`); -1 for a row whose race's best
+    few tokens are all outside its top-p set."""
     assert logits.dtype == torch.float32 and logits.device.type == "cpu", logits
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -199,7 +198,6 @@ def sample_rows(
         logits.stride(0),
         *(_ptr(c) for c in columns),
         _ptr(keys),
-        max_attempts,
         _ptr(out),
     )
     return out

@@ -11,7 +11,8 @@
    - argmax_rows: each row's first maximum, rows split among threads; argmax_update: the
      same over column blocks (the greedy LM head's vocabulary slices), kept running.
    - sample_rows: one seeded draw per row from softmax(logits / T), truncated by min-p and
-     top-p, by inverse-CDF sampling with a counter-based uniform and a top-p rejection test.
+     top-p: a Gumbel-max race with counter-based noise, whose logs are taken only for the
+     tokens that could still win, then the top-p test on the best few.
 
    Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention computes in float32 whatever the storage
    dtype (softmax statistics, scores and the weighted sum of V all in float32).
@@ -520,28 +521,46 @@ void headrace_argmax_update(const float *x, int64_t num_rows, int64_t num_cols,
 
 /* ---- sampling ----------------------------------------------------------------------------- */
 
-/* The counter-based uniform of draw `attempt` of a row keyed (multiplier, offset): the same
-   Weyl-sequence-and-xorshift-multiply hash headrace.worker.sampling.draw computes in torch. */
-static inline double key_uniform(const int64_t *key, int64_t attempt) {
-    uint32_t h = (uint32_t)((uint64_t)attempt * (uint64_t)key[0] + (uint64_t)key[1]);
+typedef uint32_t v16w __attribute__((vector_size(64)));
+
+/* The noise hash of token ids under a row key (multiplier, offset): a Weyl sequence, then
+   xorshift-multiply rounds, all mod 2**32 (headrace.worker.sampling.draw.gumbel_noise). */
+static inline v16w token_hash(v16w token, uint32_t multiplier, uint32_t offset) {
+    v16w h = token * multiplier + offset;
     h ^= h >> 16;
     h *= 0x21F0AAADu;
     h ^= h >> 15;
     h *= 0x735A2D97u;
     h ^= h >> 15;
-    return ((double)h + 0.5) * (1.0 / 4294967296.0);
+    return h;
 }
 
-/* Elements per first-level block of the CDF (one v16) and per second-level block. */
-#define SMALL_BLOCK LANES
-#define LARGE_BLOCK (LANES * LANES)
+/* Standard Gumbel noise of hash h: -log(-log u), u = (h + 0.5) / 2**32, in double, rounded
+   once to float (as the torch twin computes it). */
+static inline float gumbel_of(uint32_t h) {
+    const double u = ((double)h + 0.5) * (1.0 / 4294967296.0);
+    return (float)-log(-log(u));
+}
+
+/* Bit k set where lane k of mask is true. */
+static inline uint32_t lane_bits(v16i mask) {
+#ifdef __AVX512F__
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask);
+#else
+    uint32_t bits = 0;
+    for (int k = 0; k < LANES; k++) bits |= (mask[k] != 0) << k;
+    return bits;
+#endif
+}
+
+/* The race keeps this many best (score, token) pairs: the first top-p keeps is the draw. */
+#define MAX_CANDIDATES 8
+/* Slack on the bound that skips the logs (covers float rounding of weights and 1 - u). */
+#define SKIP_SLACK 1.001f
 
 typedef struct {
-    float *scaled;  /* [V] logits / T (NaN as -inf) */
-    float *weights; /* [V] exp(scaled - max): 0 for -inf */
-    double *small;  /* [V / 16] sums of the weights min-p keeps, per small block */
-    double *large;  /* [V / 256] the same per large block */
-    float min_p;
+    float *scaled;  /* [V padded] logits / T (NaN as -inf), pad lanes -inf */
+    float *weights; /* [V padded] exp(scaled - max): 0 for -inf */
 } SampleScratch;
 
 /* 16 floats from [first, first + 16), missing lanes as fill. */
@@ -552,63 +571,82 @@ static inline v16 load_block(const float *row, int64_t first, int64_t vocab, flo
     return out;
 }
 
-/* Scale the row and weigh it; sum the weights of all tokens (for top-p) and, by small and
-   large block, of those min-p keeps (for the inverse CDF). Returns the row's max. */
+/* Scale and weigh the row; sum all weights (top-p's denominator). Returns the row's max. */
 static float weigh_row(const float *logits, int64_t vocab, float temperature, SampleScratch *s,
-                       double *kept_total, double *all_total) {
-    const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
+                       double *all_total) {
+    const int64_t num_blocks = (vocab + LANES - 1) / LANES;
     v16 best_lanes = splat(-INFINITY);
-    for (int64_t b = 0; b < num_small; b++) {
-        v16 x = load_block(logits, b * SMALL_BLOCK, vocab, -INFINITY) / temperature;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        v16 x = load_block(logits, b * LANES, vocab, -INFINITY) / temperature;
         x = select_lanes(x == x, x, splat(-INFINITY)); /* a NaN logit can never be drawn */
-        *(v16 *)(s->scaled + b * SMALL_BLOCK) = x;
+        *(v16 *)(s->scaled + b * LANES) = x;
         best_lanes = select_lanes(x > best_lanes, x, best_lanes);
     }
     const float best = hmax(best_lanes);
-    double all = 0.0, kept = 0.0, large = 0.0;
-    for (int64_t b = 0; b < num_small; b++) {
-        const v16 x = *(const v16 *)(s->scaled + b * SMALL_BLOCK);
+    double all = 0.0;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const v16 x = *(const v16 *)(s->scaled + b * LANES);
         const v16 w = select_lanes(x == -INFINITY, splat(0.0f), exp_nonpositive(x - best));
-        *(v16 *)(s->weights + b * SMALL_BLOCK) = w;
-        const float block_kept = hsum(select_lanes(w < s->min_p, splat(0.0f), w));
+        *(v16 *)(s->weights + b * LANES) = w;
         all += hsum(w);
-        s->small[b] = block_kept;
-        kept += block_kept;
-        large += block_kept;
-        if (b % LANES == LANES - 1 || b == num_small - 1) {
-            s->large[b / LANES] = large;
-            large = 0.0;
-        }
     }
-    *kept_total = kept;
     *all_total = all;
     return best;
 }
 
-/* The token where the cumulative kept weight (in vocab order, summed by large block, small
-   block, then element) first exceeds target. */
-static int64_t inverse_cdf(const SampleScratch *s, int64_t vocab, double target) {
-    const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
-    const int64_t num_large = (num_small + LANES - 1) / LANES;
-    double before = 0.0;
-    int64_t large = 0;
-    while (large < num_large - 1 && before + s->large[large] <= target) before += s->large[large++];
-    int64_t small = large * LANES, small_end = small + LANES < num_small ? small + LANES : num_small;
-    while (small < small_end - 1 && before + s->small[small] <= target) before += s->small[small++];
-    int64_t last = -1;
-    for (int64_t i = small * SMALL_BLOCK; i < (small + 1) * SMALL_BLOCK && i < vocab; i++) {
-        const float w = s->weights[i] < s->min_p ? 0.0f : s->weights[i];
-        if (w > 0.0f) {
-            last = i;
-            before += w;
-            if (before > target) return i;
+typedef struct {
+    int count;
+    float score[MAX_CANDIDATES];
+    int64_t token[MAX_CANDIDATES];
+} Candidates;
+
+/* Insert (score, token) in descending order of score; tokens arrive in ascending order, so
+   an equal score goes after those before it (argmax's first maximum). */
+static void candidates_add(Candidates *c, float score, int64_t token) {
+    int at = c->count;
+    while (at > 0 && c->score[at - 1] < score) at--;
+    if (at >= MAX_CANDIDATES) return;
+    const int last = c->count < MAX_CANDIDATES ? c->count : MAX_CANDIDATES - 1;
+    for (int k = last; k > at; k--) {
+        c->score[k] = c->score[k - 1];
+        c->token[k] = c->token[k - 1];
+    }
+    c->score[at] = score;
+    c->token[at] = token;
+    if (c->count < MAX_CANDIDATES) c->count++;
+}
+
+/* The Gumbel race over the tokens min-p keeps: the best MAX_CANDIDATES of scaled + noise.
+   Noise is a log of a log; most tokens provably lose without it. A token of weight w
+   (= exp(scaled - max)) beats score t only if -log(-log u) > t - scaled, which needs
+   1 - u < exp(scaled - t) = w * exp(max - t) (as -log u >= 1 - u): the hash alone rules
+   out the rest. */
+static void gumbel_race(const SampleScratch *s, int64_t vocab, float best, float min_p,
+                        const int64_t *key, Candidates *c) {
+    const uint32_t multiplier = (uint32_t)key[0], offset = (uint32_t)key[1];
+    const int64_t num_blocks = (vocab + LANES - 1) / LANES;
+    v16w lane_ids;
+    for (int k = 0; k < LANES; k++) lane_ids[k] = (uint32_t)k;
+    float reach = INFINITY; /* exp(max - the last candidate's score), once there are enough */
+    c->count = 0;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const v16 w = *(const v16 *)(s->weights + b * LANES);
+        v16i live = (w > 0.0f) & (w >= min_p);
+        if (reach < INFINITY) {
+            const v16w h = token_hash(lane_ids + (uint32_t)(b * LANES), multiplier, offset);
+            const v16 one_minus_u = (__builtin_convertvector(~h, v16) + 0.5f) * 0x1p-32f;
+            live &= one_minus_u < w * (reach * SKIP_SLACK);
+        }
+        for (uint32_t bits = lane_bits(live); bits; bits &= bits - 1) {
+            const int64_t token = b * LANES + __builtin_ctz(bits);
+            const uint32_t h = token_hash(lane_ids * 0 + (uint32_t)token, multiplier, offset)[0];
+            const float score = s->scaled[token] + gumbel_of(h);
+            candidates_add(c, score, token);
+            if (c->count == MAX_CANDIDATES) {
+                reach = (float)exp((double)best - (double)c->score[MAX_CANDIDATES - 1]);
+            }
         }
     }
-    if (last >= 0) return last; /* rounding left the target just past this block's end */
-    for (int64_t i = vocab - 1; i >= 0; i--) {
-        if (s->weights[i] >= s->min_p && s->weights[i] > 0.0f) return i;
-    }
-    return 0;
 }
 
 /* Whether top-p keeps token j: the probability of the tokens no more likely than it exceeds
@@ -619,12 +657,12 @@ static int top_p_keeps(const SampleScratch *s, int64_t vocab, int64_t j, float b
     const float x = s->scaled[j];
     if (floor <= 0.0f || x == best) return 1;
     double mass = 0.0;
-    const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
-    for (int64_t b = 0; b < num_small; b += LANES) {
+    const int64_t num_blocks = (vocab + LANES - 1) / LANES;
+    for (int64_t b = 0; b < num_blocks; b += LANES) {
         v16 block = splat(0.0f);
-        for (int64_t k = b; k < b + LANES && k < num_small; k++) {
-            const v16 scaled = *(const v16 *)(s->scaled + k * SMALL_BLOCK);
-            const v16 w = *(const v16 *)(s->weights + k * SMALL_BLOCK);
+        for (int64_t k = b; k < b + LANES && k < num_blocks; k++) {
+            const v16 scaled = *(const v16 *)(s->scaled + k * LANES);
+            const v16 w = *(const v16 *)(s->weights + k * LANES);
             block += select_lanes(scaled <= x, w, splat(0.0f));
         }
         mass += hsum(block);
@@ -632,46 +670,40 @@ static int top_p_keeps(const SampleScratch *s, int64_t vocab, int64_t j, float b
     return (float)(mass / all_total) > floor;
 }
 
-/* One token per row: out[r] = the draw, or -1 if max_attempts draws were all outside the
-   top-p set (the caller then draws exactly from the sorted distribution). keys [rows, 2]. */
+/* One token per row: out[r] = argmax of (logits / T + Gumbel noise) over the tokens top-k
+   (already -inf), top-p and min-p keep, or -1 when none of the race's best MAX_CANDIDATES is
+   in the top-p set (the caller then races the row whole, in torch). keys [rows, 2]. */
 void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
                           const float *temperature, const float *top_p_floor, const float *min_p,
-                          const int64_t *keys, int max_attempts, int64_t *out) {
+                          const int64_t *keys, int64_t *out) {
 #pragma omp parallel if (num_rows > 1)
     {
-        /* Rows padded to whole v16s: the pad lanes are -inf (weight 0). */
-        const int64_t num_small = (vocab + SMALL_BLOCK - 1) / SMALL_BLOCK;
-        const size_t padded = (size_t)num_small * SMALL_BLOCK * sizeof(float);
+        const int64_t num_blocks = (vocab + LANES - 1) / LANES;
+        const size_t padded = (size_t)num_blocks * LANES * sizeof(float);
         SampleScratch s;
         s.scaled = aligned_alloc(64, padded);
         s.weights = aligned_alloc(64, padded);
-        s.small = malloc((size_t)num_small * sizeof(double));
-        s.large = malloc((size_t)(num_small / LANES + 1) * sizeof(double));
-        const int ok = s.scaled && s.weights && s.small && s.large;
+        const int ok = s.scaled && s.weights;
 #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < num_rows; r++) {
             out[r] = -1;
             if (!ok) continue;
-            double kept_total, all_total;
-            s.min_p = min_p[r];
-            const float best = weigh_row(logits + r * row_stride, vocab, temperature[r], &s,
-                                         &kept_total, &all_total);
-            if (best == -INFINITY) { /* every token removed (bans): nothing to weigh */
+            double all_total;
+            const float best = weigh_row(logits + r * row_stride, vocab, temperature[r], &s, &all_total);
+            if (best == -INFINITY) { /* every token removed (bans): nothing to race */
                 out[r] = 0;
                 continue;
             }
-            for (int attempt = 0; attempt < max_attempts; attempt++) {
-                const double target = key_uniform(keys + 2 * r, attempt) * kept_total;
-                const int64_t j = inverse_cdf(&s, vocab, target);
-                if (top_p_keeps(&s, vocab, j, best, all_total, top_p_floor[r])) {
-                    out[r] = j;
+            Candidates c;
+            gumbel_race(&s, vocab, best, min_p[r], keys + 2 * r, &c);
+            for (int k = 0; k < c.count; k++) {
+                if (top_p_keeps(&s, vocab, c.token[k], best, all_total, top_p_floor[r])) {
+                    out[r] = c.token[k];
                     break;
                 }
             }
         }
         free(s.scaled);
         free(s.weights);
-        free(s.small);
-        free(s.large);
     }
 }

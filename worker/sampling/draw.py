@@ -1,31 +1,30 @@
-"""Seeded sampling by inverse CDF with a top-p rejection test.
+"""Seeded sampling by Gumbel-max, with noise made only where it can win.
 
-Design note. A sampling row draws from softmax(logits / T) restricted to the tokens top-k,
-top-p and min-p keep (HF's order: top-k, then top-p over what top-k kept, then min-p). The
-draw needs no sort and touches the vocabulary a few times per row:
+Design note. A sampling row draws argmax(x / T + g) over the tokens top-k, top-p and min-p
+keep (HF's order: top-k, then top-p over what top-k kept, then min-p), with g standard
+Gumbel noise: the same distribution as sampling the truncated softmax(x / T). g[v] comes
+from a counter-based hash of (row key, token id v) in integer ops, so it needs no generator
+state: a seeded row's key comes from (sample_seed, position) alone, so its token depends only
+on those and on its logits, never on batch composition, row order, thread count or device.
+-log(-log u) runs in float64 and is rounded once to float32.
 
-1. weigh: w_i = exp(x_i / T - max) over the row; min-p drops w_i < min_p (p_i < min_p *
-   p_max); top-k was applied before as -inf logits;
-2. draw: u from a counter-based hash of the row's key and an attempt counter; the token is
-   where the cumulative kept weight, in vocabulary order, first exceeds u * (their sum);
-3. test top-p: top-p keeps token j iff the probability of the tokens no more likely than j
-   exceeds 1 - top_p (HF's rule, the most likely token always kept). If j is outside, draw
-   again with the next attempt. An accepted draw is distributed exactly as the truncated,
-   renormalised softmax (rejection sampling); acceptance is at least top_p per attempt.
-   After `MAX_ATTEMPTS` rejections (odds (1 - top_p)^16) the row draws once more, exactly,
-   from the sorted top-p set.
+Why Gumbel-max and not an inverse CDF (one uniform per row against the cumulative
+probabilities, which needs no noise per token): logits differ in their last bits between
+batch compositions (a matmul over other rows, a prefill recomputing a decode's KV after a
+failover), and an inverse CDF turns that into a different token whenever the uniform lands
+within that rounding of any of the CDF's steps, which sum the whole vocabulary: measured on
+the tiny test model, about one seeded draw in a thousand moved when a request was resumed
+on another worker. Gumbel-max moves only when the two best noisy scores tie within rounding.
 
-A seeded row's key comes from (sample_seed, position) alone, so its token depends only on
-those and on its logits: never on batch composition, row order or thread count. On the CPU
-the C kernel (`headrace.kernels.cpu_ops.sample_rows`) runs all three steps per row in cache,
-rows split among threads; elsewhere `draw_torch` runs the same algorithm in torch ops. The
-two round the exponentials and sums differently, so their tokens differ only where u lands
-within rounding of a CDF step or a token's top-p mass within rounding of 1 - top_p.
-
-This replaced a Gumbel-max draw (argmax(x + Gumbel noise)), which made noise for every
-vocabulary entry of every row: 100 ms per step for 256 rows of a 49k vocabulary on a 2-core
-CPU, against a few ms here. The seeded stream changed with it (same seeds, other tokens);
-tests pin the new one.
+The cost of noise for every token (100 ms per step for 256 rows of a 49k vocabulary in
+torch on a 2-core CPU) is avoided on the CPU by the C kernel (`cpu_ops.sample_rows`): it
+weighs the row (w = exp(x / T - max), for min-p and top-p), then races with a bound that
+needs only the integer hash for most tokens (a token of weight w beats the race's current
+threshold t only if 1 - u < w * exp(max - t)), keeping the best 8 scores; the draw is the
+first of them top-p keeps (tested by the mass of the tokens no more likely). When none of
+the 8 is kept, or elsewhere than on a CPU, `draw_torch` masks by sorting and races every
+token. Both give the same tokens (the torch path is the reference the kernel is tested
+against), and the same as headrace's earlier sampler for the same seeds.
 """
 
 from __future__ import annotations
@@ -34,19 +33,20 @@ import math
 
 import torch
 from headrace.kernels import cpu_ops
+from headrace.worker.sampling.ops import argmax
 from headrace.worker.sampling.warpers import top_p_removed
-
-#: Draws per row before the exact (sorting) fallback.
-MAX_ATTEMPTS = 16
 
 _MASK32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
-#: Rows per chunk of the torch path on the CPU (keeps a chunk's temporaries in cache).
-_CPU_ROWS_PER_CHUNK = 16
+#: On the CPU the torch race makes noise this many elements at a time (a 2 MiB int64 working
+#: set that stays in cache).
+_CPU_NOISE_CHUNK = 1 << 18
+#: The torch race makes noise for the finite logits alone when at most this share is finite.
+_SPARSE_SHARE = 1 / 8
 
 
 def seeded_key(seed: int, position: int) -> tuple[int, int]:
-    """The key of the draws for the token at position of a request with this seed."""
+    """The noise key of the token at position of a request with this seed."""
     mixed = _splitmix64((_splitmix64(seed) + position) & _MASK64)
     return mixed >> 32, mixed & _MASK32
 
@@ -58,16 +58,6 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def uniforms(keys: torch.Tensor, attempt: int) -> torch.Tensor:  # [S, 2] int64 -> [S] float64
-    """The uniform in (0, 1) of draw ``attempt`` of each row: a Weyl sequence per key, then
-    xorshift-multiply rounds, in int64 ops that stay below 2**63 (exact on every device)."""
-    h = (attempt * keys[:, 0] + keys[:, 1]) & _MASK32
-    for shift, factor in ((16, 0x21F0AAAD), (15, 0x735A2D97)):
-        h = ((h ^ (h >> shift)) * factor) & _MASK32
-    h = h ^ (h >> 15)
-    return h.double().add_(0.5).mul_(2.0**-32)
-
-
 def draw(
     x: torch.Tensor,  # [S, V] float32 logits (history processing and top-k applied)
     temperature: torch.Tensor,  # [S] float32
@@ -76,14 +66,13 @@ def draw(
     keys: torch.Tensor,  # [S, 2] int64
 ) -> torch.Tensor:  # [S] int64
     """One token per row; see the module's design note."""
-    if x.device.type == "cpu" and cpu_ops.available():
-        tokens = cpu_ops.sample_rows(x, temperature, top_p_floor, min_p, keys, MAX_ATTEMPTS)
-    else:
-        tokens = draw_torch(x, temperature, top_p_floor, min_p, keys)
-    rejected = (tokens < 0).nonzero().view(-1)
-    if len(rejected):
-        rows = rejected.tolist()
-        tokens[rejected] = _draw_exact(
+    if x.device.type != "cpu" or not cpu_ops.available():
+        return draw_torch(x, temperature, top_p_floor, min_p, keys)
+    tokens = cpu_ops.sample_rows(x, temperature, top_p_floor, min_p, keys)
+    unsettled = (tokens < 0).nonzero().view(-1)
+    if len(unsettled):
+        rows = unsettled.tolist()
+        tokens[unsettled] = draw_torch(
             x[rows], temperature[rows], top_p_floor[rows], min_p[rows], keys[rows]
         )
     return tokens
@@ -96,63 +85,51 @@ def draw_torch(
     min_p: torch.Tensor,
     keys: torch.Tensor,
 ) -> torch.Tensor:
-    """`draw` in torch ops (any device), rows in chunks on the CPU; -1 where all attempts
-    were rejected."""
-    num_rows = x.shape[0]
-    step = _CPU_ROWS_PER_CHUNK if x.device.type == "cpu" else max(1, num_rows)
-    out = torch.empty(num_rows, dtype=torch.long, device=x.device)
-    for start in range(0, num_rows, step):
-        rows = slice(start, start + step)
-        out[rows] = _draw_chunk(
-            x[rows], temperature[rows], top_p_floor[rows], min_p[rows], keys[rows]
-        )
-    return out
-
-
-def _draw_chunk(
-    x: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p_floor: torch.Tensor,
-    min_p: torch.Tensor,
-    keys: torch.Tensor,
-) -> torch.Tensor:
+    """`draw` in torch ops (any device): scale, mask top-p (by sorting) and min-p, race."""
     scaled = x / temperature.view(-1, 1)
-    best = scaled.amax(dim=-1, keepdim=True)
-    weights = (scaled - best).exp_()  # exp(-inf) = 0
-    all_total = weights.sum(dim=-1, dtype=torch.float64)
-    kept = weights.masked_fill(weights < min_p.view(-1, 1), 0.0)
-    cdf = kept.cumsum(dim=-1, dtype=torch.float64)
-    out = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
-    pending = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-    for attempt in range(MAX_ATTEMPTS):
-        target = uniforms(keys, attempt) * cdf[:, -1]
-        token = torch.searchsorted(cdf, target.view(-1, 1), right=True).view(-1)
-        token = token.clamp_(max=x.shape[1] - 1)
-        value = scaled.gather(1, token.view(-1, 1))
-        mass = (weights * (scaled <= value)).sum(dim=-1, dtype=torch.float64) / all_total
-        accepted = (mass.float() > top_p_floor) | (value.view(-1) == best.view(-1))
-        accepted &= pending
-        out[accepted] = token[accepted]
-        pending &= ~accepted
-        if not bool(pending.any()):
-            break
-    out[best.view(-1) == -math.inf] = 0  # every token removed (bans): nothing to weigh
-    return out
+    scaled.masked_fill_(top_p_removed(scaled, top_p_floor.view(-1, 1)), -math.inf)
+    probs = scaled.softmax(dim=-1)
+    below = probs < min_p.view(-1, 1) * probs.amax(dim=-1, keepdim=True)
+    scaled.masked_fill_(below, -math.inf)
+    return gumbel_argmax(scaled, keys)
 
 
-def _draw_exact(
-    x: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p_floor: torch.Tensor,
-    min_p: torch.Tensor,
-    keys: torch.Tensor,
+def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax(x + Gumbel noise) per row; x [S, V] float32, keys [S, 2] int64 on x's device.
+
+    Masked rows (top-k / top-p / min-p) leave few finite logits: noise is made for those
+    only, with the same values the dense path would give them.
+    """
+    candidates = x > -math.inf
+    if int(torch.count_nonzero(candidates)) <= _SPARSE_SHARE * x.numel():
+        rows, token_ids = candidates.nonzero(as_tuple=True)
+        noise = gumbel_noise(keys[rows, 0], keys[rows, 1], token_ids)
+        race = torch.full_like(x, -math.inf)
+        race[rows, token_ids] = noise.add_(x[rows, token_ids])
+        return argmax(race)
+    num_rows, vocab = x.shape
+    vocab_ids = torch.arange(vocab, device=x.device)
+    chunk = num_rows if x.device.type != "cpu" else max(1, _CPU_NOISE_CHUNK // vocab)
+    winners = torch.empty(num_rows, dtype=torch.long, device=x.device)
+    for start in range(0, num_rows, chunk):
+        end = start + chunk
+        noise = gumbel_noise(keys[start:end, :1], keys[start:end, 1:], vocab_ids)
+        winners[start:end] = argmax(noise.add_(x[start:end]))
+    return winners
+
+
+def gumbel_noise(
+    multiplier: torch.Tensor, offset: torch.Tensor, token_ids: torch.Tensor
 ) -> torch.Tensor:
-    """The fallback: mask top-p by sorting, then one inverse-CDF draw over what is left."""
-    scaled = x / temperature.view(-1, 1)
-    scaled = scaled.masked_fill(top_p_removed(scaled, top_p_floor.view(-1, 1)), -math.inf)
-    weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
-    weights.masked_fill_(weights < min_p.view(-1, 1), 0.0).nan_to_num_(0.0)
-    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-    target = uniforms(keys, MAX_ATTEMPTS) * cdf[:, -1]
-    token = torch.searchsorted(cdf, target.view(-1, 1), right=True).view(-1)
-    return token.clamp_(max=x.shape[1] - 1)
+    """Standard Gumbel noise, float32, broadcast over the (key, token id) arguments: each
+    entry is a function of its row key (multiplier, offset) and token id only. Values stay
+    in 32-bit lanes of int64 and every product below 2**63 (no signed overflow)."""
+    h = token_ids * multiplier + offset  # a Weyl sequence per key
+    h &= _MASK32
+    for shift, factor in ((16, 0x21F0AAAD), (15, 0x735A2D97)):  # xorshift-multiply rounds
+        h ^= h >> shift
+        h *= factor
+        h &= _MASK32
+    h ^= h >> 15
+    uniform = h.double().add_(0.5).mul_(2.0**-32)  # in (0, 1), exact
+    return uniform.log_().neg_().log_().neg_().float()

@@ -4,8 +4,9 @@ Stages, in the order HF and vLLM apply them, each run on the rows that need it o
   1. history processors: repetition penalty (prompt + output), presence / frequency penalties
      (output), no_repeat_ngram_size bans, min_tokens bans on the stop token ids;
   2. greedy rows (temperature 0) take the argmax;
-  3. sampling rows: temperature, top-k, top-p, min-p, drawn by inverse CDF with a top-p
-     rejection test (`headrace.worker.sampling.draw`: no sort, no noise per vocabulary entry).
+  3. sampling rows: temperature, top-k, top-p, min-p, then a seeded Gumbel-max race
+     (`headrace.worker.sampling.draw`: on the CPU a C kernel that makes noise only for the
+     tokens that could still win, and tests top-p on the winners instead of sorting).
 Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax.
 """
 
