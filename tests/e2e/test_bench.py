@@ -36,6 +36,32 @@ def test_bench_engine_tiny_prints_its_figures_as_json(prepared_cache: Path):
     assert summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
 
 
+def test_bench_engine_profile_splits_decode_steps_and_sampled_reruns(prepared_cache: Path):
+    summary = bench(
+        "engine", "--tiny", "--num-requests", "8", "--max-tokens", "6", "--profile",
+        "--sampled", env={CACHE_ENV: str(prepared_cache)},
+    )  # fmt: skip
+    assert summary["num_tokens"] == summary["sampled_num_tokens"] == 8 * 6
+    phases = [k for k in summary if k.startswith("profile_")]
+    assert {"profile_schedule_ms", "profile_forward_ms", "profile_lm_head_ms"} <= set(phases)
+    assert summary["profile_forward_ms"] > 0 and summary["profile_lm_head_ms"] > 0
+    # Greedy rows take the greedy head: the sampler never runs in the profiled run.
+    assert summary["profile_sample_ms"] == 0
+    assert sum(summary[k] for k in phases) <= summary["step_p99_ms"] * 1.5
+    assert summary["ratio_sampled_greedy_step"] > 0
+
+
+def test_bench_serve_reports_a_priority_burst_apart(worker: ServerProcess):
+    summary = bench(
+        "serve", "--target", worker.target, "--num-requests", "12", "--prompt-lens", "4-9",
+        "--output-lens", "3-5", "--max-concurrency", "4", "--priority-burst", "3",
+        "--burst-delay", "0.05",
+    )  # fmt: skip
+    assert 12 * 3 <= summary["num_tokens"] <= 12 * 5
+    assert 3 * 3 <= summary["burst_num_tokens"] <= 3 * 5
+    assert summary["burst_ttft_p50_ms"] > 0
+
+
 def test_bench_serve_loads_a_running_worker(worker: ServerProcess):
     summary = bench(
         "serve", "--target", worker.target, "--num-requests", "12", "--prompt-lens", "4-9",

@@ -148,6 +148,14 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--http-target", help="--api openai with --target: the door's HOST:PORT (default: "
         "--target's host, port 8000)")  # fmt: skip
+    add(
+        "--priority-burst",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --target: N priority-10 requests mid-load, their TTFT reported apart",
+    )
+    add("--burst-delay", type=float, default=1.0, help="seconds into the load of the burst")
 
 
 def weights_arguments(parser: argparse.ArgumentParser) -> None:

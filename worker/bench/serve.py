@@ -9,7 +9,9 @@ With ``--target`` it sends ``--num-requests`` random-token prompts (lengths unif
 one multiplexed stream, arriving as a Poisson process at ``--request-rate`` per second (inf:
 all at once), at most ``--max-concurrency`` in flight, and reports tok/s (generated tokens
 over the run's wall time), TTFT (request sent -> first token) and ITL (between a request's
-successive chunks), p50 and p99.
+successive chunks), p50 and p99. ``--priority-burst N`` adds N priority-10 requests sent
+all at once ``--burst-delay`` seconds in (while the load saturates the server) and reports
+their TTFT apart (``burst_ttft_p50_ms``): how fast priority cuts in under load.
 
 Without a target it starts a worker (the tiny random model unless ``--model``) and a router
 in front of it, and runs the same load ``--rounds`` times each way, alternating: in-process
@@ -60,33 +62,54 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
 
 
 async def run_load(
-    target: str, workload: Workload, args: argparse.Namespace, name: str = "load"
-) -> Report:
-    """Send the workload to ``target`` over one SDK client; the report of the run."""
+    target: str,
+    workload: Workload,
+    args: argparse.Namespace,
+    name: str = "load",
+    burst: Workload | None = None,
+) -> tuple[Report, Report | None]:
+    """Send the workload to ``target`` over one SDK client; the report of the run, and of
+    the ``burst`` (priority 10, sent all at once ``--burst-delay`` s in, past the
+    concurrency limit) if given."""
     offsets = arrival_offsets(len(workload.prompts), args.request_rate, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(workload.prompts))
 
     async def one(client: AsyncClient, i: int, start: float) -> Timings:
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
-        config = GenerationConfig(max_tokens=workload.max_tokens[i], temperature=0, ignore_eos=True)
-        timings = Timings()
         async with limit:
-            last = sent = time.perf_counter()
-            async for chunk in client.stream(workload.prompts[i], config):
-                now = time.perf_counter()
-                if chunk.token_ids and timings.ttft_s is None:
-                    timings.ttft_s = now - sent
-                elif chunk.token_ids:
-                    timings.itl_s.append(now - last)
-                last = now
-                timings.num_tokens += len(chunk.token_ids)
-        return timings
+            return await stream_one(client, workload, i)
+
+    async def urgent(client: AsyncClient, i: int, start: float) -> Timings:
+        assert burst is not None
+        await asyncio.sleep(max(0.0, start + args.burst_delay - time.perf_counter()))
+        return await stream_one(client, burst, i, priority=10)
 
     async with AsyncClient(target) as client:
         await client.generate([100, 101], GenerationConfig(max_tokens=1))  # open the stream
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(client, i, start) for i in range(len(offsets))))
-    return timings_report(name, start, results)
+        runs = [one(client, i, start) for i in range(len(offsets))]
+        runs += [urgent(client, i, start) for i in range(len(burst.prompts) if burst else 0)]
+        results = await asyncio.gather(*runs)
+    report = timings_report(name, start, results[: len(offsets)])
+    if burst is None:
+        return report, None
+    return report, timings_report("priority-10 burst", start, results[len(offsets) :])
+
+
+async def stream_one(client: AsyncClient, workload: Workload, i: int, priority: int = 0) -> Timings:
+    """Stream request i of the workload (greedy, ignore_eos); what it saw."""
+    config = GenerationConfig(max_tokens=workload.max_tokens[i], temperature=0, ignore_eos=True)
+    timings = Timings()
+    last = sent = time.perf_counter()
+    async for chunk in client.stream(workload.prompts[i], config, priority=priority):
+        now = time.perf_counter()
+        if chunk.token_ids and timings.ttft_s is None:
+            timings.ttft_s = now - sent
+        elif chunk.token_ids:
+            timings.itl_s.append(now - last)
+        last = now
+        timings.num_tokens += len(chunk.token_ids)
+    return timings
 
 
 def timings_report(name: str, start: float, results: list[Timings]) -> Report:
@@ -140,11 +163,21 @@ def run(args: argparse.Namespace) -> Summary:
 
         http_target = args.http_target or f"{args.target.rpartition(':')[0]}:8000"
         report = asyncio.run(run_http_load(http_target, workload, args))
+        burst_report = None
     else:
-        report = asyncio.run(run_load(args.target, workload, args))
+        burst = None
+        if args.priority_burst:
+            burst = make_workload(
+                info.vocab_size, args.priority_burst, args.prompt_lens, args.output_lens,
+                args.seed + 1,
+            )  # fmt: skip
+        report, burst_report = asyncio.run(run_load(args.target, workload, args, burst=burst))
     print(report.describe())
     summary: Summary = {"bench": "serve", "target": args.target, "model": info.name}
     summary.update(report.summary())
+    if burst_report is not None:
+        print(burst_report.describe())
+        summary.update({f"burst_{k}": v for k, v in burst_report.summary().items()})
     return summary
 
 

@@ -76,8 +76,8 @@ def _run_rounds(
             for _ in range(args.rounds):
                 results = [
                     asyncio.run(run_in_process(engine, workload, next(numbers))),
-                    asyncio.run(run_load(worker.target, workload, args, DIRECT)),
-                    asyncio.run(run_load(router.target, workload, args, ROUTED)),
+                    asyncio.run(run_load(worker.target, workload, args, DIRECT))[0],
+                    asyncio.run(run_load(router.target, workload, args, ROUTED))[0],
                 ]
                 if router.http_port is not None:
                     door = f"127.0.0.1:{router.http_port}"
