@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 from headrace.kernels import AttentionMetadata
+from headrace.kernels.lora import LoraIndices
 from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.sequence import Sequence
 
@@ -23,6 +24,9 @@ class SeqTokens(Protocol):
 
     @property
     def block_ids(self) -> list[int]: ...
+
+    @property
+    def adapter(self) -> str | None: ...
 
 
 class BatchChunk(Protocol):
@@ -46,6 +50,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
+    #: Each row's LoRA adapter slot; None when LoRA is off (every row runs the base model).
+    lora_indices: LoraIndices | None = None
 
     @property
     def num_tokens(self) -> int:
