@@ -91,6 +91,16 @@ def test_mixed_batch_equals_peft(case, composition):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_triton_kernels_in_the_engine(case):
+    """Every layer on the Triton kernels (LoRA shrink / expand included; the CPU interpreter
+    here): the mixed batch still equals PEFT."""
+    _, _, prompts, expected = case
+    llm = lora_llm(case, attention_backend="triton", max_num_batched_tokens=16)
+    assert llm.engine.kernels.NAME == "triton"
+    few = prompts[:3]
+    assert run_mixed(llm, few) == {name: tokens[:3] for name, tokens in expected.items()}
+
+
 def test_one_slot_one_pool_place_still_serves_every_adapter(case):
     """max_loras=1: each step holds one adapter (others wait); the host pool holds one
     adapter, so the other is read from disk again when it is needed."""
