@@ -66,9 +66,9 @@ class KernelSet(Protocol):
     def lora_expand(
         self,
         h: torch.Tensor,  # [T, R]
-        lora_b: torch.Tensor,  # [S, out, R]: every adapter slot's B, scaling folded in
+        lora_b: torch.Tensor,  # [S, R, out]: every adapter slot's Bᵀ, scaling folded in
         indices: LoraIndices,
-        y: torch.Tensor,  # [T, Y]: y[:, offset:offset + out] += h B_sᵀ in place
+        y: torch.Tensor,  # [T, Y]: y[:, offset:offset + out] += h B_s in place
         offset: int,
     ) -> None: ...
 

@@ -46,7 +46,7 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     h_ptr,  # [T, R] rows with stride stride_h
-    b_ptr,  # [S, N, R] contiguous
+    b_ptr,  # [S, R, N] contiguous
     slots_ptr,  # [T] int32
     y_ptr,  # [T, *] rows with stride stride_y; columns offset .. offset + N updated
     stride_h,
@@ -68,7 +68,7 @@ def _expand_kernel(
         ranks = r0 + tl.arange(0, BLOCK_R)
         h = tl.load(h_ptr + row * stride_h + ranks, mask=ranks < R, other=0.0)
         b_mask = (cols[:, None] < n_used) & (ranks[None, :] < R)
-        b = tl.load(b_base + cols[:, None] * R + ranks[None, :], mask=b_mask, other=0.0)
+        b = tl.load(b_base + ranks[None, :] * N + cols[:, None], mask=b_mask, other=0.0)
         acc += tl.sum(b.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)
     y_mask = cols < n_used
     y_cols = y_ptr + row * stride_y + offset + cols
@@ -99,14 +99,14 @@ def lora_shrink(
 
 def lora_expand(
     h: torch.Tensor,  # [T, R]
-    lora_b: torch.Tensor,  # [S, out, R]
+    lora_b: torch.Tensor,  # [S, R, out]
     indices: LoraIndices,
     y: torch.Tensor,  # [T, Y]: updated in place
     offset: int,
 ) -> None:
     num_rows, rank = h.shape
-    _check(lora_b, 3, rank, -1, "lora_b")
-    out_features = lora_b.shape[1]
+    _check(lora_b, 3, rank, 1, "lora_b")
+    out_features = lora_b.shape[2]
     if y.shape[0] != num_rows or offset + out_features > y.shape[1] or y.stride(1) != 1:
         raise ValueError(f"y {tuple(y.shape)} cannot take {out_features} columns at {offset}")
     if h.stride(1) != 1:

@@ -29,16 +29,16 @@ def per_row(
     rows = []
     for row, slot in zip(x.double(), slots, strict=True):
         if slot < 0:
-            rows.append(torch.zeros(b.shape[1], dtype=torch.float64))
+            rows.append(torch.zeros(b.shape[2], dtype=torch.float64))
         else:
-            rows.append(b[slot].double() @ (a[slot].double() @ row))
+            rows.append((a[slot].double() @ row) @ b[slot].double())
     return torch.stack(rows)
 
 
 def weights(num_slots: int, rank: int, in_features: int, out_features: int, dtype):
     generator = torch.Generator().manual_seed(rank * 31 + in_features)
     a = torch.randn(num_slots, rank, in_features, generator=generator) / in_features**0.5
-    b = torch.randn(num_slots, out_features, rank, generator=generator) / rank**0.5
+    b = torch.randn(num_slots, rank, out_features, generator=generator) / rank**0.5
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype)
 
 
@@ -48,7 +48,7 @@ def test_reference_equals_per_row_loop(pattern, rank):
     slots = SLOT_PATTERNS[pattern]
     a, b = weights(4, rank, 48, 40, torch.float32)
     x = torch.randn(len(slots), 48, device=DEVICE)
-    indices = LoraIndices.build(slots, torch.device(DEVICE))
+    indices = LoraIndices.build(slots, 4, torch.device(DEVICE), torch.float32)
     y = torch.randn(len(slots), 50, device=DEVICE)
     before = y.clone()
     h = reference.lora_shrink(x, a, indices)
@@ -60,12 +60,14 @@ def test_reference_equals_per_row_loop(pattern, rank):
 
 
 def test_indices_group_rows_by_slot():
-    indices = LoraIndices.build(SLOT_PATTERNS["mixed"], torch.device("cpu"))
+    cpu = torch.device("cpu")
+    indices = LoraIndices.build(SLOT_PATTERNS["mixed"], 4, cpu, torch.float32)
     groups = {g.slot: g.rows.tolist() for g in indices.groups if g.rows is not None}
     assert groups == {0: [0, 3, 9], 1: [4], 2: [8], 3: [2, 6, 7]}
-    whole = LoraIndices.build([2, 2, 2], torch.device("cpu"))
+    whole = LoraIndices.build([2, 2, 2], 4, cpu, torch.float32)
     assert [(g.slot, g.rows) for g in whole.groups] == [(2, None)]
-    assert not LoraIndices.build([-1, -1], torch.device("cpu")).active
+    assert not LoraIndices.build([-1, -1], 4, cpu, torch.float32).active
+    assert indices.slot_mask[:, :, 0].tolist()[:3] == [[1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,7 +79,7 @@ def test_triton_equals_reference(dtype, pattern, rank):
     a, _ = weights(4, num_pieces * rank, 96, 1, dtype)
     bs = [weights(4, rank, 1, out, dtype)[1] for out in (64, 32, 32)]
     x = torch.randn(len(slots), 96, device=DEVICE).to(dtype)
-    indices = LoraIndices.build(slots, torch.device(DEVICE))
+    indices = LoraIndices.build(slots, 4, torch.device(DEVICE), dtype)
     y0 = torch.randn(len(slots), 128, device=DEVICE).to(dtype)
     outputs = []
     for ops in (reference, triton_ops):
@@ -86,7 +88,7 @@ def test_triton_equals_reference(dtype, pattern, rank):
         offset = 0
         for i, b in enumerate(bs):
             ops.lora_expand(h[:, i * rank : (i + 1) * rank], b, indices, y, offset)
-            offset += b.shape[1]
+            offset += b.shape[2]
         outputs.append((h, y))
     (h_ref, y_ref), (h_tri, y_tri) = outputs
     tol = TOLERANCE[dtype]

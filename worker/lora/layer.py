@@ -6,7 +6,8 @@ stacked on the rank axis, so one shrink serves them all; each piece expands into
 columns. Tensor parallelism splits an adapter like its base layer: a column-parallel piece
 keeps A whole and takes this rank's rows of B; a row-parallel layer takes this rank's input
 columns of A and keeps B whole, and the base layer's all-reduce sums the partial deltas.
-Scaling is folded into B; ranks below the maximum are zero-padded (zeros add nothing).
+Scaling is folded into B, kept transposed ([R, out], as the expand reads it); ranks below the
+maximum are zero-padded (zeros add nothing).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class LinearLora:
         shape_a = (num_slots, len(self.pieces) * max_rank, self.input_slice[1])
         self.lora_a = torch.zeros(shape_a, dtype=dtype, device=device)
         self.lora_b = [
-            torch.zeros((num_slots, p.shard.num_rows, max_rank), dtype=dtype, device=device)
+            torch.zeros((num_slots, max_rank, p.shard.num_rows), dtype=dtype, device=device)
             for p in self.pieces
         ]
 
@@ -93,7 +94,7 @@ class LinearLora:
             first = i * self.max_rank
             self.lora_a[slot, first : first + rank].copy_(a.narrow(1, start, width))
             rows = b.narrow(0, shard.source_index * shard.num_rows, shard.num_rows)
-            b_slot[:, :rank].copy_(rows * scaling)
+            b_slot[:rank].copy_(rows.t() * scaling)  # stored [R, out]: a row per rank
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         indices = self.batch.indices

@@ -139,7 +139,7 @@ class LoraManager:
         for adapter, num_new_tokens in chunks:
             slot = -1 if adapter is None else slots[adapter]
             row_slots.extend([slot] * num_new_tokens)
-        return LoraIndices.build(row_slots, device)
+        return LoraIndices.build(row_slots, self.max_loras, device, self.dtype)
 
     def activate(self, names: Iterable[str]) -> dict[str, int]:
         """A device slot for each of ``names`` (at most max_loras of them)."""
