@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.prompts import Prompt
 from headrace.worker.bench.common import (
     TINY_MODEL,
     Summary,
@@ -116,7 +117,8 @@ def _run(
         )
         for name, llm, adapter in runs:
             start = time.perf_counter()
-            llm.generate(list(workload.prompts), config, adapter=adapter)
+            prompts: list[Prompt] = list(workload.prompts)
+            llm.generate(prompts, config, adapter=adapter)
             best[name] = min(best[name], time.perf_counter() - start)
     base.close()
     lora.close()
