@@ -67,6 +67,8 @@ class LoraManager:
                 lora = LinearLora(module, self.batch, kernels, max_loras, max_lora_rank)
                 module.lora = lora
                 self.layers[name] = lora
+        if not self.layers:
+            raise ValueError(f"the model has none of {ADAPTED_MODULES} to adapt")
         self.dtype = next(iter(self.layers.values())).lora_a.dtype
         self.registered: dict[str, AdapterInfo] = {}
         self._host: OrderedDict[str, LoraAdapter] = OrderedDict()
