@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.lora import LoraIndices
 
 #: The values of EngineConfig.attention_backend / ``--attention-backend``.
 BACKEND_NAMES = ("auto", "triton", "cpu", "reference")
@@ -54,6 +55,22 @@ class KernelSet(Protocol):
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,  # [T, 1, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def lora_shrink(
+        self,
+        x: torch.Tensor,  # [T, in]
+        lora_a: torch.Tensor,  # [S, R, in]: every adapter slot's A
+        indices: LoraIndices,
+    ) -> torch.Tensor: ...  # [T, R]: x A_sᵀ per row, zero for base rows
+
+    def lora_expand(
+        self,
+        h: torch.Tensor,  # [T, R]
+        lora_b: torch.Tensor,  # [S, R, out]: every adapter slot's Bᵀ, scaling folded in
+        indices: LoraIndices,
+        y: torch.Tensor,  # [T, Y]: y[:, offset:offset + out] += h B_s in place
+        offset: int,
+    ) -> None: ...
 
 
 def triton_interpreted() -> bool:

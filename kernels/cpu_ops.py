@@ -15,6 +15,7 @@ import ctypes
 import torch
 from headrace.kernels import native
 from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.reference import apply_rotary, extend, rms_norm
 
 NAME = "cpu"
@@ -24,6 +25,8 @@ __all__ = [
     "apply_rotary",
     "argmax",
     "argmax_update",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention",
     "rms_norm",
     "sample_rows",

@@ -9,9 +9,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype
 
 NAME = "reference"
+
+#: The batched LoRA references live with `LoraIndices` in `headrace.kernels.lora`.
+__all__ = [
+    "NAME",
+    "apply_rotary",
+    "extend",
+    "gather_kv",
+    "lora_expand",
+    "lora_shrink",
+    "paged_attention",
+    "rms_norm",
+    "write_kv_cache",
+]
 
 
 def write_kv_cache(

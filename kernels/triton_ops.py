@@ -2,9 +2,18 @@
 
 from headrace.kernels.triton_attention import paged_attention
 from headrace.kernels.triton_cache import write_kv_cache
+from headrace.kernels.triton_lora import lora_expand, lora_shrink
 from headrace.kernels.triton_norm import rms_norm
 from headrace.kernels.triton_rotary import apply_rotary
 
 NAME = "triton"
 
-__all__ = ["NAME", "apply_rotary", "paged_attention", "rms_norm", "write_kv_cache"]
+__all__ = [
+    "NAME",
+    "apply_rotary",
+    "lora_expand",
+    "lora_shrink",
+    "paged_attention",
+    "rms_norm",
+    "write_kv_cache",
+]

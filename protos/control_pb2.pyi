@@ -126,19 +126,49 @@ class GetWeightVersionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
 class WorkerState(_message.Message):
-    __slots__ = ("worker", "weight_version", "state", "num_ranks", "rank_offset")
+    __slots__ = ("worker", "weight_version", "state", "num_ranks", "rank_offset", "lora_adapters")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker: str
     weight_version: str
     state: GenerationState
     num_ranks: int
     rank_offset: int
-    def __init__(self, worker: _Optional[str] = ..., weight_version: _Optional[str] = ..., state: _Optional[_Union[GenerationState, str]] = ..., num_ranks: _Optional[int] = ..., rank_offset: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, worker: _Optional[str] = ..., weight_version: _Optional[str] = ..., state: _Optional[_Union[GenerationState, str]] = ..., num_ranks: _Optional[int] = ..., rank_offset: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class ControlResponse(_message.Message):
     __slots__ = ("workers",)

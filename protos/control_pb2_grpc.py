@@ -85,6 +85,21 @@ class GenerationControlStub:
                 request_serializer=headrace_dot_v1_dot_control__pb2.GetWeightVersionRequest.SerializeToString,
                 response_deserializer=headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/headrace.v1.GenerationControl/LoadLoraAdapter',
+                request_serializer=headrace_dot_v1_dot_control__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/headrace.v1.GenerationControl/UnloadLoraAdapter',
+                request_serializer=headrace_dot_v1_dot_control__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/headrace.v1.GenerationControl/ListLoraAdapters',
+                request_serializer=headrace_dot_v1_dot_control__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationControlServicer:
@@ -175,6 +190,33 @@ class GenerationControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Load a LoRA adapter (a PEFT adapter folder on the worker's disk) under a name requests
+        then give in `Request.adapter`; every rank of the worker loads it. A rank above the
+        worker's `--max-lora-rank`, a target module the model lacks, an unreadable folder or a
+        name already loaded fail with INVALID_ARGUMENT; a worker without LoRA enabled fails
+        with FAILED_PRECONDITION. Each worker's answer lists its adapters.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unload a LoRA adapter. An unknown name fails with NOT_FOUND; one that unfinished
+        requests still use is refused with FAILED_PRECONDITION (it is never waited for): let
+        them finish, or cancel them, and call again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The LoRA adapters each worker has loaded (in `WorkerState.lora_adapters`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -226,6 +268,21 @@ def add_GenerationControlServicer_to_server(servicer, server):
             'GetWeightVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeightVersion,
                     request_deserializer=headrace_dot_v1_dot_control__pb2.GetWeightVersionRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_control__pb2.ControlResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=headrace_dot_v1_dot_control__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_control__pb2.ControlResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=headrace_dot_v1_dot_control__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_control__pb2.ControlResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=headrace_dot_v1_dot_control__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=headrace_dot_v1_dot_control__pb2.ControlResponse.SerializeToString,
             ),
     }
@@ -499,6 +556,87 @@ class GenerationControl:
             target,
             '/headrace.v1.GenerationControl/GetWeightVersion',
             headrace_dot_v1_dot_control__pb2.GetWeightVersionRequest.SerializeToString,
+            headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.GenerationControl/LoadLoraAdapter',
+            headrace_dot_v1_dot_control__pb2.LoadLoraAdapterRequest.SerializeToString,
+            headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.GenerationControl/UnloadLoraAdapter',
+            headrace_dot_v1_dot_control__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.GenerationControl/ListLoraAdapters',
+            headrace_dot_v1_dot_control__pb2.ListLoraAdaptersRequest.SerializeToString,
             headrace_dot_v1_dot_control__pb2.ControlResponse.FromString,
             options,
             channel_credentials,

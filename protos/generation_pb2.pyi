@@ -88,7 +88,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "config", "priority", "timeout", "model", "return_prompt_token_ids", "trace_context")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "config", "priority", "timeout", "model", "return_prompt_token_ids", "trace_context", "adapter")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class Request(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -116,7 +117,8 @@ class Request(_message.Message):
     model: str
     return_prompt_token_ids: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., priority: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., config: _Optional[_Union[GenerationConfig, _Mapping]] = ..., priority: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., model: _Optional[str] = ..., return_prompt_token_ids: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)

@@ -13,6 +13,9 @@ arrive (never buffered whole here), staged there (`stage_only`), and committed o
 dropped on all. Pause, resume, sleep and wake need no second phase: they are idempotent, so
 a call that failed on one worker is simply made again.
 
+LoRA adapters are loaded on every worker or on none: a load one worker refuses is unloaded
+again from those that took it. Unload and list are plain fan-outs.
+
 A trainer's weights group spans every rank of every worker: `InitWeightsGroup` gives each
 worker its own rank offset, from the rank counts their load reports carry.
 """
@@ -122,6 +125,42 @@ class RouterControlService(control_pb2_grpc.GenerationControlServicer):
         self, request: cpb.DropStagedWeightsRequest, context: grpc.aio.ServicerContext
     ) -> cpb.ControlResponse:
         return await self._answer(context, lambda: self._unary("DropStagedWeights", request))
+
+    async def LoadLoraAdapter(
+        self, request: cpb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ControlResponse:
+        return await self._answer(context, lambda: self._load_lora(request))
+
+    async def UnloadLoraAdapter(
+        self, request: cpb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ControlResponse:
+        return await self._answer(context, lambda: self._unary("UnloadLoraAdapter", request))
+
+    async def ListLoraAdapters(
+        self, request: cpb.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ControlResponse:
+        return await self._answer(context, lambda: self._unary("ListLoraAdapters", request))
+
+    async def _load_lora(self, request: cpb.LoadLoraAdapterRequest) -> cpb.ControlResponse:
+        """Load on every worker; if any refuses, unload it again where it loaded."""
+        links = self._links()
+
+        def load(link: WorkerLink) -> Awaitable[cpb.ControlResponse]:
+            result: Awaitable[cpb.ControlResponse]
+            result = link.generation_control.LoadLoraAdapter(request, metadata=link.metadata)
+            return result
+
+        def unload(link: WorkerLink) -> Awaitable[cpb.ControlResponse]:
+            undo = cpb.UnloadLoraAdapterRequest(name=request.name)
+            result: Awaitable[cpb.ControlResponse]
+            result = link.generation_control.UnloadLoraAdapter(undo, metadata=link.metadata)
+            return result
+
+        outcomes = list(await asyncio.gather(*(_outcome(link, load) for link in links)))
+        if not all(_ok(outcome) for outcome in outcomes):
+            loaded = [link for link, o in zip(links, outcomes, strict=True) if _ok(o)]
+            await asyncio.gather(*(_outcome(link, unload) for link in loaded))
+        return _combine(links, outcomes)
 
     async def UpdateWeights(
         self, request: cpb.UpdateWeightsRequest, context: grpc.aio.ServicerContext

@@ -112,7 +112,7 @@ class Router:
             original=wire_request,
             parsed=parsed,
             num_tokens_estimate=num_tokens,
-            affinity_key=self._affinity_key(parsed.prompt),
+            affinity_key=self._affinity_key(parsed.prompt, parsed.adapter),
             telemetry=telemetry,
         )
         request.timer = streams.start_timeout(parsed.timeout_s, lambda e: self.fail(request, e))
@@ -121,11 +121,14 @@ class Router:
         self._dispatch()
         return request
 
-    def _affinity_key(self, prompt: Prompt) -> bytes:
+    def _affinity_key(self, prompt: Prompt, adapter: str) -> bytes:
+        """What prefix-affinity hashes: the prompt's head, under its LoRA adapter (a worker's
+        prefix cache never shares KV between adapters, so neither does affinity)."""
+        scope = f"lora:{adapter}:".encode() if adapter else b""
         if isinstance(prompt, str | Chat):
-            return affinity_text(prompt)[: self.config.affinity_prefix_chars].encode()
+            return scope + affinity_text(prompt)[: self.config.affinity_prefix_chars].encode()
         head = prompt[: self.config.affinity_prefix_tokens]
-        return b"ids:" + b",".join(str(t).encode() for t in head)
+        return scope + b"ids:" + b",".join(str(t).encode() for t in head)
 
     # --- dispatch -------------------------------------------------------------------------
 

@@ -147,6 +147,11 @@ def _worker(args: argparse.Namespace) -> int:
         pipeline_micro_batches=args.pipeline_micro_batches,
         max_prompt_bytes=args.max_prompt_bytes,
         weight_version=args.weight_version,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -162,6 +167,7 @@ services (and gRPC health and reflection) on --host:--port.
     headrace worker                                   # the default model, prepared once
     headrace worker --model /path/to/hf-checkpoint --port 50051 --dtype bf16
     headrace worker --model PATH -tp 2 -pp 2          # tensor x pipeline parallel ranks
+    headrace worker --model PATH --lora sql=/adapters/sql --lora chat=/adapters/chat
 """
 
 
@@ -236,6 +242,30 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
         help="longest text prompt in UTF-8 bytes (default: the most that could fit the context)",
     )
     add("--weight-version", default="default", help="the version of the weights loaded at start")
+    _add_lora_arguments(worker)
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
+def _add_lora_arguments(worker: argparse.ArgumentParser) -> None:
+    add = worker.add_argument
+    add(
+        "--lora",
+        type=_lora_module,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a PEFT LoRA adapter folder served as NAME (repeatable; turns LoRA on)",
+    )
+    add("--enable-lora", action="store_true", help="serve LoRA adapters loaded at run time")
+    add("--max-loras", type=int, default=4, help="distinct LoRA adapters in one step")
+    add("--max-lora-rank", type=int, default=16, help="highest LoRA rank accepted")
+    add("--max-cpu-loras", type=int, help="adapters kept in host memory (default 4 x max-loras)")
 
 
 def _add_router(subparsers: SubParsers) -> None:

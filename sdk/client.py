@@ -190,17 +190,19 @@ class AsyncClient(AsyncControlCalls):
         *,
         priority: int = 0,
         timeout: float | None = None,
+        adapter: str = "",
     ) -> AsyncIterator[StreamChunk]:
         """Yield the request's chunks as they arrive; the last has ``finished`` set.
 
         ``prompt`` is text or token ids; ``timeout`` (seconds) fails the request with
-        `DeadlineExceededError` on the server. Leaving the loop early cancels the request.
+        `DeadlineExceededError` on the server; ``adapter`` names a loaded LoRA adapter (empty:
+        the base model). Leaving the loop early cancels the request.
         A failed request raises its typed error (`InvalidArgumentError`, ...).
         """
         request_id = str(next(self._request_numbers))
-        request = wire.request_to_wire(
-            request_id, prompt, config or GenerationConfig(), priority, timeout, self.model
-        )
+        config = config or GenerationConfig()
+        request = wire.request_to_wire(request_id, prompt, config, priority, timeout, self.model)
+        request.adapter = adapter
         # Not the current span: an async generator must not leave its context behind.
         span = tracing.tracer().start_span(
             "headrace.generate",
@@ -237,11 +239,13 @@ class AsyncClient(AsyncControlCalls):
         *,
         priority: int = 0,
         timeout: float | None = None,
+        adapter: str = "",
     ) -> GenerationResult:
         """Run one request to the end; the result has every sample's tokens and text."""
         config = config or GenerationConfig()
         result: GenerationResult | None = None
-        async for chunk in self.stream(prompt, config, priority=priority, timeout=timeout):
+        options: dict[str, Any] = {"priority": priority, "timeout": timeout, "adapter": adapter}
+        async for chunk in self.stream(prompt, config, **options):
             if result is None:
                 result = GenerationResult.empty(
                     chunk.request_id, config.n, with_logprobs=config.logprobs is not None
@@ -320,15 +324,10 @@ class Client(ControlCalls):
         self._loop.close()
 
     def generate(
-        self,
-        prompt: Prompt,
-        config: GenerationConfig | None = None,
-        *,
-        priority: int = 0,
-        timeout: float | None = None,
+        self, prompt: Prompt, config: GenerationConfig | None = None, **options: Any
     ) -> GenerationResult:
-        """See `AsyncClient.generate`."""
-        return self._run(self._async.generate(prompt, config, priority=priority, timeout=timeout))
+        """See `AsyncClient.generate` (options: priority, timeout, adapter)."""
+        return self._run(self._async.generate(prompt, config, **options))
 
     def chat(
         self, messages: Messages, config: GenerationConfig | None = None, **options: Any
@@ -349,15 +348,15 @@ class Client(ControlCalls):
         *,
         priority: int = 0,
         timeout: float | None = None,
+        adapter: str = "",
     ) -> Iterator[StreamChunk]:
         """See `AsyncClient.stream`; closing the generator early cancels the request."""
         items: queue.SimpleQueue[StreamChunk | BaseException | None] = queue.SimpleQueue()
 
         async def pump() -> None:
             try:
-                async for chunk in self._async.stream(
-                    prompt, config, priority=priority, timeout=timeout
-                ):
+                options: dict[str, Any] = {"priority": priority, "timeout": timeout}
+                async for chunk in self._async.stream(prompt, config, adapter=adapter, **options):
                     items.put(chunk)
             except Exception as error:
                 items.put(error)

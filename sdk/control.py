@@ -158,6 +158,25 @@ class AsyncControlCalls:
         """The version every worker serves (`FailedPreconditionError` if they differ)."""
         return (await self.control_state(timeout=timeout)).weight_version
 
+    async def load_lora_adapter(
+        self, name: str, path: str, *, timeout: float | None = None
+    ) -> ControlReport:
+        """Load the PEFT adapter folder ``path`` (on the workers' disk) as ``name`` on every
+        worker; requests then pass ``adapter=name``."""
+        request = cpb.LoadLoraAdapterRequest(name=name, path=str(path))
+        return await self._call("LoadLoraAdapter", request, timeout)
+
+    async def unload_lora_adapter(
+        self, name: str, *, timeout: float | None = None
+    ) -> ControlReport:
+        """Unload it everywhere; refused (`FailedPreconditionError`) while requests use it."""
+        request = cpb.UnloadLoraAdapterRequest(name=name)
+        return await self._call("UnloadLoraAdapter", request, timeout)
+
+    async def list_lora_adapters(self, *, timeout: float | None = 30.0) -> ControlReport:
+        """Every worker's loaded adapters (`WorkerState.lora_adapters`)."""
+        return await self._call("ListLoraAdapters", cpb.ListLoraAdaptersRequest(), timeout)
+
 
 class ControlCalls:
     """The blocking twins, for `Client` (which runs its `AsyncClient` on a thread)."""
@@ -244,3 +263,14 @@ class ControlCalls:
 
     def weight_version(self, *, timeout: float | None = 30.0) -> str:
         return self._run(self._async.weight_version(timeout=timeout))
+
+    def load_lora_adapter(
+        self, name: str, path: str, *, timeout: float | None = None
+    ) -> ControlReport:
+        return self._run(self._async.load_lora_adapter(name, path, timeout=timeout))
+
+    def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> ControlReport:
+        return self._run(self._async.unload_lora_adapter(name, timeout=timeout))
+
+    def list_lora_adapters(self, *, timeout: float | None = 30.0) -> ControlReport:
+        return self._run(self._async.list_lora_adapters(timeout=timeout))

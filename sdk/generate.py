@@ -60,6 +60,7 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     add("--stop", action="append", default=[], help="a stop string (repeatable)")
     add("--ignore-eos", action="store_true", help="keep generating past EOS")
     add("--priority", type=int, default=0, help="higher runs sooner")
+    add("--adapter", default="", help="a LoRA adapter the server has loaded (default: none)")
     add("--timeout", type=float, help="seconds before the server gives up on the request")
     add("--json", action="store_true", help="print each chunk as one JSON line")
     _add_connection_arguments(parser)
@@ -127,7 +128,8 @@ def _stream(args: argparse.Namespace, config: GenerationConfig) -> int:
     num_tokens, last = 0, None
     with Client(args.target, **client_options(args)) as client:
         prompt = _prompt(args, client)
-        for chunk in client.stream(prompt, config, priority=args.priority, timeout=args.timeout):
+        options: dict[str, Any] = {"priority": args.priority, "timeout": args.timeout}
+        for chunk in client.stream(prompt, config, adapter=args.adapter, **options):
             num_tokens += len(chunk.token_ids)
             last = chunk
             sys.stdout.write(_as_json(chunk) + "\n" if args.json else chunk.text)

@@ -96,6 +96,22 @@ def check_version(version: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraAdapterInfo:
+    """A LoRA adapter a worker has loaded."""
+
+    name: str
+    path: str
+    rank: int
+
+    @classmethod
+    def from_wire(cls, wire: cpb.LoraAdapter) -> LoraAdapterInfo:
+        return cls(wire.name, wire.path, wire.rank)
+
+    def to_wire(self) -> cpb.LoraAdapter:
+        return cpb.LoraAdapter(name=self.name, path=self.path, rank=self.rank)
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerState:
     """One worker after a control call."""
 
@@ -107,6 +123,8 @@ class WorkerState:
     num_ranks: int = 1
     #: Its first rank in the weights group (after `init_weights_group`).
     rank_offset: int = 0
+    #: The LoRA adapters it has loaded.
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()
 
     @classmethod
     def from_wire(cls, wire: cpb.WorkerState) -> WorkerState:
@@ -116,6 +134,7 @@ class WorkerState:
             state_from_wire(wire.state),
             wire.num_ranks,
             wire.rank_offset,
+            tuple(LoraAdapterInfo.from_wire(a) for a in wire.lora_adapters),
         )
 
     def to_wire(self) -> cpb.WorkerState:
@@ -125,6 +144,7 @@ class WorkerState:
             state=state_to_wire(self.state),
             num_ranks=self.num_ranks,
             rank_offset=self.rank_offset,
+            lora_adapters=[a.to_wire() for a in self.lora_adapters],
         )
 
 

@@ -87,6 +87,8 @@ class ParsedRequest:
     timeout_s: float | None
     #: Empty = the server's model.
     model: str
+    #: The LoRA adapter's name; empty = the base model.
+    adapter: str = ""
 
 
 def request_to_wire(
@@ -155,7 +157,9 @@ def request_from_wire(wire: pb.Request) -> ParsedRequest:
         if timeout_s <= 0:
             raise InvalidArgumentError("timeout", f"must be positive, got {timeout_s:g} s")
     config = config_from_wire(wire.config)
-    return ParsedRequest(wire.request_id, prompt, config, wire.priority, timeout_s, wire.model)
+    return ParsedRequest(
+        wire.request_id, prompt, config, wire.priority, timeout_s, wire.model, wire.adapter
+    )
 
 
 # --- chunks -----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ FORBIDDEN = {
         "headrace.worker.sampling",
         "headrace.worker.serving",
         "headrace.worker.models",
+        "headrace.worker.lora",
     ),
     "worker/models": (
         "headrace.worker.engine",
@@ -48,6 +49,17 @@ FORBIDDEN = {
         "headrace.worker.sampling",
         "headrace.worker.serving",
         "headrace.worker.models",
+        "headrace.worker.lora",
+    ),
+    # LoRA sits beside the layers: it attaches to them; the runner and the engine drive it.
+    "worker/lora": (
+        "headrace.worker.engine",
+        "headrace.worker.execution",
+        "headrace.worker.scheduling",
+        "headrace.worker.sampling",
+        "headrace.worker.serving",
+        "headrace.worker.models",
+        "headrace.worker.distributed",
     ),
     "worker/sampling": (
         "headrace.worker.engine",

@@ -77,6 +77,17 @@ class EngineConfig:
     #: The version the weights loaded at start are known by (every output carries the
     #: version that produced it; weight updates set a new one).
     weight_version: str = "default"
+    #: Serve LoRA adapters (loaded at start from ``lora_modules`` or by control calls).
+    enable_lora: bool = False
+    #: Adapters loaded at start: (name, PEFT adapter directory) pairs; sets enable_lora.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    #: Distinct adapters one step may hold (their device slots).
+    max_loras: int = 4
+    #: Highest adapter rank accepted (slots are sized for it).
+    max_lora_rank: int = 16
+    #: Adapters kept in host memory, least recently used evicted (read again from disk when
+    #: needed); None: 4 x max_loras.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -108,6 +119,7 @@ class EngineConfig:
                 "max_prompt_bytes", f"must be >= 1, got {self.max_prompt_bytes}"
             )
         check_version(self.weight_version)
+        self._check_lora()
         if self.attention_backend not in BACKEND_NAMES:
             raise InvalidArgumentError(
                 "attention_backend",
@@ -121,6 +133,33 @@ class EngineConfig:
             error = cpu_kernels_error(self.torch_device())
             if error is not None:
                 raise InvalidArgumentError("attention_backend", error)
+
+    def _check_lora(self) -> None:
+        self.lora_modules = tuple((str(name), str(path)) for name, path in self.lora_modules)
+        if self.lora_modules:
+            self.enable_lora = True
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names) or not all(names):
+            raise InvalidArgumentError(
+                "lora_modules", f"names must be unique and non-empty: {names}"
+            )
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidArgumentError(
+                "max_cpu_loras",
+                f"must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}",
+            )
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise InvalidArgumentError(
+                "enable_lora", "LoRA adapters are not supported with pipeline parallelism yet"
+            )
+
+    @property
+    def lora_cpu_capacity(self) -> int:
+        """Adapters the host-memory pool holds."""
+        return self.max_cpu_loras or 4 * self.max_loras
 
     @property
     def world_size(self) -> int:

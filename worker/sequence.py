@@ -47,6 +47,11 @@ class Sequence:
     sample_seed: int | None
     #: Token ids that end this sample: the model's EOS (unless ignore_eos) and stop_token_ids.
     stop_token_ids: frozenset[int]
+    #: The LoRA adapter the sample runs with; None for the base model.
+    adapter: str | None = None
+    #: The adapter's load number (unique per load, 0 for the base model): the prefix cache
+    #: keys on it, so no two adapters, nor two loads of one name, share KV.
+    lora_id: int = 0
     status: SequenceStatus = SequenceStatus.NEW
     #: Tokens whose K/V are in the cache (or were served from the prefix cache).
     num_computed_tokens: int = 0

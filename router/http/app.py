@@ -134,15 +134,17 @@ class HttpDoor:
         self, api: ApiRequest, caller: auth.Caller | None, record: CallRecord
     ) -> HttpCall:
         """Submit the call's requests (one per prompt) on a session of its own."""
-        info = await self.models.check(api.model)
-        builder = ResponseBuilder(api, info.name)
+        info, adapter = await self.models.check(api.model)
+        builder = ResponseBuilder(api, adapter or info.name)
         session = RouterSession(self.router, self.flow, ())
         session.caller = caller
         trace_context = tracing.carrier(record.span)
         for request_id, prompt in zip(builder.request_ids, api.prompts, strict=True):
+            model = "" if adapter else api.model  # an adapter's name is not the worker's model
             request = wire.request_to_wire(
-                request_id, prompt, api.config, api.priority, None, api.model
+                request_id, prompt, api.config, api.priority, None, model
             )
+            request.adapter = adapter
             request.trace_context.update(trace_context)
             session.submit(request)
             if request_id not in session.requests:
@@ -178,12 +180,14 @@ class HttpDoor:
     async def list_models(self, request: Request, record: CallRecord) -> Response:
         self._caller(request, "/v1/models")
         info = await self.models.get()
-        return JSONResponse({"object": "list", "data": [self.models.describe(info)]})
+        adapters = sorted(await self.models.adapters())
+        data = [self.models.describe(info, name) for name in ["", *adapters]]
+        return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request, record: CallRecord) -> Response:
         self._caller(request, "/v1/models")
-        info = await self.models.check(request.path_params["model"])
-        return JSONResponse(self.models.describe(info))
+        info, adapter = await self.models.check(request.path_params["model"])
+        return JSONResponse(self.models.describe(info, adapter))
 
     async def health(self, request: Request) -> Response:
         """Open, like gRPC health: for probes and load balancers."""

@@ -424,3 +424,20 @@ def test_a_worker_updated_since_its_last_report_is_caught_by_its_first_chunk():
     chunks = drain(outbox)
     assert [list(c.token_ids) for c in chunks] == [[20], []]
     assert chunks[-1].error.code == UNAVAILABLE and b.cancelled
+
+
+def test_prefix_affinity_keys_on_the_adapter_and_failover_keeps_it():
+    a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
+    router = make_router(a, b)
+    keys = []
+    for adapter in ("", "sql", "chat"):
+        wire_request = make_request(f"r-{adapter}")
+        wire_request.adapter = adapter
+        keys.append(router.admit(wire_request, Outbox()).affinity_key)
+    assert len(set(keys)) == 3  # same prompt, three adapters: three keys
+    assert [sent.adapter for sent in a.sent] == ["", "sql", "chat"]
+    router.on_response(a, chunk(a, 1, token_ids=[20], prompt_token_ids=PROMPT_IDS))
+    b.room = 3
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    resumed = {sent.adapter: list(sent.token_ids.ids) for sent in b.sent}
+    assert resumed["sql"] == [*PROMPT_IDS, 20]  # resumed with its tokens, on its adapter

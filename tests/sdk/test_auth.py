@@ -346,9 +346,9 @@ def test_the_sdk_sends_headrace_api_key_unless_told_otherwise(
 
 
 def test_every_generation_control_call_is_admin_only() -> None:
-    """Pause, weight updates, sleep: none is listed for callers, so each needs an admin key
-    (the worker's and the router's `GenerationControl` alike)."""
+    """Pause, weight updates, sleep, LoRA adapters: none is listed for callers, so each needs
+    an admin key (the worker's and the router's `GenerationControl` alike)."""
     service = control_pb2.DESCRIPTOR.services_by_name["GenerationControl"]
     methods = [f"/{service.full_name}/{method.name}" for method in service.methods]
-    assert len(methods) == 10
+    assert len(methods) == 13
     assert not [method for method in methods if auth._for_callers(method)]

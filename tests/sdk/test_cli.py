@@ -120,3 +120,13 @@ def test_attention_backend_choices_are_the_kernel_backends(name: str) -> None:
 
     (action,) = [a for a in _commands()[name]._actions if a.dest == "attention_backend"]
     assert tuple(action.choices) == BACKEND_NAMES
+
+
+def test_lora_flags_parse_name_path_pairs(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["worker", "--lora", "sql=/a/sql", "--lora", "chat=/a/c=d"])
+    assert args.lora == [("sql", "/a/sql"), ("chat", "/a/c=d")]
+    assert parser.parse_args(["generate", "--adapter", "sql", "hi"]).adapter == "sql"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--lora", "no-equals-sign"])
+    assert "expected NAME=PATH" in capsys.readouterr().err

@@ -166,6 +166,21 @@ def weights_arguments(parser: argparse.ArgumentParser) -> None:
     add("--chunk-mib", type=int, default=4, help="MiB per streamed message")
 
 
+def lora_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
+    add("--tiny", action="store_true", help="a 2-layer hidden-64 random model (overhead)")
+    add("--dtype", default="float32", help="float32, bfloat16 or float16")
+    add("--num-adapters", type=int, default=4, help="random adapters, all in every step")
+    add("--rank", type=int, default=16, help="their rank")
+    add("--num-requests", type=int, default=32, help="requests per run")
+    add("--prompt-len", type=int, default=32, help="tokens per prompt")
+    add("--max-tokens", type=int, default=64, help="new tokens per request")
+    add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
+    add("--rounds", type=int, default=2, help="alternating rounds of each run (best counts)")
+    add("--seed", type=int, default=0, help="seed of the random prompts")
+
+
 def kernels_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--batch", type=int, default=64, help="sequences per decode batch")
@@ -219,6 +234,12 @@ BENCHES = (
         "headrace.worker.bench.weights",
     ),
     BenchCommand(
+        "lora",
+        "a batch mixing LoRA adapters against the base model alone: tok/s and their ratio",
+        lora_arguments,
+        "headrace.worker.bench.lora",
+    ),
+    BenchCommand(
         "kernels",
         "CUDA: each Triton kernel against SDPA or its torch reference, with bandwidth",
         kernels_arguments,
@@ -230,7 +251,7 @@ BENCHES = (
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: engine, parallel, serve, weights, kernels",
+        help="benchmarks: engine, parallel, serve, weights, lora, kernels",
         description="Benchmarks. Each prints its figures and ratios against a baseline run in "
         "the same process (read the ratios: these machines are noisy); --json adds one JSON "
         "object as the last line. See each bench's --help for what its figures mean.",

@@ -1,5 +1,5 @@
 """Control commands every rank of a worker runs: load new weights, join a trainer's weights
-group, release and restore memory.
+group, release and restore memory, load and unload LoRA adapters.
 
 Design note. A command travels like a step plan: rank 0 sends it to every other rank
 point-to-point, between steps and with no step in flight, so all ranks see steps and
@@ -63,7 +63,20 @@ class RestoreMemory:
     """Undo `ReleaseMemory`."""
 
 
-RankCommand = LoadWeights | JoinWeightGroup | ReleaseMemory | RestoreMemory
+@dataclass(frozen=True, slots=True)
+class LoadLora:
+    """Read a LoRA adapter (checked on rank 0 first) into this rank's pool."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadLora:
+    name: str
+
+
+RankCommand = LoadWeights | JoinWeightGroup | ReleaseMemory | RestoreMemory | LoadLora | UnloadLora
 
 
 class RankCommandError(Exception):
@@ -121,6 +134,13 @@ class RankControl:
             self._join(command.spec)
         elif isinstance(command, ReleaseMemory):
             self.runner.release_memory(command.offload_weights)
+        elif isinstance(command, LoadLora | UnloadLora):
+            lora = self.runner.lora
+            assert lora is not None, "LoRA commands need LoRA enabled"
+            if isinstance(command, LoadLora):
+                lora.add(command.name, command.path)
+            else:
+                lora.remove(command.name)
         else:
             self.runner.restore_memory()
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,9 @@ from headrace.worker.distributed.rank_control import RankCommandError, RankContr
 from headrace.worker.distributed.step_plan import MirrorTable, StepPlan
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
+from headrace.worker.lora.manager import start_lora
 from headrace.worker.models.registry import load_model
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +98,14 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
     parallel, plan_group = _init_process_groups(setup, rank, store, device)
     kernels = select_kernels(config.attention_backend, device)
     loaded = load_model(setup.model_path, setup.dtype, device, parallel, kernels)
+    lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     local_blocks = kv_cache_blocks(config, loaded.model, device, setup.dtype, setup.max_model_len)
     # Every rank holds the same block ids, so the pool is what the tightest rank fits.
     agreed = torch.tensor([local_blocks])
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=plan_group)
     num_blocks = int(agreed.item())
     runner = ModelRunner(loaded.model, device, setup.dtype, config.block_size, num_blocks, parallel)
+    runner.lora = lora
     if device.type == "cuda":
         runner.warm_up(setup.max_model_len)
     logger.info(

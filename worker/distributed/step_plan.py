@@ -26,6 +26,8 @@ class SeqUpdate:
     new_block_ids: list[int]
     #: The sequence is new to the ranks, or was preempted: replace, do not append.
     reset: bool
+    #: The sequence's LoRA adapter (read on reset only).
+    adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -53,6 +55,8 @@ class SeqMirror:
 
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    #: The LoRA adapter the sequence runs with (None: the base model).
+    adapter: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +105,9 @@ class PlanEncoder:
         num_tokens = 0 if reset or sent is None else sent.num_tokens
         num_blocks = 0 if reset or sent is None else sent.num_blocks
         update = SeqUpdate(
-            seq.seq_id, seq.token_ids[num_tokens:], seq.block_ids[num_blocks:], reset
-        )
+            seq.seq_id, seq.token_ids[num_tokens:], seq.block_ids[num_blocks:], reset,
+            seq.adapter if reset else None,
+        )  # fmt: skip
         self._sent[seq.seq_id] = _Sent(seq, seq.num_tokens, len(seq.block_ids), seq.num_preemptions)
         return update
 
@@ -119,7 +124,7 @@ class MirrorTable:
         for update in plan.updates:
             mirror = self.seqs.get(update.seq_id)
             if mirror is None or update.reset:
-                mirror = self.seqs[update.seq_id] = SeqMirror()
+                mirror = self.seqs[update.seq_id] = SeqMirror(adapter=update.adapter)
             mirror.token_ids.extend(update.new_token_ids)
             mirror.block_ids.extend(update.new_block_ids)
 

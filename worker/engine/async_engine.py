@@ -94,6 +94,7 @@ class _Add:
     stream: OutputStream
     #: Announced by a `_Pending` first (its prompt was text).
     announced: bool = False
+    adapter: str | None = None
 
 
 @dataclass(slots=True)
@@ -153,12 +154,13 @@ class AsyncEngine:
         config: GenerationConfig,
         stream: OutputStream,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> None:
         if not isinstance(prompt, str | Chat):  # token ids: checked on the engine thread
-            self._commands.put(_Add(request_id, prompt, config, priority, stream))
+            self._commands.put(_Add(request_id, prompt, config, priority, stream, False, adapter))
             return
         self._commands.put(_Pending(request_id, stream))
-        add = _Add(request_id, prompt, config, priority, stream, announced=True)
+        add = _Add(request_id, prompt, config, priority, stream, True, adapter)
         self._tokenizer.submit(self._tokenize, add)
 
     def _tokenize(self, add: _Add) -> None:
@@ -212,6 +214,15 @@ class AsyncEngine:
 
     async def wake_up(self) -> None:
         await self._control(lambda e: e.wake_up())
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        def load(engine: Engine) -> None:
+            engine.adapters.load(name, path)
+
+        await self._control(load)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._control(lambda e: e.adapters.unload(name))
 
     async def _control(
         self, call: Callable[[Engine], list[RequestOutput] | None], until_drained: bool = False
@@ -341,7 +352,9 @@ class AsyncEngine:
         try:
             if isinstance(add.prompt, HeadraceError):
                 raise add.prompt
-            self.engine.add_request(add.request_id, add.prompt, add.config, add.priority)
+            self.engine.add_request(
+                add.request_id, add.prompt, add.config, add.priority, add.adapter
+            )
         except HeadraceError as exc:
             add.stream.put([_ended(add.request_id, exc)])
             return

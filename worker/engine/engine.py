@@ -26,6 +26,7 @@ from headrace.sdk.prompts import Prompt
 from headrace.sdk.weights import PauseMode
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
+from headrace.worker.engine.adapters import Adapters
 from headrace.worker.engine.control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
@@ -78,12 +79,12 @@ class Engine:
         self.last_step: SchedulerOutput | None = None
         #: Submitted steps not yet collected, oldest first (at most one per pipeline stage).
         self._in_flight: deque[InFlightStep] = deque()
+        self.adapters = Adapters(self.executor, self._requests, self._in_flight)  # LoRA
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d "
-            "tp=%d pp=%d",
-            self.spec.path, self.spec.dtype, self.device, self.kernels.NAME,
-            self.block_manager.num_blocks, config.block_size,
-            config.tensor_parallel_size, config.pipeline_parallel_size,
+            "tp=%d pp=%d", self.spec.path, self.spec.dtype, self.device, self.kernels.NAME,
+            self.block_manager.num_blocks, config.block_size, config.tensor_parallel_size,
+            config.pipeline_parallel_size,
         )  # fmt: skip
 
     @property
@@ -117,14 +118,18 @@ class Engine:
         prompt: Prompt,
         config: GenerationConfig | None = None,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> None:
-        """Queue a request; bad input raises InvalidArgumentError and changes nothing."""
+        """Queue a request (``adapter``: a LoRA adapter's name); bad input raises."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError("request_id", "must be a non-empty string")
         if request_id in self._requests:
             raise InvalidArgumentError("request_id", f"{request_id!r} is already in use")
         self.control.check_admission()
-        request = self.intake.build(request_id, prompt, config or GenerationConfig(), priority)
+        lora = self.adapters.resolve(adapter)
+        request = self.intake.build(
+            request_id, prompt, config or GenerationConfig(), priority, lora
+        )
         self._requests[request_id] = request
         self.control.admit(request_id, request.seqs[0], self.scheduler)
 
@@ -276,11 +281,10 @@ class Engine:
                     self._append_token(chunk.seq, token_id, logprob, outputs)
 
     def _sample(self, result: StepResult) -> SamplerOutput | None:
-        if result.sample_token_ids is not None:  # the model's greedy head chose them
-            return SamplerOutput(result.sample_token_ids, [None] * len(result.sample_token_ids))
-        if result.sample_logits is None:
-            return None
-        return self.sampler(result.sample_logits, [c.seq for c in result.sample_chunks])
+        if (tokens := result.sample_token_ids) is not None:  # the model's greedy head's
+            return SamplerOutput(tokens, [None] * len(tokens))
+        logits, seqs = result.sample_logits, [c.seq for c in result.sample_chunks]
+        return None if logits is None else self.sampler(logits, seqs)
 
     def _submit_steps(self, outputs: Outputs) -> None:
         """Schedule and submit steps until one per pipeline stage is in flight."""

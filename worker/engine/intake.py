@@ -36,6 +36,8 @@ class EngineRequest:
     #: Samples 1..n-1 wait here until sample 0 has computed the shared prompt.
     pending_siblings: list[Sequence]
     times: RequestTimes
+    #: The LoRA adapter the request runs with (None: the base model).
+    adapter: str | None = None
     prompt_logprobs_sent: bool = False
     prompt_token_ids_sent: bool = False
 
@@ -60,9 +62,15 @@ class RequestIntake:
         self._arrivals = itertools.count()
 
     def build(
-        self, request_id: str, prompt: Prompt, config: GenerationConfig, priority: int
+        self,
+        request_id: str,
+        prompt: Prompt,
+        config: GenerationConfig,
+        priority: int,
+        lora: tuple[str, int] | None = None,
     ) -> EngineRequest:
-        """The request's sequences, or InvalidArgumentError naming what is wrong."""
+        """The request's sequences, or InvalidArgumentError naming what is wrong. ``lora``:
+        the adapter's (name, load number) from `Adapters.resolve`; None for the base model."""
         if not isinstance(config, GenerationConfig):
             raise InvalidArgumentError("config", "must be a GenerationConfig")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -70,7 +78,12 @@ class RequestIntake:
         prompt_token_ids = self.prompt_token_ids(prompt)
         self._check_fits(prompt_token_ids)
         self._check_token_ids("config.stop_token_ids", list(config.stop_token_ids))
-        return self._new_request(request_id, prompt_token_ids, config, priority)
+        request = self._new_request(request_id, prompt_token_ids, config, priority)
+        if lora is not None:
+            request.adapter = lora[0]
+            for seq in request.seqs:
+                seq.adapter, seq.lora_id = lora
+        return request
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as token ids: text tokenized, a chat rendered with the model's chat

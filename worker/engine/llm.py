@@ -31,6 +31,7 @@ from headrace.worker.distributed.weight_sync import (
 )
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import RequestOutput
+from headrace.worker.lora.manager import AdapterInfo
 from headrace.worker.models.weight_check import TensorMeta
 
 __all__ = ["LLM", "Completion", "GenerationResult", "apply_output"]
@@ -60,18 +61,21 @@ class LLM:
         config: GenerationConfig | list[GenerationConfig] | None = None,
         *,
         priority: int = 0,
+        adapter: str | list[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text, token ids or a `Chat`); results come in prompt
-        order."""
+        order. ``adapter``: a loaded LoRA adapter's name for every prompt, or one per prompt
+        (None: the base model)."""
         if self.engine.control.pause_mode is not None:
             raise UnavailableError("generation is paused: call resume() first")
         batch = _as_batch(prompts)
         configs = _configs_for(batch, config)
+        adapters = _adapters_for(batch, adapter)
         results: dict[str, GenerationResult] = {}
         try:
             for i, (prompt, prompt_config) in enumerate(zip(batch, configs, strict=True)):
                 request_id = f"offline-{next(self._request_ids)}"
-                self._add(i, request_id, prompt, prompt_config, priority)
+                self._add(i, request_id, prompt, prompt_config, priority, adapters[i])
                 results[request_id] = GenerationResult.empty(
                     request_id,
                     prompt_config.n,
@@ -103,10 +107,16 @@ class LLM:
         return self.generate(chats, config, priority=priority)
 
     def _add(
-        self, index: int, request_id: str, prompt: Prompt, config: GenerationConfig, priority: int
+        self,
+        index: int,
+        request_id: str,
+        prompt: Prompt,
+        config: GenerationConfig,
+        priority: int,
+        adapter: str | None,
     ) -> None:
         try:
-            self.engine.add_request(request_id, prompt, config, priority)
+            self.engine.add_request(request_id, prompt, config, priority, adapter)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(exc.field, f"prompts[{index}]: {exc}") from exc
 
@@ -117,6 +127,18 @@ class LLM:
                 apply_output(results[output.request_id], output)
                 if output.finished:
                     unfinished.discard(output.request_id)
+
+    # --- LoRA adapters (engine option enable_lora) ----------------------------------------
+
+    def load_lora_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Load a PEFT LoRA adapter under ``name`` (requests then name it)."""
+        return self.engine.adapters.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.engine.adapters.unload(name)
+
+    def list_lora_adapters(self) -> list[AdapterInfo]:
+        return self.engine.adapters.list()
 
     # --- generation control ------------------------------------------------------------
 
@@ -197,6 +219,16 @@ def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if not isinstance(prompts, list | tuple) or not prompts:
         raise InvalidArgumentError("prompts", "must be a prompt or a non-empty list of prompts")
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _adapters_for(batch: list[Prompt], adapter: str | list[str | None] | None) -> list[str | None]:
+    if not isinstance(adapter, list):
+        return [adapter] * len(batch)
+    if len(adapter) != len(batch):
+        raise InvalidArgumentError(
+            "adapter", f"has {len(adapter)} entries for {len(batch)} prompts"
+        )
+    return adapter
 
 
 def _configs_for(

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 from headrace.kernels import AttentionMetadata
+from headrace.kernels.lora import LoraIndices
 from headrace.worker.sampling.sampler import is_plain_greedy
 from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.sequence import Sequence
@@ -24,6 +25,9 @@ class SeqTokens(Protocol):
 
     @property
     def block_ids(self) -> list[int]: ...
+
+    @property
+    def adapter(self) -> str | None: ...
 
 
 class BatchChunk(Protocol):
@@ -47,6 +51,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
+    #: Each row's LoRA adapter slot; None when LoRA is off (every row runs the base model).
+    lora_indices: LoraIndices | None = None
 
     @property
     def num_tokens(self) -> int:

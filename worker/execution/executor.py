@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from headrace.kernels import KernelSet
@@ -23,8 +23,10 @@ from headrace.worker.distributed.rank_control import RankCommand, RankControl
 from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
+from headrace.worker.lora.manager import start_lora
 from headrace.worker.models.registry import load_model
 from headrace.worker.scheduling.output import SchedulerOutput
+from torch import nn
 
 
 @dataclass(slots=True)
@@ -102,8 +104,10 @@ def start_executor(
         distributed = start_distributed(config, model_path, dtype, device, max_model_len, hf_config)
         return Executor(distributed.shard.runner, distributed.shard.parallel, distributed)
     loaded = load_model(model_path, dtype, device, kernels=kernels)
+    lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
     runner = ModelRunner(loaded.model, device, dtype, config.block_size, num_blocks)
+    runner.lora = lora
     if device.type == "cuda":
         runner.warm_up(max_model_len)
     return Executor(runner, ParallelConfig())

@@ -23,6 +23,7 @@ from headrace.worker.execution.batch import (
     prompt_logprob_rows,
 )
 from headrace.worker.execution.block_tables import BlockTables
+from headrace.worker.lora.manager import LoraManager
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
 
@@ -48,6 +49,8 @@ class ModelRunner:
         self.block_tables = BlockTables()
         #: The weights were moved to host memory by `release_memory`.
         self.weights_offloaded = False
+        #: The model's LoRA adapters and slots, when LoRA is enabled.
+        self.lora: LoraManager | None = None
 
     def _new_kv_caches(self) -> list[torch.Tensor]:
         model = self.model
@@ -137,6 +140,8 @@ class ModelRunner:
 
     def forward(self, inputs: ModelInputs, carry: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of the forward pass (its pipeline stage)."""
+        if self.lora is not None:
+            self.lora.batch.indices = inputs.lora_indices
         return self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, carry
         )
@@ -193,10 +198,15 @@ class ModelRunner:
             seq_lens,
             num_decode_seqs,
         )
+        lora_indices = None
+        if self.lora is not None:
+            adapters = [(chunk.seq.adapter, chunk.num_new_tokens) for chunk in chunks]
+            lora_indices = self.lora.indices_for(adapters, self.device)
         return ModelInputs(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
             metadata,
+            lora_indices,
         )
 
     def _metadata(

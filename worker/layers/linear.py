@@ -7,11 +7,16 @@
   its slice of x (a column-parallel output), and an all-reduce adds the partials.
 
 So an attention or MLP block costs one all-reduce, at its row-parallel output.
+
+A layer may carry a `LinearDelta` (LoRA adapters, `headrace.worker.lora`): it adds its rows'
+deltas to this rank's output, before a row-parallel layer's all-reduce, which sums the partial
+deltas of the ranks' input slices as it sums the base layer's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from headrace.kernels.precision import linear
@@ -25,6 +30,14 @@ from headrace.worker.layers.weights import (
     shard_rows,
 )
 from torch import nn
+
+
+class LinearDelta(Protocol):
+    """Something a linear layer adds to its output (this rank's share), e.g. LoRA deltas."""
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the delta of input x ([T, in per rank] -> [T, out per rank])."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,9 @@ class ColumnParallelLinear(nn.Module):
         size = parallel.tensor_parallel_size
         self._init_parameters(divide(output_size, size, "output size"), bias, dtype)
 
+    #: Added to the output when set (LoRA adapters); None runs the base layer alone.
+    lora: LinearDelta | None = None
+
     def _init_parameters(
         self, output_size_per_rank: int, bias: bool, dtype: torch.dtype | None
     ) -> None:
@@ -74,7 +90,8 @@ class ColumnParallelLinear(nn.Module):
             self.bias = new_parameter(shape[:1], dtype, self.weight_loader, self.shard_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # [T, output_size_per_rank]
+        y = linear(x, self.weight, self.bias)  # [T, output_size_per_rank]
+        return y if self.lora is None else self.lora.add_to(x, y)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's rows of a full checkpoint weight or bias into ``param``."""
@@ -85,6 +102,10 @@ class ColumnParallelLinear(nn.Module):
             )
         target = param.data.narrow(0, shard.offset, shard.num_rows)
         load_into(target, shard_rows(loaded, shard.source_index, shard.num_rows))
+
+    def output_shard(self, shard_id: ShardId) -> RowShard:
+        """Where this rank's rows of checkpoint tensor ``shard_id`` sit in its output."""
+        return self._row_shard(shard_id)
 
     def _row_shard(self, shard_id: ShardId) -> RowShard:
         assert shard_id is None, f"unexpected shard {shard_id!r}"
@@ -188,6 +209,9 @@ def kv_heads_per_rank(num_kv_heads: int, parallel: ParallelConfig) -> int:
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ + b with W's input columns split across ranks; x arrives split, y is whole."""
 
+    #: Added to this rank's partial output before the all-reduce when set (LoRA adapters).
+    lora: LinearDelta | None = None
+
     def __init__(
         self,
         input_size: int,
@@ -210,7 +234,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size_per_rank]
         bias = self.bias if self.parallel.tensor_parallel_rank == 0 else None
-        return all_reduce(linear(x, self.weight, bias), self.parallel)  # [T, output_size]
+        y = linear(x, self.weight, bias)  # [T, output_size]: this rank's partial sum
+        if self.lora is not None:
+            y = self.lora.add_to(x, y)
+        return all_reduce(y, self.parallel)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's input columns of the checkpoint weight (the bias is whole)."""

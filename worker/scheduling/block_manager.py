@@ -16,6 +16,8 @@ New weights (or KV memory released and given back) make every cached block stale
 in which its KV computation began (admission with no blocks); one still holding blocks from
 an earlier epoch (kept through a weight update) keeps them but never registers them, and a
 sequence admitted later hashes afresh, so no request ever reuses KV of other weights.
+A sequence with a LoRA adapter seeds its chain with the adapter's load number, so KV is
+shared only among sequences of the same adapter load (or of the base model).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from headrace.worker.sequence import Sequence
 
 # The chain's seed for a sequence's first block; any fixed int works.
 _ROOT_HASH = 0x6865616472616365
+
+
+def _root_hash(lora_id: int) -> int:
+    """The chain's seed: the base model's, or one per LoRA adapter load."""
+    return _ROOT_HASH if lora_id == 0 else hash((_ROOT_HASH, lora_id))
 
 
 def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -97,7 +104,7 @@ class BlockManager:
     def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
         hashes = seq.block_hashes
         while len(hashes) < num_full_blocks:
-            prev = hashes[-1] if hashes else _ROOT_HASH
+            prev = hashes[-1] if hashes else _root_hash(seq.lora_id)
             hashes.append(chain_hash(prev, self._block_tokens(seq, len(hashes))))
 
     def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:

@@ -22,6 +22,10 @@ With pipeline parallelism several steps are in flight at once (one per stage). S
 of a step still in flight are `busy`: the next step neither schedules nor preempts them,
 and a cap on sequences per step shares the running ones among the steps in flight.
 
+With LoRA, a step holds at most `max_loras` distinct adapters (the base model is free): a
+running sequence whose adapter does not fit waits for a later step, and a waiting one at the
+head of the queue stops admission until it fits, so nothing behind it overtakes it.
+
 A paused sequence (its reader fell behind, see `pause`) is not scheduled: a running one keeps
 its blocks but may be preempted, a waiting one is HELD out of the queue until `resume`.
 """
@@ -48,20 +52,36 @@ class _StepPlan:
     max_seqs: int
     #: Seq ids of steps still in flight: neither scheduled nor preempted by this one.
     busy: Collection[int] = ()
+    #: Distinct LoRA adapters the step may hold (0: no limit, LoRA is off).
+    max_adapters: int = 0
     chunks: dict[int, ScheduledChunk] = field(default_factory=dict)  # by seq_id
     preempted: list[Sequence] = field(default_factory=list)
     out_of_blocks: list[Sequence] = field(default_factory=list)
+    #: Chunks planned per LoRA adapter.
+    adapters: dict[str, int] = field(default_factory=dict)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        if seq.adapter is not None:
+            self.adapters[seq.adapter] = self.adapters.get(seq.adapter, 0) + 1
         start = seq.num_computed_tokens
         samples = start + num_new_tokens == seq.num_tokens
         self.chunks[seq.seq_id] = ScheduledChunk(seq, start, num_new_tokens, samples)
         self.budget -= num_new_tokens
 
+    def fits_adapter(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s adapter (if any) fits the step's adapter limit."""
+        if seq.adapter is None or not self.max_adapters:
+            return True
+        return seq.adapter in self.adapters or len(self.adapters) < self.max_adapters
+
     def take_back(self, seq: Sequence) -> None:
         chunk = self.chunks.pop(seq.seq_id, None)
         if chunk is not None:
             self.budget += chunk.num_new_tokens
+            if seq.adapter is not None:
+                self.adapters[seq.adapter] -= 1
+                if not self.adapters[seq.adapter]:
+                    del self.adapters[seq.adapter]
 
     @property
     def is_full(self) -> bool:
@@ -152,7 +172,8 @@ class Scheduler:
         """The next step. ``busy``: seq ids in steps still in flight; ``max_seqs``: a cap on
         the step's sequences (to share them among in-flight steps)."""
         cap = self.config.max_num_seqs if max_seqs is None else max_seqs
-        plan = _StepPlan(self.config.max_num_batched_tokens, cap, busy)
+        max_adapters = self.config.max_loras if self.config.enable_lora else 0
+        plan = _StepPlan(self.config.max_num_batched_tokens, cap, busy, max_adapters)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -174,7 +195,8 @@ class Scheduler:
         while i < len(self.running) and not plan.is_full:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
-            if num_new == 0 or seq.seq_id in plan.busy or seq.seq_id in self._paused:
+            skip = seq.seq_id in plan.busy or seq.seq_id in self._paused
+            if num_new == 0 or skip or not plan.fits_adapter(seq):
                 i += 1
                 continue
             needed = self.block_manager.num_new_blocks_needed(seq, num_new)
@@ -207,7 +229,9 @@ class Scheduler:
                     return
                 self._preempt(victim, plan)
                 continue
-            if len(plan.chunks) >= plan.max_seqs or not self._try_admit(seq, plan):
+            if len(plan.chunks) >= plan.max_seqs or not plan.fits_adapter(seq):
+                return
+            if not self._try_admit(seq, plan):
                 return
 
     def _try_admit(self, seq: Sequence, plan: _StepPlan) -> bool:

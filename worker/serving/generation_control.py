@@ -1,4 +1,5 @@
-"""The worker's `GenerationControl` service: pause and resume, weight updates, sleep.
+"""The worker's `GenerationControl` service: pause and resume, weight updates, sleep, LoRA
+adapters (load, unload, list).
 
 Each call becomes one `AsyncEngine` control command (run on the engine thread between
 steps) and answers with the worker's state afterwards; a typed error becomes the call's
@@ -20,7 +21,12 @@ from headrace.protos import control_pb2_grpc
 from headrace.sdk import status
 from headrace.sdk.errors import FailedPreconditionError, InvalidArgumentError
 from headrace.sdk.streams import Undecodable
-from headrace.sdk.weights import WorkerState, check_version, pause_mode_from_wire
+from headrace.sdk.weights import (
+    LoraAdapterInfo,
+    WorkerState,
+    check_version,
+    pause_mode_from_wire,
+)
 from headrace.worker.distributed.weight_sync import (
     FromDisk,
     FromGroup,
@@ -54,6 +60,10 @@ class GenerationControlService(control_pb2_grpc.GenerationControlServicer):
             state=load.state,
             num_ranks=self.engine.engine.config.world_size,
             rank_offset=load.rank_offset,
+            lora_adapters=tuple(
+                LoraAdapterInfo(a.name, str(a.path), a.rank)
+                for a in self.engine.engine.adapters.list()
+            ),
         )
         return cpb.ControlResponse(workers=[worker.to_wire()])
 
@@ -185,5 +195,22 @@ class GenerationControlService(control_pb2_grpc.GenerationControlServicer):
 
     async def GetWeightVersion(
         self, request: cpb.GetWeightVersionRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ControlResponse:
+        return self.state()
+
+    async def LoadLoraAdapter(
+        self, request: cpb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ControlResponse:
+        return await self._answer(
+            context, lambda: self.engine.load_lora_adapter(request.name, request.path)
+        )
+
+    async def UnloadLoraAdapter(
+        self, request: cpb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.ControlResponse:
+        return await self._answer(context, lambda: self.engine.unload_lora_adapter(request.name))
+
+    async def ListLoraAdapters(
+        self, request: cpb.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> cpb.ControlResponse:
         return self.state()
