@@ -122,6 +122,7 @@ class Engine:
         prompt: Prompt,
         config: GenerationConfig | None = None,
         priority: int = 0,
+        num_resumed_tokens: int = 0,
     ) -> None:
         """Queue a request; bad input raises InvalidArgumentError and changes nothing."""
         if not isinstance(request_id, str) or not request_id:
@@ -129,7 +130,8 @@ class Engine:
         if request_id in self._requests:
             raise InvalidArgumentError("request_id", f"{request_id!r} is already in use")
         self.control.check_admission()
-        request = self.intake.build(request_id, prompt, config or GenerationConfig(), priority)
+        config = config or GenerationConfig()  # num_resumed_tokens: see RequestIntake.build
+        request = self.intake.build(request_id, prompt, config, priority, num_resumed_tokens)
         self._requests[request_id] = request
         self.control.admit(request_id, request.seqs[0], self.scheduler)
 

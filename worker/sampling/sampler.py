@@ -3,10 +3,14 @@
 Stages, in the order HF and vLLM apply them, each run on the rows that need it only:
   1. history processors: repetition penalty (prompt + output), presence / frequency penalties
      (output), no_repeat_ngram_size bans, min_tokens bans on the stop token ids;
-  2. greedy rows (temperature 0) take the argmax;
-  3. sampling rows: temperature, top-k, top-p, min-p, drawn by inverse CDF with a top-p
+  2. logit controls (`controls.py`): logit bias, allowed token ids, bad words, and the token
+     bitmask of an output constraint (JSON schema, regex, grammar, choice);
+  3. greedy rows (temperature 0) take the argmax;
+  4. sampling rows: temperature, top-k, top-p, min-p, drawn by inverse CDF with a top-p
      rejection test (`headrace.worker.sampling.draw`: no sort, no noise per vocabulary entry).
-Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax.
+Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax
+(`GenerationConfig.needs_full_sampler` says which rows are not). After the pick, each
+constrained row's grammar advances by its token.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.outputs import TokenLogprob
+from headrace.worker.sampling.controls import advance_grammars, apply_controls
 from headrace.worker.sampling.draw import draw, seeded_key
 from headrace.worker.sampling.logprobs import token_logprobs
 from headrace.worker.sampling.ops import argmax, column, select_rows
@@ -56,7 +61,9 @@ class Sampler:
         if plan.sample_rows:
             token_ids[plan.sample_rows] = self._draw(processed, seqs, plan, processed is logits)
         logprobs = token_logprobs(logits, token_ids, seqs, plan.logprob_rows)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        picked = token_ids.tolist()
+        advance_grammars(seqs, picked, plan.control_rows)
+        return SamplerOutput(picked, logprobs)
 
     def _draw(
         self,
@@ -127,6 +134,8 @@ class _Plan:
     #: Rows still short of min_tokens, with stop token ids to hold back.
     min_tokens_rows: list[int] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
+    #: Rows with logit controls (bias, allowed ids, bad words, a constraint).
+    control_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, seqs: collections.abc.Sequence[Sequence]) -> _Plan:
@@ -142,11 +151,14 @@ class _Plan:
                 plan.min_tokens_rows.append(row)
             if config.logprobs is not None:
                 plan.logprob_rows.append(row)
+            if seq.controls is not None:
+                plan.control_rows.append(row)
         return plan
 
     @property
     def needs_history(self) -> bool:
-        return bool(self.penalty_rows or self.ngram_rows or self.min_tokens_rows)
+        rows = self.penalty_rows or self.ngram_rows or self.min_tokens_rows or self.control_rows
+        return bool(rows)
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -170,6 +182,7 @@ def _apply_history(
     processed = logits.clone(memory_format=torch.contiguous_format)
     apply_penalties(processed, seqs, plan.penalty_rows)
     apply_bans(processed, seqs, plan.ngram_rows, plan.min_tokens_rows)
+    apply_controls(processed, seqs, plan.control_rows)
     return processed
 
 
