@@ -85,7 +85,9 @@ def test_regex_choice_and_any_json(llm):
         assert re.fullmatch(PHONE, sample.text), sample.text
     assert yes_no.text in ("yes", "no")
     assert {sample.text for sample in pets.outputs} <= {"cat", "dog"}
-    assert all(s.finish_reason == FinishReason.STOP for r in (phone, yes_no, pets) for s in r.outputs)
+    assert all(
+        s.finish_reason == FinishReason.STOP for r in (phone, yes_no, pets) for s in r.outputs
+    )
     if anything.outputs[0].finish_reason == FinishReason.STOP:
         json.loads(anything.text)
 
@@ -151,9 +153,7 @@ def test_a_bad_constraint_fails_in_band_and_others_go_on(smollm2_dir, options, f
         with pytest.raises(InvalidArgumentError) as refused:
             await collect("bad", GenerationConfig(max_tokens=8, **options))
         assert refused.value.field == field
-        assert "does not compile" in str(refused.value) or "outside the vocab" in str(
-            refused.value
-        )
+        assert "does not compile" in str(refused.value) or "outside the vocab" in str(refused.value)
         return await answer
 
     try:
