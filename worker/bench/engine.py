@@ -67,7 +67,14 @@ class _TimedModel:
         return self._timed(self._model.compute_logits, hidden)
 
 
-def run_headrace(engine: Engine, workload: Workload, name: str = "headrace") -> Report:
+def run_headrace(
+    engine: Engine,
+    workload: Workload,
+    name: str = "headrace",
+    configs: list[GenerationConfig] | None = None,
+) -> Report:
+    """Run the workload to completion; ``configs``: one per request (default: greedy to
+    each request's max_tokens)."""
     timed = _TimedModel(engine.runner.model, engine.device)
     engine.runner.model = timed  # type: ignore[assignment]
     start = time.perf_counter()
@@ -75,7 +82,7 @@ def run_headrace(engine: Engine, workload: Workload, name: str = "headrace") -> 
         zip(workload.prompts, workload.max_tokens, strict=True)
     ):
         config = GenerationConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"bench-{i}", prompt, config)
+        engine.add_request(f"bench-{i}", prompt, configs[i] if configs else config)
     report = Report(name, 0.0, 0)
     first_token: dict[str, float] = {}
     while engine.has_unfinished_requests():
