@@ -24,6 +24,7 @@ __all__ = [
     "apply_rotary",
     "apply_token_bitmask",
     "argmax",
+    "argmax_update",
     "paged_attention",
     "rms_norm",
     "sample_rows",
@@ -156,6 +157,23 @@ def argmax(x: torch.Tensor) -> torch.Tensor:  # [N, V] float32 -> [N] int64
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _library().headrace_argmax_rows(_ptr(x), x.shape[0], x.shape[1], x.stride(0), _ptr(out))
     return out
+
+
+def argmax_update(
+    x: torch.Tensor,  # [N, C] float32: columns [offset, offset + C) of every row
+    offset: int,
+    best: torch.Tensor,  # [N] float32, updated in place
+    index: torch.Tensor,  # [N] int64, updated in place
+) -> None:
+    """A running argmax over column blocks in ascending order: after the last block, index
+    holds each row's first maximum over all columns (as `argmax` of the whole rows)."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu", x
+    assert best.is_contiguous() and index.is_contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _library().headrace_argmax_update(
+        _ptr(x), x.shape[0], x.shape[1], x.stride(0), offset, _ptr(best), _ptr(index)
+    )
 
 
 def sample_rows(

@@ -170,21 +170,6 @@ class GenerationConfig:
         controls = (self.logit_bias, self.allowed_token_ids, self.bad_words)
         return self.constraint is not None or any(controls)
 
-    @property
-    def needs_full_sampler(self) -> bool:
-        """Whether a row of this request needs more than a plain argmax over raw logits: the
-        predicate a greedy fast path checks (sampling, penalties, bans, logprobs, controls)."""
-        return (
-            not self.is_greedy
-            or self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.no_repeat_ngram_size > 0
-            or self.min_tokens > 0
-            or self.logprobs is not None
-            or self.has_logit_controls
-        )
-
 
 def _logit_bias(value: object) -> dict[int, float]:
     if not isinstance(value, Mapping):

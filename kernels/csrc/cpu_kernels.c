@@ -8,7 +8,8 @@
      sequence's K/V, read block by block from the paged cache in place (no gather, no padding).
      Decode rows (one query) and prefill chunks (many) take the same path.
    - write_kv_cache: scatter new K/V rows into their cache slots.
-   - argmax_rows: each row's first maximum, rows split among threads.
+   - argmax_rows: each row's first maximum, rows split among threads; argmax_update: the
+     same over column blocks (the greedy LM head's vocabulary slices), kept running.
    - sample_rows: one seeded draw per row from softmax(logits / T), truncated by min-p and
      top-p, by inverse-CDF sampling with a counter-based uniform and a top-p rejection test.
 
@@ -470,27 +471,50 @@ void headrace_write_kv_cache(const void *key, int64_t key_stride_token, int64_t 
 
 /* ---- argmax ------------------------------------------------------------------------------- */
 
-/* out[r] = the index of the first maximum of row r (NaN counts as the maximum, as numpy). */
+/* The index of the first maximum of row[0..num_cols) and that maximum (NaN counts as the
+   maximum, as in numpy: the first NaN's index). */
+static inline int64_t row_argmax(const float *row, int64_t num_cols, float *value) {
+    float best = -INFINITY;
+    int has_nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : has_nan)
+    for (int64_t c = 0; c < num_cols; c++) {
+        best = row[c] > best ? row[c] : best;
+        has_nan |= row[c] != row[c];
+    }
+    for (int64_t c = 0; c < num_cols; c++) {
+        if (has_nan ? row[c] != row[c] : row[c] == best) {
+            *value = row[c];
+            return c;
+        }
+    }
+    *value = best;
+    return 0;
+}
+
+/* out[r] = the index of the first maximum of row r. */
 void headrace_argmax_rows(const float *x, int64_t num_rows, int64_t num_cols, int64_t row_stride,
                           int64_t *out) {
 #pragma omp parallel for schedule(static) if (num_rows * num_cols >= (1 << 16))
     for (int64_t r = 0; r < num_rows; r++) {
-        const float *row = x + r * row_stride;
-        float best = -INFINITY;
-        int has_nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : has_nan)
-        for (int64_t c = 0; c < num_cols; c++) {
-            best = row[c] > best ? row[c] : best;
-            has_nan |= row[c] != row[c];
+        float value;
+        out[r] = row_argmax(x + r * row_stride, num_cols, &value);
+    }
+}
+
+/* A running argmax over column blocks that arrive in ascending order: x holds columns
+   [offset, offset + num_cols) of every row; (best[r], index[r]) become the first maximum of
+   all columns seen so far. An earlier block keeps ties, and a NaN, once seen, stays. */
+void headrace_argmax_update(const float *x, int64_t num_rows, int64_t num_cols,
+                            int64_t row_stride, int64_t offset, float *best, int64_t *index) {
+#pragma omp parallel for schedule(static) if (num_rows * num_cols >= (1 << 16))
+    for (int64_t r = 0; r < num_rows; r++) {
+        float value;
+        int64_t column = row_argmax(x + r * row_stride, num_cols, &value);
+        if (best[r] != best[r]) continue;
+        if (value != value || value > best[r]) {
+            best[r] = value;
+            index[r] = offset + column;
         }
-        int64_t index = 0;
-        for (int64_t c = 0; c < num_cols; c++) {
-            if (has_nan ? row[c] != row[c] : row[c] == best) {
-                index = c;
-                break;
-            }
-        }
-        out[r] = index;
     }
 }
 

@@ -58,24 +58,6 @@ def test_bad_controls_are_refused_naming_the_field(options: dict, field: str, re
     assert reason in str(refused.value)
 
 
-@pytest.mark.parametrize(
-    ("options", "full"),
-    [
-        ({"temperature": 0.0}, False),
-        ({"temperature": 0.0, "max_tokens": 99, "stop": ("x",), "n": 2}, False),
-        ({"temperature": 1.0}, True),
-        ({"temperature": 0.0, "logprobs": 0}, True),
-        ({"temperature": 0.0, "regex": "a+"}, True),
-        ({"temperature": 0.0, "logit_bias": {1: 1.0}}, True),
-        ({"temperature": 0.0, "allowed_token_ids": (1,)}, True),
-        ({"temperature": 0.0, "bad_words": ("x",)}, True),
-        ({"temperature": 0.0, "min_tokens": 1}, True),
-    ],
-)
-def test_needs_full_sampler_is_false_only_for_plain_greedy_rows(options: dict, full: bool):
-    assert GenerationConfig(**options).needs_full_sampler is full
-
-
 def test_controls_round_trip_the_wire_and_defaults_stay_unset():
     configs = [
         GenerationConfig(json_schema=SCHEMA, logit_bias={3: 1.5}, bad_words=("no",)),

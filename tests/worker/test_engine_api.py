@@ -196,3 +196,25 @@ def test_leaving_a_stream_early_aborts_the_request(ckpt):
     assert not engine.engine.has_unfinished_requests()
     bm = engine.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_plain_greedy_steps_skip_the_sampler_and_others_use_it(llm, expected, monkeypatch):
+    """Steps whose rows are all plain greedy take their tokens from the model's greedy head
+    (no [rows, vocab] logits); a row that reads the logits (logprobs, penalties) sends the
+    whole step through the sampler. The tokens are the oracle's either way."""
+    calls: list[int] = []
+    sampler = llm.engine.sampler
+
+    def counting(logits, seqs):
+        calls.append(len(seqs))
+        return sampler(logits, seqs)
+
+    monkeypatch.setattr(llm.engine, "sampler", counting)
+    plain = llm.generate([PROMPT, PROMPT], greedy())
+    assert [r.token_ids for r in plain] == [expected, expected] and calls == []
+    mixed = llm.generate([PROMPT, PROMPT], [greedy(), greedy(logprobs=0)])
+    assert [r.token_ids for r in mixed] == [expected, expected]
+    assert calls and all(n == 2 for n in calls)  # the whole step, both rows
+    calls.clear()
+    llm.generate([PROMPT], greedy(repetition_penalty=1.0, min_tokens=0))
+    assert calls == []  # neutral settings are still plain greedy

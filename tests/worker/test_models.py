@@ -18,7 +18,7 @@ import torch
 from headrace.kernels import AttentionMetadata
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
-from headrace.worker.layers.embedding import VocabParallelEmbedding
+from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from headrace.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -264,6 +264,26 @@ def test_vocab_shards_cover_the_vocab_once_with_zero_padding():
     padded = torch.cat(shards)
     assert torch.equal(padded[:vocab], full)
     assert not padded[vocab:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_rows", [1, 5, 4500])  # 4500 rows: slices of 512 columns
+def test_greedy_head_picks_the_argmax_of_the_logits(dtype, num_rows):
+    """The greedy head (logits a vocabulary slice at a time, a running argmax) chooses what an
+    argmax of the whole logits chooses, ties included."""
+    torch.manual_seed(3)
+    vocab, dim = 5003, 32
+    head = ParallelLMHead(vocab, dim, parallel=ParallelConfig(), dtype=dtype)
+    weight = torch.randn(vocab, dim).to(dtype)
+    weight[4000] = weight[17]  # the same logit for tokens 17 and 4000 in every row
+    head.weight_loader(head.weight, weight, None)
+    hidden = torch.randn(num_rows, dim).to(dtype)
+    hidden[0] = weight[17] * 4  # row 0's maximum is that tie: the first token wins
+    with torch.inference_mode():
+        want = head(hidden).argmax(dim=-1)
+        got = head.greedy(hidden)
+    assert got.tolist() == want.tolist()
+    assert got[0] == 17
 
 
 # --- rope ---------------------------------------------------------------------------------

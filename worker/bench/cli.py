@@ -91,6 +91,12 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, help="new tokens per request; default: 128 (64 with --tiny)")
     add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
     add("--baseline", choices=["none", "hf"], default="none", help="also run transformers")
+    add("--profile", action="store_true", help="split decode steps into phases")
+    add(
+        "--sampled",
+        action="store_true",
+        help="also run sampled (temperature 0.8, top_p 0.9, seeds): its step vs greedy's",
+    )
     add(
         "--attention-backend",
         choices=["auto", "triton", "cpu", "reference"],  # kernels.BACKEND_NAMES (no torch here)

@@ -3,8 +3,11 @@
     headrace bench engine                      # SmolLM2-135M, 64 requests, 32-512 + 128 tokens
     headrace bench engine --baseline hf        # plus transformers' two modes, same workload
     headrace bench engine --tiny               # a tiny model: what the engine itself costs
+    headrace bench engine --tiny --profile     # where a decode step's time goes, by phase
+    headrace bench engine --tiny --sampled     # plus the same run sampled: its step vs greedy's
 
-Every request runs to its output length (greedy, ignore_eos). Figures:
+Every request runs to its output length (greedy, ignore_eos; with ``--sampled`` a second run
+samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Figures:
 
 - tok/s: generated tokens over the run's wall time (prefill included);
 - TTFT: from the run's start (all requests arrive at once) to each request's first token;
@@ -15,6 +18,8 @@ Every request runs to its output length (greedy, ignore_eos). Figures:
 
 With ``--baseline hf`` each transformers mode runs the same prompts and output length, and
 ``ratio_hf_generate`` / ``ratio_hf_generate_batch`` are headrace's tok/s over theirs.
+``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's.
+``--profile`` splits the decode steps into phases (`headrace.worker.bench.profile`).
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from headrace.worker.bench.common import (
     Workload,
     build_tiny_checkpoint,
     make_workload,
+    quantile,
 )
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
+from headrace.worker.bench.profile import StepProfile
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
@@ -66,27 +73,42 @@ class _TimedModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._timed(self._model.compute_logits, hidden)
 
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._timed(self._model.compute_greedy, hidden)
+
+
+def request_config(max_tokens: int, sampled: bool, index: int) -> GenerationConfig:
+    if sampled:
+        return GenerationConfig(
+            max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=index, ignore_eos=True
+        )
+    return GenerationConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
 
 def run_headrace(
     engine: Engine,
     workload: Workload,
     name: str = "headrace",
+    sampled: bool = False,
+    profile: StepProfile | None = None,
     configs: list[GenerationConfig] | None = None,
 ) -> Report:
-    """Run the workload to completion; ``configs``: one per request (default: greedy to
-    each request's max_tokens)."""
+    """Run the workload to completion; ``configs``: one per request (default:
+    `request_config`'s)."""
     timed = _TimedModel(engine.runner.model, engine.device)
     engine.runner.model = timed  # type: ignore[assignment]
     start = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(
         zip(workload.prompts, workload.max_tokens, strict=True)
     ):
-        config = GenerationConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"bench-{i}", prompt, configs[i] if configs else config)
+        config = configs[i] if configs else request_config(max_tokens, sampled, i)
+        engine.add_request(f"bench-{i}", prompt, config)
     report = Report(name, 0.0, 0)
     first_token: dict[str, float] = {}
     while engine.has_unfinished_requests():
         timed.seconds = 0.0
+        if profile is not None:
+            profile.start_step()
         step_start = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
@@ -94,10 +116,13 @@ def run_headrace(
         for output in outputs:
             first_token.setdefault(output.request_id, now - start)
         plan = engine.last_step
-        if plan is not None and plan.chunks and plan.num_decode_seqs == len(plan.chunks):
-            # Every scheduled sequence decoded one token: a pure decode step.
+        # Every scheduled sequence decoded one token: a pure decode step.
+        is_decode = plan is not None and plan.chunks and plan.num_decode_seqs == len(plan.chunks)
+        if is_decode:
             report.decode_step_s.append(now - step_start)
             report.host_overhead_s.append(now - step_start - timed.seconds)
+        if profile is not None:
+            profile.end_step(now - step_start, bool(is_decode))
     report.seconds = time.perf_counter() - start
     report.ttft_s = list(first_token.values())
     engine.runner.model = timed._model
@@ -150,16 +175,37 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         f"{max_tokens} new tokens; model {model_name}, dtype {args.dtype}, device "
         f"{engine.device}, kernels {engine.kernels.NAME}, threads {torch.get_num_threads()}"
     )
-    run_headrace(engine, make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1), "warm-up")
-    ours = run_headrace(engine, workload)
+    warm_up = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
+    for sampled in {False, args.sampled}:
+        run_headrace(engine, warm_up, "warm-up", sampled=sampled)
+    profile = StepProfile() if args.profile else None
+    if profile is not None:
+        profile.attach(engine)
+    ours = run_headrace(engine, workload, profile=profile)
     print(ours.describe())
     print("  (host overhead: a decode step's time minus the model's forward and LM head)")
     summary: Summary = {"bench": "engine", "model": model_name, "dtype": args.dtype}
     summary.update(ours.summary())
+    if profile is not None:
+        print(profile.describe())
+        summary.update(profile.summary())
+        profile.detach()
+    if args.sampled:
+        summary.update(_run_sampled(engine, workload, ours))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     engine.close()
     return summary
+
+
+def _run_sampled(engine: Engine, workload: Workload, greedy: Report) -> Summary:
+    sampled = run_headrace(engine, workload, "headrace sampled", sampled=True)
+    print(sampled.describe())
+    ratio = quantile(sampled.decode_step_s, 0.5) / quantile(greedy.decode_step_s, 0.5)
+    print(f"  sampled decode step / greedy decode step (p50): {ratio:.2f}x")
+    out: Summary = {f"sampled_{key}": value for key, value in sampled.summary().items()}
+    out["ratio_sampled_greedy_step"] = round(ratio, 3)
+    return out
 
 
 def _run_baselines(model_path: Path, engine: Engine, workload: Workload, ours: Report) -> Summary:

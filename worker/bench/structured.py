@@ -123,11 +123,11 @@ def _throughput(engine: Engine, args: argparse.Namespace) -> Summary:
     )
     mixed = [constrained if i % 2 == 0 else plain for i in range(n)]
     warm = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
-    run_headrace(engine, warm, "warm-up", [constrained, plain] * 2)
+    run_headrace(engine, warm, "warm-up", configs=[constrained, plain] * 2)
     best: dict[str, float] = {"plain": 0.0, "constrained": 0.0}
     for _ in range(args.rounds):
         for name, configs in (("plain", [plain] * n), ("constrained", mixed)):
-            report = run_headrace(engine, workload, name, configs)
+            report = run_headrace(engine, workload, name, configs=configs)
             assert report.num_tokens == n * max_tokens, "a request finished early"
             print(report.describe())
             best[name] = max(best[name], report.tokens_per_s)

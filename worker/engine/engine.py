@@ -34,7 +34,7 @@ from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import InFlightStep, start_executor
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.sampling.logprobs import compute_prompt_logprobs
-from headrace.worker.sampling.sampler import Sampler
+from headrace.worker.sampling.sampler import Sampler, SamplerOutput
 from headrace.worker.sampling.stops import finish_reason
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SchedulerOutput
@@ -81,15 +81,10 @@ class Engine:
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d "
             "tp=%d pp=%d",
-            self.spec.path,
-            self.spec.dtype,
-            self.device,
-            self.kernels.NAME,
-            self.block_manager.num_blocks,
-            config.block_size,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-        )
+            self.spec.path, self.spec.dtype, self.device, self.kernels.NAME,
+            self.block_manager.num_blocks, config.block_size,
+            config.tensor_parallel_size, config.pipeline_parallel_size,
+        )  # fmt: skip
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -268,11 +263,7 @@ class Engine:
         step = self.last_step = in_flight.step
         try:
             result = self.executor.collect(in_flight)
-            sampled = (
-                self.sampler(result.sample_logits, [c.seq for c in result.sample_chunks])
-                if result.sample_logits is not None
-                else None
-            )
+            sampled = self._sample(result)
         except Exception as exc:  # a fault in the step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
@@ -285,6 +276,13 @@ class Engine:
             ):
                 if not chunk.seq.is_finished:  # else aborted while its step was in flight
                     self._append_token(chunk.seq, token_id, logprob, outputs)
+
+    def _sample(self, result: StepResult) -> SamplerOutput | None:
+        if result.sample_token_ids is not None:  # the model's greedy head chose them
+            return SamplerOutput(result.sample_token_ids, [None] * len(result.sample_token_ids))
+        if result.sample_logits is None:
+            return None
+        return self.sampler(result.sample_logits, [c.seq for c in result.sample_chunks])
 
     def _submit_steps(self, outputs: Outputs) -> None:
         """Schedule and submit steps until one per pipeline stage is in flight."""

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 from headrace.kernels import AttentionMetadata
+from headrace.worker.sampling.sampler import is_plain_greedy
 from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.sequence import Sequence
 
@@ -68,6 +69,9 @@ class StepResult:
     sample_chunks: list[ScheduledChunk]
     sample_logits: torch.Tensor | None  # [S, V] float32
     prompt_spans: list[PromptLogitsSpan] = field(default_factory=list)
+    #: The sampled tokens themselves, when every sampling row was plain greedy and the
+    #: model's greedy head chose them (sample_logits is then None).
+    sample_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,16 @@ class PreparedBatch:
         """Rows that go through the LM head: sampling rows, then prompt-logprob rows."""
         prompt = [r for p in self.prompt_rows for r in range(p.first_row, p.first_row + p.num_rows)]
         return self.sample_rows + prompt
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Whether the step needs no logits at all: rows sample, every one plain greedy, and
+        no prompt logprobs are asked for."""
+        return (
+            bool(self.sample_chunks)
+            and not self.prompt_rows
+            and all(is_plain_greedy(chunk.seq) for chunk in self.sample_chunks)
+        )
 
     def result(self, logits: torch.Tensor | None) -> StepResult:
         """Split the logits of `logit_rows` into what the sampler and prompt logprobs read."""

@@ -22,6 +22,7 @@ from headrace.worker.execution.batch import (
     StepResult,
     prompt_logprob_rows,
 )
+from headrace.worker.execution.block_tables import BlockTables
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
 
@@ -43,6 +44,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = self._new_kv_caches()
+        #: Each sequence's block table, updated in place step after step.
+        self.block_tables = BlockTables()
         #: The weights were moved to host memory by `release_memory`.
         self.weights_offloaded = False
 
@@ -122,9 +125,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
-        """Run a whole step on this (single) rank: forward, then logits of the needed rows."""
+        """Run a whole step on this (single) rank: forward, then logits of the needed rows,
+        or only their greedy tokens when that is all the step needs."""
         batch = self.prepare(step.chunks)
         hidden = self.forward(batch.inputs)
+        if batch.is_plain_greedy:
+            index = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+            tokens = self.model.compute_greedy(hidden.index_select(0, index))
+            return StepResult(batch.sample_chunks, None, sample_token_ids=tokens.tolist())
         return batch.result(self.compute_logits(hidden, batch.logit_rows))
 
     def forward(self, inputs: ModelInputs, carry: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,24 +208,20 @@ class ModelRunner:
         num_decode_seqs: int,
     ) -> AttentionMetadata:
         num_seqs = len(block_ids_per_seq)
-        max_blocks = max(len(block_ids) for block_ids in block_ids_per_seq)
-        table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, block_ids in enumerate(block_ids_per_seq):
-            table[i, : len(block_ids)] = block_ids
-        block_tables = torch.from_numpy(table)
+        block_tables = torch.from_numpy(self.block_tables.gather(block_ids_per_seq))
         # Slot of token t: its sequence's block for that position, then the offset inside it.
         counts = np.diff(query_start_loc)
         seq_index = torch.from_numpy(np.repeat(np.arange(num_seqs), counts))
         pos = torch.tensor(positions, dtype=torch.long)
         slot_mapping = (
-            block_tables[seq_index, pos // self.block_size] * self.block_size
+            block_tables[seq_index, pos // self.block_size].long() * self.block_size
             + pos % self.block_size
         )
         return AttentionMetadata(
             slot_mapping=slot_mapping.to(self.device),
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=block_tables.to(self.device, torch.int32),
+            block_tables=block_tables.to(self.device),
             num_decode_seqs=num_decode_seqs,
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from headrace.kernels.argmax import RunningArgmax
 from headrace.kernels.precision import linear
 from headrace.worker.distributed.parallel import ParallelConfig, all_gather, all_reduce
 from headrace.worker.layers.weights import (
@@ -62,6 +63,15 @@ class VocabParallelEmbedding(nn.Module):
         load_into(param.data[:num_rows], loaded.narrow(0, self.vocab_start, num_rows))
 
 
+#: Logits per vocabulary slice of the greedy head: 8 MiB of float32, so a slice's buffer is
+#: reused from the heap step after step (whole logits, 50 MB at 256 rows of a 49k
+#: vocabulary, are past glibc's mmap threshold: fresh pages every step), and few slices, each
+#: a parallel matmul whose thread start-up shows when the cores are shared ...
+GREEDY_BLOCK_FLOATS = 1 << 21
+#: ... and never slices so thin that a matmul's fixed cost shows.
+GREEDY_MIN_COLUMNS = 512
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states to logits over the true vocabulary; its weight may be the embedding's."""
 
@@ -73,3 +83,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
         logits = all_gather(logits, self.parallel)  # [N, padded vocab]
         return logits[:, : self.num_embeddings].float()
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
+        """Each row's argmax over its logits, a vocabulary slice at a time (one rank only):
+        the same tokens as an argmax of `forward`'s logits, which never exist whole."""
+        assert self.parallel.is_single, "the greedy head needs the whole vocabulary"
+        num_rows = hidden.shape[0]
+        columns = max(GREEDY_MIN_COLUMNS, GREEDY_BLOCK_FLOATS // max(num_rows, 1))
+        running = RunningArgmax(num_rows, hidden.device)
+        for start in range(0, self.num_embeddings, columns):
+            end = min(start + columns, self.num_embeddings)
+            running.update(linear(hidden, self.weight[start:end], out_dtype=torch.float32), start)
+        return running.index

@@ -31,6 +31,8 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
 
 class LoadableModel(CausalLM, Protocol):
     """A model as the registry builds it and the runner holds it: weights loaded at start,

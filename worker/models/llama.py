@@ -256,6 +256,11 @@ class LlamaForCausalLM(nn.Module):
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
+        """Each row's greedy token: the argmax of `compute_logits` (one rank only)."""
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
+        return self.lm_head.greedy(hidden)
+
     def load_weights(
         self, tensors: Iterable[tuple[str, LoadedTensor]], complete: bool = True
     ) -> None:

@@ -9,8 +9,8 @@ Stages, in the order HF and vLLM apply them, each run on the rows that need it o
   4. sampling rows: temperature, top-k, top-p, min-p, drawn by inverse CDF with a top-p
      rejection test (`headrace.worker.sampling.draw`: no sort, no noise per vocabulary entry).
 Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax
-(`GenerationConfig.needs_full_sampler` says which rows are not). After the pick, each
-constrained row's grammar advances by its token.
+(`is_plain_greedy` says which rows are). After the pick, each constrained row's grammar
+advances by its token.
 """
 
 from __future__ import annotations
@@ -29,6 +29,22 @@ from headrace.worker.sampling.ops import argmax, column, select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
 from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top_p, top_p_floor
 from headrace.worker.sequence import Sequence
+
+
+def is_plain_greedy(seq: Sequence) -> bool:
+    """Whether the row's token is the argmax of its raw logits: greedy, with nothing that
+    reads or changes the logits first (penalties, bans, logprobs, logit controls: a bias,
+    allowed ids, bad words, an output constraint). A step whose rows are all plain greedy can
+    take its tokens from the model's greedy head and skip the sampler."""
+    config = seq.config
+    return (
+        config.is_greedy
+        and seq.controls is None
+        and config.logprobs is None
+        and not _has_penalty(config)
+        and not config.no_repeat_ngram_size
+        and not (config.min_tokens > seq.num_output_tokens and seq.stop_token_ids)
+    )
 
 
 @dataclass(slots=True)
