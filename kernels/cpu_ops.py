@@ -223,7 +223,7 @@ def apply_token_bitmask(
     bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32: bit t % 32 of word t / 32 = token t allowed
     rows: list[int],  # [R] the row of x of each bitmask row
 ) -> None:
-    """Set to -inf each token a row's bitmask forbids, rows split among torch's threads."""
+    """Set to -inf each token a row's bitmask forbids (one thread: memory-bound)."""
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1, x
     assert bitmask.dtype == torch.int32 and bitmask.shape[0] == len(rows), bitmask.shape
     bitmask = bitmask.contiguous()
