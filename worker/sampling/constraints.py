@@ -19,8 +19,8 @@ and a 2-core CPU, filling the masks of 64 JSON-schema rows took 0.6 ms with xgra
 the model's step. xgrammar compiles ahead (milliseconds for typical schemas) into a
 thread-safe, cacheable object, which fits compiling off the step loop; its EBNF dialect is
 GBNF-like; it ships a bitmask apply for CUDA (used there). On the CPU the C kernel
-`cpu_ops.apply_token_bitmask` applies the masks in place (xgrammar's CPU apply was several
-times slower on 64 rows of 49k).
+`cpu_ops.apply_token_bitmask` applies the masks in place: about 1 ms for 64 JSON-schema rows
+of 49k tokens, against 10-20 ms for xgrammar's CPU apply on the same busy 2-core machine.
 """
 
 from __future__ import annotations
