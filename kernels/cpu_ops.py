@@ -23,6 +23,7 @@ NAME = "cpu"
 __all__ = [
     "NAME",
     "apply_rotary",
+    "apply_token_bitmask",
     "argmax",
     "argmax_update",
     "lora_expand",
@@ -216,3 +217,18 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim] with unit stride along head_dim (its other strides may be any)."""
     return x if x.stride(2) == 1 else x.contiguous()
+
+
+def apply_token_bitmask(
+    x: torch.Tensor,  # [B, V] float32, rows with unit stride; edited in place
+    bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32: bit t % 32 of word t / 32 = token t allowed
+    rows: list[int],  # [R] the row of x of each bitmask row
+) -> None:
+    """Set to -inf each token a row's bitmask forbids (one thread: memory-bound)."""
+    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1, x
+    assert bitmask.dtype == torch.int32 and bitmask.shape[0] == len(rows), bitmask.shape
+    bitmask = bitmask.contiguous()
+    row_ids = torch.tensor(rows, dtype=torch.int64)
+    _library().headrace_apply_token_bitmask(
+        _ptr(x), x.stride(0), x.shape[1], _ptr(bitmask), bitmask.shape[1], _ptr(row_ids), len(rows)
+    )

@@ -25,57 +25,61 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cheadrace/v1/generation.proto\x12\x0bheadrace.v1\x1a\x1egoogle/protobuf/duration.proto\"\x9c\x06\n\x10GenerationConfig\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x03H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12!\n\x14no_repeat_ngram_size\x18\x13 \x01(\x03H\x10\x88\x01\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x17\n\x15_no_repeat_ngram_size\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.headrace.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xa8\x03\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.headrace.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\n \x01(\x0b\x32\x11.headrace.v1.ChatH\x00\x12-\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x1d.headrace.v1.GenerationConfig\x12\x10\n\x08priority\x18\x05 \x01(\x03\x12*\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x17return_prompt_token_ids\x18\x08 \x01(\x08\x12=\n\rtrace_context\x18\t \x03(\x0b\x32&.headrace.v1.Request.TraceContextEntry\x12\x0f\n\x07\x61\x64\x61pter\x18\x0b \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06prompt\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xb5\x01\n\x0fGenerateRequest\x12\'\n\x07request\x18\x01 \x01(\x0b\x32\x14.headrace.v1.RequestH\x00\x12%\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x13.headrace.v1.CancelH\x00\x12#\n\x05pause\x18\x03 \x01(\x0b\x32\x12.headrace.v1.PauseH\x00\x12%\n\x06resume\x18\x04 \x01(\x0b\x32\x13.headrace.v1.ResumeH\x00\x42\x06\n\x04kind\"\x1c\n\x05Pause\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\x06Resume\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"i\n\x10GenerateResponse\x12\"\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x12.headrace.v1.Chunk\x12\x31\n\nduplicates\x18\x02 \x03(\x0b\x32\x1d.headrace.v1.DuplicateRequest\"I\n\x10\x44uplicateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.headrace.v1.Error\"\xe8\x02\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12!\n\x05usage\x18\x08 \x01(\x0b\x32\x12.headrace.v1.Usage\x12!\n\x05\x65rror\x18\t \x01(\x0b\x32\x12.headrace.v1.Error\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x03\x12\x16\n\x0eweight_version\x18\x0c \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.headrace.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"e\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12.\n\x0bretry_delay\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x15\n\x13GetModelInfoRequest\"(\n\x0cSpecialToken\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x03\"\xd6\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12,\n\tbos_token\x18\x06 \x01(\x0b\x32\x19.headrace.v1.SpecialToken\x12,\n\teos_token\x18\x07 \x01(\x0b\x32\x19.headrace.v1.SpecialToken\x12,\n\tpad_token\x18\x08 \x01(\x0b\x32\x19.headrace.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\t \x03(\x03\x12\x31\n\x0especial_tokens\x18\n \x03(\x0b\x32\x19.headrace.v1.SpecialToken\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe9\x01\n\nGeneration\x12K\n\x08Generate\x12\x1c.headrace.v1.GenerateRequest\x1a\x1d.headrace.v1.GenerateResponse(\x01\x30\x01\x12\x44\n\x0bGenerateOne\x12\x14.headrace.v1.Request\x1a\x1d.headrace.v1.GenerateResponse0\x01\x12H\n\x0cGetModelInfo\x12 .headrace.v1.GetModelInfoRequest\x1a\x16.headrace.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cheadrace/v1/generation.proto\x12\x0bheadrace.v1\x1a\x1egoogle/protobuf/duration.proto\"\xe2\x08\n\x10GenerationConfig\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0f \x01(\x03H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x03H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12!\n\x14no_repeat_ngram_size\x18\x13 \x01(\x03H\x10\x88\x01\x01\x12\x18\n\x0bjson_schema\x18\x14 \x01(\tH\x11\x88\x01\x01\x12\x18\n\x0bjson_object\x18\x15 \x01(\x08H\x12\x88\x01\x01\x12\x12\n\x05regex\x18\x16 \x01(\tH\x13\x88\x01\x01\x12\x14\n\x07grammar\x18\x17 \x01(\tH\x14\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x18 \x03(\t\x12@\n\nlogit_bias\x18\x19 \x03(\x0b\x32,.headrace.v1.GenerationConfig.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x1a \x03(\x03\x12\x11\n\tbad_words\x18\x1b \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x17\n\x15_no_repeat_ngram_sizeB\x0e\n\x0c_json_schemaB\x0e\n\x0c_json_objectB\x08\n\x06_regexB\n\n\x08_grammar\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"p\n\x04\x43hat\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.headrace.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xc4\x03\n\x07Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.headrace.v1.TokenIdsH\x00\x12!\n\x04\x63hat\x18\n \x01(\x0b\x32\x11.headrace.v1.ChatH\x00\x12-\n\x06\x63onfig\x18\x04 \x01(\x0b\x32\x1d.headrace.v1.GenerationConfig\x12\x10\n\x08priority\x18\x05 \x01(\x03\x12*\n\x07timeout\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05model\x18\x07 \x01(\t\x12\x1f\n\x17return_prompt_token_ids\x18\x08 \x01(\x08\x12=\n\rtrace_context\x18\t \x03(\x0b\x32&.headrace.v1.Request.TraceContextEntry\x12\x0f\n\x07\x61\x64\x61pter\x18\x0b \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x0c \x01(\x03\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06prompt\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xb5\x01\n\x0fGenerateRequest\x12\'\n\x07request\x18\x01 \x01(\x0b\x32\x14.headrace.v1.RequestH\x00\x12%\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x13.headrace.v1.CancelH\x00\x12#\n\x05pause\x18\x03 \x01(\x0b\x32\x12.headrace.v1.PauseH\x00\x12%\n\x06resume\x18\x04 \x01(\x0b\x32\x13.headrace.v1.ResumeH\x00\x42\x06\n\x04kind\"\x1c\n\x05Pause\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\x1d\n\x06Resume\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"i\n\x10GenerateResponse\x12\"\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x12.headrace.v1.Chunk\x12\x31\n\nduplicates\x18\x02 \x03(\x0b\x32\x1d.headrace.v1.DuplicateRequest\"I\n\x10\x44uplicateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x12.headrace.v1.Error\"\xe8\x02\n\x05\x43hunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12!\n\x05usage\x18\x08 \x01(\x0b\x32\x12.headrace.v1.Usage\x12!\n\x05\x65rror\x18\t \x01(\x0b\x32\x12.headrace.v1.Error\x12\x32\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\x03\x12\x16\n\x0eweight_version\x18\x0c \x01(\t\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.headrace.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\"e\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12.\n\x0bretry_delay\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x15\n\x13GetModelInfoRequest\"(\n\x0cSpecialToken\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x03\"\xd6\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12,\n\tbos_token\x18\x06 \x01(\x0b\x32\x19.headrace.v1.SpecialToken\x12,\n\teos_token\x18\x07 \x01(\x0b\x32\x19.headrace.v1.SpecialToken\x12,\n\tpad_token\x18\x08 \x01(\x0b\x32\x19.headrace.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\t \x03(\x03\x12\x31\n\x0especial_tokens\x18\n \x03(\x0b\x32\x19.headrace.v1.SpecialToken\x12\x19\n\x11has_chat_template\x18\x0b \x01(\x08*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe9\x01\n\nGeneration\x12K\n\x08Generate\x12\x1c.headrace.v1.GenerateRequest\x1a\x1d.headrace.v1.GenerateResponse(\x01\x30\x01\x12\x44\n\x0bGenerateOne\x12\x14.headrace.v1.Request\x1a\x1d.headrace.v1.GenerateResponse0\x01\x12H\n\x0cGetModelInfo\x12 .headrace.v1.GetModelInfoRequest\x1a\x16.headrace.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'headrace.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATIONCONFIG_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATIONCONFIG_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_REQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_REQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3041
-  _globals['_FINISHREASON']._serialized_end=3190
+  _globals['_FINISHREASON']._serialized_start=3395
+  _globals['_FINISHREASON']._serialized_end=3544
   _globals['_GENERATIONCONFIG']._serialized_start=78
-  _globals['_GENERATIONCONFIG']._serialized_end=874
-  _globals['_TOKENIDS']._serialized_start=876
-  _globals['_TOKENIDS']._serialized_end=899
-  _globals['_CHATMESSAGE']._serialized_start=901
-  _globals['_CHATMESSAGE']._serialized_end=945
-  _globals['_CHAT']._serialized_start=947
-  _globals['_CHAT']._serialized_end=1059
-  _globals['_REQUEST']._serialized_start=1062
-  _globals['_REQUEST']._serialized_end=1486
-  _globals['_REQUEST_TRACECONTEXTENTRY']._serialized_start=1425
-  _globals['_REQUEST_TRACECONTEXTENTRY']._serialized_end=1476
-  _globals['_CANCEL']._serialized_start=1488
-  _globals['_CANCEL']._serialized_end=1516
-  _globals['_GENERATEREQUEST']._serialized_start=1519
-  _globals['_GENERATEREQUEST']._serialized_end=1700
-  _globals['_PAUSE']._serialized_start=1702
-  _globals['_PAUSE']._serialized_end=1730
-  _globals['_RESUME']._serialized_start=1732
-  _globals['_RESUME']._serialized_end=1761
-  _globals['_GENERATERESPONSE']._serialized_start=1763
-  _globals['_GENERATERESPONSE']._serialized_end=1868
-  _globals['_DUPLICATEREQUEST']._serialized_start=1870
-  _globals['_DUPLICATEREQUEST']._serialized_end=1943
-  _globals['_CHUNK']._serialized_start=1946
-  _globals['_CHUNK']._serialized_end=2306
-  _globals['_TOKENLOGPROB']._serialized_start=2308
-  _globals['_TOKENLOGPROB']._serialized_end=2395
-  _globals['_TOPLOGPROB']._serialized_start=2397
-  _globals['_TOPLOGPROB']._serialized_end=2444
-  _globals['_USAGE']._serialized_start=2446
-  _globals['_USAGE']._serialized_end=2525
-  _globals['_ERROR']._serialized_start=2527
-  _globals['_ERROR']._serialized_end=2628
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2630
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2651
-  _globals['_SPECIALTOKEN']._serialized_start=2653
-  _globals['_SPECIALTOKEN']._serialized_end=2693
-  _globals['_MODELINFO']._serialized_start=2696
-  _globals['_MODELINFO']._serialized_end=3038
-  _globals['_GENERATION']._serialized_start=3193
-  _globals['_GENERATION']._serialized_end=3426
+  _globals['_GENERATIONCONFIG']._serialized_end=1200
+  _globals['_GENERATIONCONFIG_LOGITBIASENTRY']._serialized_start=813
+  _globals['_GENERATIONCONFIG_LOGITBIASENTRY']._serialized_end=861
+  _globals['_TOKENIDS']._serialized_start=1202
+  _globals['_TOKENIDS']._serialized_end=1225
+  _globals['_CHATMESSAGE']._serialized_start=1227
+  _globals['_CHATMESSAGE']._serialized_end=1271
+  _globals['_CHAT']._serialized_start=1273
+  _globals['_CHAT']._serialized_end=1385
+  _globals['_REQUEST']._serialized_start=1388
+  _globals['_REQUEST']._serialized_end=1840
+  _globals['_REQUEST_TRACECONTEXTENTRY']._serialized_start=1779
+  _globals['_REQUEST_TRACECONTEXTENTRY']._serialized_end=1830
+  _globals['_CANCEL']._serialized_start=1842
+  _globals['_CANCEL']._serialized_end=1870
+  _globals['_GENERATEREQUEST']._serialized_start=1873
+  _globals['_GENERATEREQUEST']._serialized_end=2054
+  _globals['_PAUSE']._serialized_start=2056
+  _globals['_PAUSE']._serialized_end=2084
+  _globals['_RESUME']._serialized_start=2086
+  _globals['_RESUME']._serialized_end=2115
+  _globals['_GENERATERESPONSE']._serialized_start=2117
+  _globals['_GENERATERESPONSE']._serialized_end=2222
+  _globals['_DUPLICATEREQUEST']._serialized_start=2224
+  _globals['_DUPLICATEREQUEST']._serialized_end=2297
+  _globals['_CHUNK']._serialized_start=2300
+  _globals['_CHUNK']._serialized_end=2660
+  _globals['_TOKENLOGPROB']._serialized_start=2662
+  _globals['_TOKENLOGPROB']._serialized_end=2749
+  _globals['_TOPLOGPROB']._serialized_start=2751
+  _globals['_TOPLOGPROB']._serialized_end=2798
+  _globals['_USAGE']._serialized_start=2800
+  _globals['_USAGE']._serialized_end=2879
+  _globals['_ERROR']._serialized_start=2881
+  _globals['_ERROR']._serialized_end=2982
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2984
+  _globals['_GETMODELINFOREQUEST']._serialized_end=3005
+  _globals['_SPECIALTOKEN']._serialized_start=3007
+  _globals['_SPECIALTOKEN']._serialized_end=3047
+  _globals['_MODELINFO']._serialized_start=3050
+  _globals['_MODELINFO']._serialized_end=3392
+  _globals['_GENERATION']._serialized_start=3547
+  _globals['_GENERATION']._serialized_end=3780
 # @@protoc_insertion_point(module_scope)

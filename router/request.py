@@ -4,8 +4,10 @@ The router asks every worker for the prompt's token ids on the first chunk and r
 every token it streamed to the client. If the worker dies, the request is resumed elsewhere
 as ``prompt_token_ids + streamed tokens`` with the remaining budget and the same seed: a
 seeded sample's draws depend only on (seed, position), so the client sees one unbroken
-stream. Chunks are rewritten on the way back so the client never notices: its own request
-id, its own prompt length in the usage, generated tokens counted across workers.
+stream; `num_resumed_tokens` tells the worker how many prompt tokens were generated, so it
+advances an output constraint (JSON schema, regex, ...) over them. Chunks are rewritten on
+the way back so the client never notices: its own request id, its own prompt length in the
+usage, generated tokens counted across workers.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class RoutedRequest:
             return request
         request.ClearField("prompt")  # text, token ids or chat: resumed as token ids
         request.token_ids.ids[:] = self.prompt_token_ids + self.streamed_token_ids
+        # The worker advances the request's constraint over the tokens streamed already.
+        request.num_resumed_tokens = len(self.streamed_token_ids)
         config = request.config
         config.max_tokens = self.remaining_tokens
         if config.HasField("min_tokens"):

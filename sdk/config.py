@@ -7,15 +7,20 @@ naming the field, so a server can answer INVALID_ARGUMENT for that request alone
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from headrace.sdk.errors import InvalidArgumentError
 
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_N = 256
+#: OpenAI's range for a logit bias.
+MAX_LOGIT_BIAS = 100.0
+#: The constraint fields; a request sets at most one.
+CONSTRAINTS = ("json_schema", "json_object", "regex", "grammar", "choice")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +63,23 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     #: Never generate an n-gram of this size twice; 0 disables.
     no_repeat_ngram_size: int = 0
+    #: Constrain the output to JSON valid under this JSON Schema (a dict is kept as its JSON
+    #: text). At most one of json_schema, json_object, regex, grammar and choice is set.
+    json_schema: str | None = None
+    #: Constrain the output to one JSON value (any shape).
+    json_object: bool = False
+    #: Constrain the output to match this regular expression whole.
+    regex: str | None = None
+    #: Constrain the output to this EBNF grammar (xgrammar's dialect, GBNF-like; rule `root`).
+    grammar: str | None = None
+    #: Constrain the output to exactly one of these strings.
+    choice: tuple[str, ...] = ()
+    #: Token id -> bias added to its logit before sampling (OpenAI's logit_bias), in [-100, 100].
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    #: Sample only among these token ids (empty: any token).
+    allowed_token_ids: tuple[int, ...] = ()
+    #: Words never to generate: each is banned as the token sequences it tokenizes to.
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
@@ -88,10 +110,93 @@ class GenerationConfig:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, low=0)
+        self._check_logit_controls()
+        self._check_constraint()
+
+    def _check_logit_controls(self) -> None:
+        _set = object.__setattr__
+        _set(self, "allowed_token_ids", _as_tuple("allowed_token_ids", self.allowed_token_ids, int))
+        for token_id in self.allowed_token_ids:
+            _check_int("allowed_token_ids", token_id, low=0)
+        _set(self, "bad_words", _as_tuple("bad_words", self.bad_words, str))
+        if any(not word.strip() for word in self.bad_words):
+            raise InvalidArgumentError("bad_words", "bad words must not be empty or blank")
+        if self.logit_bias is not None:
+            _set(self, "logit_bias", _logit_bias(self.logit_bias) or None)
+
+    def _check_constraint(self) -> None:
+        _set = object.__setattr__
+        _set(self, "choice", _as_tuple("choice", self.choice, str))
+        if any(choice == "" for choice in self.choice):
+            raise InvalidArgumentError("choice", "choices must not be empty strings")
+        if not isinstance(self.json_object, bool):
+            raise InvalidArgumentError("json_object", f"must be a bool, got {self.json_object!r}")
+        if self.json_schema is not None:
+            _set(self, "json_schema", _schema_text(self.json_schema))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidArgumentError(name, f"must be a non-empty string, got {value!r}")
+        chosen = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False, ())]
+        if len(chosen) > 1:
+            raise InvalidArgumentError(
+                chosen[1], f"only one constraint at a time: {' and '.join(chosen)} are both set"
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, text) of the request's output constraint, or None: the grammar cache's key.
+        A choice's text is its JSON list; json_object's is empty."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        if self.choice:
+            return "choice", json.dumps(list(self.choice), ensure_ascii=False)
+        return None
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the sampler must edit this request's logits (a constraint, a bias, an
+        allow-list or bad words) before it picks a token."""
+        controls = (self.logit_bias, self.allowed_token_ids, self.bad_words)
+        return self.constraint is not None or any(controls)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError("logit_bias", f"must map token ids to biases, got {value!r}")
+    bias: dict[int, float] = {}
+    for token_id, amount in value.items():
+        if isinstance(token_id, str) and token_id.isdigit():  # JSON object keys are strings
+            token_id = int(token_id)
+        _check_int("logit_bias", token_id, low=0)
+        _check_float("logit_bias", amount, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
+        bias[token_id] = float(amount)
+    return bias
+
+
+def _schema_text(schema: object) -> str:
+    """The schema as JSON text (a dict is dumped in its own key order: order is output order)."""
+    if isinstance(schema, Mapping):
+        return json.dumps(schema, ensure_ascii=False)
+    if not isinstance(schema, str):
+        raise InvalidArgumentError("json_schema", f"must be a JSON object, got {schema!r}")
+    try:
+        parsed = json.loads(schema)
+    except ValueError as exc:
+        raise InvalidArgumentError("json_schema", f"is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict | bool):
+        raise InvalidArgumentError("json_schema", "must be a JSON object (a schema)")
+    return schema
 
 
 def _as_tuple(name: str, value: object, kind: type) -> tuple:

@@ -4,6 +4,8 @@
     headrace generate --raw "The three primary colors are" --max-tokens 32   # plain text
     headrace generate --json "Hello" | jq .text     # one JSON object per chunk
     headrace generate --target router:443 --tls-ca ca.pem --api-key KEY "Hello"
+    headrace generate --json-schema person.json "Describe a person as JSON"
+    headrace generate --choice yes --choice no "Is water wet?"
 
 When the served model has a chat template (an Instruct model), the prompt is sent as one
 user message of a conversation, which the server renders with that template; ``--raw``
@@ -29,6 +31,7 @@ from headrace.sdk.cli_help import HelpFormatter
 from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.credentials import API_KEY_ENV
+from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import StreamChunk
 from headrace.sdk.prompts import Chat, ChatMessage, Prompt
 from headrace.sdk.tls import ClientTls
@@ -63,8 +66,47 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     add("--adapter", default="", help="a LoRA adapter the server has loaded (default: none)")
     add("--timeout", type=float, help="seconds before the server gives up on the request")
     add("--json", action="store_true", help="print each chunk as one JSON line")
+    _add_control_arguments(parser)
     _add_connection_arguments(parser)
     parser.set_defaults(handler=run_generate)
+
+
+def _add_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """Output constraints (one at a time) and logit controls."""
+    add = parser.add_argument
+    add("--json-schema", metavar="FILE", help="constrain the output to this JSON Schema's JSON")
+    add("--json-object", action="store_true", help="constrain the output to one JSON value")
+    add("--regex", help="constrain the output to match this regular expression")
+    add("--grammar", metavar="FILE", help="constrain the output to this EBNF grammar")
+    add("--choice", action="append", default=[], help="the output is one of these (repeatable)")
+    add(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS to token ID's logit (repeatable)",
+    )
+    add("--bad-word", action="append", default=[], help="never generate this word (repeatable)")
+
+
+def _control_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`GenerationConfig` options of the constraint and logit-control flags (files read now)."""
+    bias = {}
+    for item in args.logit_bias:
+        token_id, _, amount = item.partition("=")
+        try:
+            bias[int(token_id)] = float(amount)
+        except ValueError:
+            raise InvalidArgumentError("logit_bias", f"expected ID=BIAS, got {item!r}") from None
+    return {
+        "json_schema": Path(args.json_schema).read_text() if args.json_schema else None,
+        "json_object": args.json_object,
+        "regex": args.regex,
+        "grammar": Path(args.grammar).read_text() if args.grammar else None,
+        "choice": tuple(args.choice),
+        "logit_bias": bias or None,
+        "bad_words": tuple(args.bad_word),
+    }
 
 
 def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +148,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        **_control_options(args),
     )
     provider = tracing.configure_tracing("headrace-generate")
     try:

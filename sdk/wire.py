@@ -21,7 +21,8 @@ from headrace.sdk.status import duration
 
 _DEFAULT_CONFIG = GenerationConfig()
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
-_REPEATED_FIELDS = frozenset({"stop", "stop_token_ids"})
+_REPEATED_FIELDS = frozenset({"stop", "stop_token_ids", "choice", "allowed_token_ids", "bad_words"})
+_MAP_FIELDS = frozenset({"logit_bias"})
 
 FINISH_REASONS: dict[FinishReason, pb.FinishReason] = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -52,6 +53,8 @@ def config_to_wire(config: GenerationConfig) -> pb.GenerationConfig:
             continue
         if name in _REPEATED_FIELDS:
             getattr(wire, name).extend(value)
+        elif name in _MAP_FIELDS:
+            getattr(wire, name).update(value)
         else:
             setattr(wire, name, value)
     return wire
@@ -63,6 +66,8 @@ def config_from_wire(wire: pb.GenerationConfig) -> GenerationConfig:
     for name in _CONFIG_FIELDS:
         if name in _REPEATED_FIELDS:
             options[name] = tuple(getattr(wire, name))
+        elif name in _MAP_FIELDS:
+            options[name] = dict(getattr(wire, name)) or None
         elif wire.HasField(name):
             options[name] = getattr(wire, name)
     try:
@@ -89,6 +94,8 @@ class ParsedRequest:
     model: str
     #: The LoRA adapter's name; empty = the base model.
     adapter: str = ""
+    #: How many of the prompt's last tokens an earlier attempt generated (failover).
+    num_resumed_tokens: int = 0
 
 
 def request_to_wire(
@@ -157,8 +164,20 @@ def request_from_wire(wire: pb.Request) -> ParsedRequest:
         if timeout_s <= 0:
             raise InvalidArgumentError("timeout", f"must be positive, got {timeout_s:g} s")
     config = config_from_wire(wire.config)
+    num_resumed = wire.num_resumed_tokens
+    if not 0 <= num_resumed <= (len(wire.token_ids.ids) if kind == "token_ids" else 0):
+        raise InvalidArgumentError(
+            "num_resumed_tokens", f"must be in [0, the token-id prompt's length], got {num_resumed}"
+        )
     return ParsedRequest(
-        wire.request_id, prompt, config, wire.priority, timeout_s, wire.model, wire.adapter
+        wire.request_id,
+        prompt,
+        config,
+        wire.priority,
+        timeout_s,
+        wire.model,
+        wire.adapter,
+        num_resumed,
     )
 
 

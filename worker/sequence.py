@@ -15,6 +15,7 @@ from headrace.sdk.outputs import FinishReason
 
 if TYPE_CHECKING:
     from headrace.sdk.outputs import TokenLogprob
+    from headrace.worker.sampling.controls import RowControls
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus"]
 
@@ -75,6 +76,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Per-sequence detokenizer state (owned by the detokenizer).
     detok_state: Any = None
+    #: Logit bias, allowed ids, bad words and output constraint, if the config has any.
+    controls: RowControls | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -707,3 +707,29 @@ void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, 
         free(s.weights);
     }
 }
+
+/* ---- token bitmasks ----------------------------------------------------------------------- */
+
+/* x[rows[i], t] = -inf wherever bit t % 32 of word t / 32 of bitmask row i is 0 (the tokens an
+   output constraint forbids, as xgrammar fills its masks). Words of all ones are skipped: a
+   row inside a JSON string allows almost every token. One thread: it is memory-bound and
+   takes about 1 ms for 64 rows of a 49k vocabulary, while an OpenMP region on a busy 2-core
+   machine measured 10x slower. */
+void headrace_apply_token_bitmask(float *x, int64_t row_stride, int64_t num_cols,
+                                  const int32_t *bitmask, int64_t num_words, const int64_t *rows,
+                                  int64_t num_rows) {
+    for (int64_t i = 0; i < num_rows; i++) {
+        float *row = x + rows[i] * row_stride;
+        const uint32_t *words = (const uint32_t *)(bitmask + i * num_words);
+        for (int64_t w = 0; w < num_words && w * 32 < num_cols; w++) {
+            const uint32_t word = words[w];
+            if (word == 0xFFFFFFFFu) continue;
+            const int64_t base = w * 32;
+            const int64_t width = num_cols - base < 32 ? num_cols - base : 32;
+#pragma omp simd
+            for (int64_t b = 0; b < width; b++) {
+                row[base + b] = ((word >> b) & 1u) ? row[base + b] : -INFINITY;
+            }
+        }
+    }
+}

@@ -9,9 +9,11 @@ is the OpenAI ``param`` (``messages[1].content``, ``top_logprobs``, ``max_comple
 including errors raised later by the router or a worker, which name headrace's fields
 (``config.top_p``, ``chat``, ``prompt``): `ApiRequest.param` translates them back.
 
-`response_format` needs constrained decoding, which headrace does not have yet: anything but
-``{"type": "text"}`` is refused naming it (`_response_format`, the one place to map it onto a
-`GenerationConfig` field once constraints exist).
+Structured output: `response_format` ``{"type": "json_object"}`` becomes
+`GenerationConfig.json_object`, ``{"type": "json_schema", "json_schema": {"schema": ...}}``
+its `json_schema` (`_response_format`); vLLM's extra fields `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar` map onto json_schema, regex, choice and grammar.
+`logit_bias` (token ids as JSON strings) is the config's own.
 """
 
 from __future__ import annotations
@@ -53,12 +55,22 @@ EXTENSION_FIELDS = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "logit_bias",
 )
+#: vLLM's structured-output extensions → the `GenerationConfig` constraint each sets.
+GUIDED_FIELDS = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 #: Accepted and ignored: they change nothing headrace does.
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 #: Fields every endpoint reads itself (not config fields).
 COMMON_FIELDS = frozenset(
-    {"model", "stream", "stream_options", "priority", "max_tokens", "logit_bias", "logprobs"}
+    {"model", "stream", "stream_options", "priority", "max_tokens", "logprobs", *GUIDED_FIELDS}
 )
 CHAT_FIELDS = frozenset(
     {
@@ -113,7 +125,6 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
     """A ``/v1/chat/completions`` body; ``default_max_tokens``: the model's context."""
     fields = _fields(body, CHAT_FIELDS)
     _refuse_tools(fields)
-    _response_format(fields.get("response_format"))
     add_generation_prompt = _typed(fields, "add_generation_prompt", bool, True)
     prompt = chat_prompt(fields.get("messages"), add_generation_prompt)
     logprobs = _typed(fields, "logprobs", bool, False)
@@ -126,6 +137,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
     max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     options["max_tokens"] = fields.get(max_name, default_max_tokens)
     params["max_tokens"] = max_name
+    _response_format(fields.get("response_format"), options, params)
     return _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
 
 
@@ -171,11 +183,13 @@ def _request(
     stream = _typed(fields, "stream", bool, False)
     include_usage = _include_usage(fields.get("stream_options"), stream)
     priority = _typed(fields, "priority", int, 0)
-    if fields.get("logit_bias"):
-        raise InvalidArgumentError("logit_bias", "logit_bias is not supported")
     for name in (*SAMPLING_FIELDS, *EXTENSION_FIELDS):
         if name in fields:
             options[name] = fields[name]
+    for name, config_field in GUIDED_FIELDS.items():
+        if name in fields:
+            options[config_field] = fields[name]
+            params[config_field] = name
     config = _config(options, params)
     return ApiRequest(
         endpoint, model, prompts, config, priority, stream, include_usage, logprobs, params
@@ -211,16 +225,24 @@ def _refuse_tools(fields: dict[str, Any]) -> None:
             raise InvalidArgumentError(name, "tool and function calling is not supported")
 
 
-def _response_format(value: Any) -> None:
-    """``response_format``: only plain text until headrace has constrained decoding. When it
-    does, return the `GenerationConfig` options (json_object / json_schema) from here."""
-    if value is None or value == {"type": "text"}:
+def _response_format(value: Any, options: dict[str, object], params: dict[str, str]) -> None:
+    """``response_format`` onto the config's json_object / json_schema options."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
         return
-    raise InvalidArgumentError(
-        "response_format",
-        "structured output (json_object, json_schema) needs constrained decoding, which this "
-        'server does not support yet; only {"type": "text"} is accepted',
-    )
+    if kind == "json_object":
+        options["json_object"] = True
+        params["json_object"] = "response_format"
+        return
+    schema = value.get("json_schema") if kind == "json_schema" else None
+    if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+        raise InvalidArgumentError(
+            "response_format",
+            'must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+        )
+    options["json_schema"] = schema["schema"]
+    params["json_schema"] = "response_format.json_schema.schema"
 
 
 def _typed(

@@ -193,6 +193,34 @@ def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI, model: str
     assert choice.text == free.text[: free.text.index(stop)]
 
 
+def test_structured_output_fields_constrain_and_equal_the_offline_ones(
+    client: openai.OpenAI, model: str, offline: LLM
+):
+    schema = {
+        "type": "object",
+        "properties": {"side": {"type": "string", "enum": ["left", "right"]}},
+        "required": ["side"],
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "side", "schema": schema}}
+    got = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=40, temperature=0,
+        response_format=response_format,  # type: ignore[arg-type]
+    )  # fmt: skip
+    (choice,) = got.choices
+    assert choice.finish_reason == "stop"
+    assert json.loads(choice.message.content or "")["side"] in ("left", "right")
+    (offline_chat,) = offline.chat(
+        QUESTION, GenerationConfig(max_tokens=40, temperature=0.0, json_schema=schema)
+    )
+    assert choice.message.content == offline_chat.text
+    choices = ["over the dog", "into the forest"]
+    picked = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=20, temperature=0,
+        extra_body={"guided_choice": choices},
+    )  # fmt: skip
+    assert picked.choices[0].text in choices
+
+
 # --- the bytes on the wire -----------------------------------------------------------------
 
 
@@ -257,7 +285,9 @@ def test_a_streaming_client_that_disconnects_frees_the_workers_blocks(servers, m
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content[0]",
         ),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),
         ({"temprature": 0.5}, "temprature"),
         ({"stream": "yes"}, "stream"),
         ({"priority": 1.5}, "priority"),

@@ -96,3 +96,25 @@ def test_node_client_over_tls_with_a_key(
     _assert_streamed(chunks, want.token_ids, want.text, mode)
     refused = _run_node_client(target, *mode, *tls)  # the same without the key
     assert refused.returncode == 1 and "16 UNAUTHENTICATED" in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize("server", ["worker", "router"])
+def test_node_client_sends_constraints_and_logit_controls(
+    request: pytest.FixtureRequest, offline: LLM, server: str
+) -> None:
+    """The new GenerationConfig fields, built by hand from the .proto: a JSON schema (as its
+    text), a choice, a logit bias (a map keyed by token id)."""
+    target = request.getfixturevalue(server)
+    target = target if isinstance(target, str) else target.target
+    schema = {"type": "string", "enum": ["north", "south"]}
+    for fields, want_config in (
+        ({"json_schema": json.dumps(schema), "ignore_eos": False}, {"json_schema": schema}),
+        ({"choice": ["east", "west"], "ignore_eos": False}, {"choice": ("east", "west")}),
+        ({"logit_bias": {"9": 100}}, {"logit_bias": {9: 100.0}, "ignore_eos": True}),
+    ):
+        config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, **want_config)
+        want = offline.generate(PROMPT, config)[0]
+        chunks = _node_client(target, "--config", json.dumps(fields))
+        assert [t for c in chunks for t in c["token_ids"]] == want.token_ids  # type: ignore[attr-defined]
+        assert "".join(str(c["text"]) for c in chunks) == want.text
+    assert want.token_ids == [9] * MAX_TOKENS

@@ -130,3 +130,24 @@ def test_lora_flags_parse_name_path_pairs(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         parser.parse_args(["worker", "--lora", "no-equals-sign"])
     assert "expected NAME=PATH" in capsys.readouterr().err
+
+
+def test_generate_flags_become_constraints_and_logit_controls(tmp_path: Path) -> None:
+    from headrace.sdk.errors import InvalidArgumentError
+    from headrace.sdk.generate import _control_options
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    args = build_parser().parse_args(
+        ["generate", "q", "--json-schema", str(schema), "--logit-bias", "5=-1.5",
+         "--logit-bias", "7=2", "--bad-word", "no"]
+    )  # fmt: skip
+    options = _control_options(args)
+    assert options["json_schema"] == '{"type": "object"}'
+    assert (options["logit_bias"], options["bad_words"]) == ({5: -1.5, 7: 2.0}, ("no",))
+    choices = build_parser().parse_args(["generate", "q", "--choice", "a", "--choice", "b"])
+    assert _control_options(choices)["choice"] == ("a", "b")
+    bad = build_parser().parse_args(["generate", "q", "--logit-bias", "five"])
+    with pytest.raises(InvalidArgumentError) as refused:
+        _control_options(bad)
+    assert refused.value.field == "logit_bias"

@@ -178,6 +178,18 @@ def lora_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, default=64, help="new tokens per request")
     add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
     add("--rounds", type=int, default=2, help="alternating rounds of each run (best counts)")
+
+
+def structured_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
+    add("--dtype", default="float32", help="float32, bfloat16 or float16")
+    add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add("--mask-rows", type=int, default=64, help="constrained rows of the mask-cost step")
+    add("--mask-iters", type=int, default=20, help="mask-cost steps timed (the median counts)")
+    add("--num-requests", type=int, default=64, help="requests of the throughput batch")
+    add("--max-tokens", type=int, default=64, help="new tokens per request")
+    add("--rounds", type=int, default=2, help="runs of each batch (the best counts)")
     add("--seed", type=int, default=0, help="seed of the random prompts")
 
 
@@ -240,6 +252,12 @@ BENCHES = (
         "headrace.worker.bench.lora",
     ),
     BenchCommand(
+        "structured",
+        "output constraints: JSON-schema mask cost per step, throughput against none",
+        structured_arguments,
+        "headrace.worker.bench.structured",
+    ),
+    BenchCommand(
         "kernels",
         "CUDA: each Triton kernel against SDPA or its torch reference, with bandwidth",
         kernels_arguments,
@@ -251,7 +269,7 @@ BENCHES = (
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: engine, parallel, serve, weights, lora, kernels",
+        help="benchmarks: engine, parallel, serve, weights, lora, structured, kernels",
         description="Benchmarks. Each prints its figures and ratios against a baseline run in "
         "the same process (read the ratios: these machines are noisy); --json adds one JSON "
         "object as the last line. See each bench's --help for what its figures mean.",

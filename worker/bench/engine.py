@@ -91,14 +91,18 @@ def run_headrace(
     name: str = "headrace",
     sampled: bool = False,
     profile: StepProfile | None = None,
+    configs: list[GenerationConfig] | None = None,
 ) -> Report:
+    """Run the workload to completion; ``configs``: one per request (default:
+    `request_config`'s)."""
     timed = _TimedModel(engine.runner.model, engine.device)
     engine.runner.model = timed  # type: ignore[assignment]
     start = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(
         zip(workload.prompts, workload.max_tokens, strict=True)
     ):
-        engine.add_request(f"bench-{i}", prompt, request_config(max_tokens, sampled, i))
+        config = configs[i] if configs else request_config(max_tokens, sampled, i)
+        engine.add_request(f"bench-{i}", prompt, config)
     report = Report(name, 0.0, 0)
     first_token: dict[str, float] = {}
     while engine.has_unfinished_requests():

@@ -119,6 +119,7 @@ class Engine:
         config: GenerationConfig | None = None,
         priority: int = 0,
         adapter: str | None = None,
+        num_resumed_tokens: int = 0,
     ) -> None:
         """Queue a request (``adapter``: a LoRA adapter's name); bad input raises."""
         if not isinstance(request_id, str) or not request_id:
@@ -127,9 +128,8 @@ class Engine:
             raise InvalidArgumentError("request_id", f"{request_id!r} is already in use")
         self.control.check_admission()
         lora = self.adapters.resolve(adapter)
-        request = self.intake.build(
-            request_id, prompt, config or GenerationConfig(), priority, lora
-        )
+        config = config or GenerationConfig()  # num_resumed_tokens: see RequestIntake.build
+        request = self.intake.build(request_id, prompt, config, priority, lora, num_resumed_tokens)
         self._requests[request_id] = request
         self.control.admit(request_id, request.seqs[0], self.scheduler)
 

@@ -2,7 +2,9 @@
 
 `RequestIntake.build` checks everything about a request that can be checked before it runs
 (the config's type, the prompt, its token ids, whether it can ever fit the context and the
-KV pool), tokenizes a text prompt, and makes one `Sequence` per sample. Bad input raises
+KV pool, the logit controls' ids and the output constraint, compiled), tokenizes a text
+prompt, and makes one `Sequence` per sample, each with its own logit controls (its own
+place in the constraint). Bad input raises
 `InvalidArgumentError` naming the field and changes nothing. Samples 1..n-1 of a request
 wait (status NEW) until sample 0 has computed the shared prompt, so they find its blocks in
 the prefix cache.
@@ -20,6 +22,7 @@ from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.prompts import Chat, Prompt
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import RequestTimes
+from headrace.worker.sampling.controls import LogitControls
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.sequence import Sequence
@@ -58,6 +61,7 @@ class RequestIntake:
         self.vocab_size = vocab_size
         self.block_manager = block_manager
         self.detokenizer = detokenizer
+        self.controls = LogitControls(spec.tokenizer, vocab_size, spec.eos_token_ids)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -68,9 +72,11 @@ class RequestIntake:
         config: GenerationConfig,
         priority: int,
         lora: tuple[str, int] | None = None,
+        num_resumed_tokens: int = 0,
     ) -> EngineRequest:
         """The request's sequences, or InvalidArgumentError naming what is wrong. ``lora``:
-        the adapter's (name, load number) from `Adapters.resolve`; None for the base model."""
+        the adapter's (name, load number) from `Adapters.resolve`; None for the base model.
+        ``num_resumed_tokens``: the prompt's last tokens an earlier attempt generated."""
         if not isinstance(config, GenerationConfig):
             raise InvalidArgumentError("config", "must be a GenerationConfig")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -78,7 +84,13 @@ class RequestIntake:
         prompt_token_ids = self.prompt_token_ids(prompt)
         self._check_fits(prompt_token_ids)
         self._check_token_ids("config.stop_token_ids", list(config.stop_token_ids))
+        if not 0 <= num_resumed_tokens <= len(prompt_token_ids):
+            raise InvalidArgumentError("num_resumed_tokens", "must be in [0, the prompt's length]")
+        resumed = prompt_token_ids[len(prompt_token_ids) - num_resumed_tokens :]
+        controls = self.controls.for_samples(config, config.n, resumed)
         request = self._new_request(request_id, prompt_token_ids, config, priority)
+        for seq, seq_controls in zip(request.seqs, controls, strict=True):
+            seq.controls = seq_controls
         if lora is not None:
             request.adapter = lora[0]
             for seq in request.seqs:

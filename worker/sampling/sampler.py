@@ -3,11 +3,15 @@
 Stages, in the order HF and vLLM apply them, each run on the rows that need it only:
   1. history processors: repetition penalty (prompt + output), presence / frequency penalties
      (output), no_repeat_ngram_size bans, min_tokens bans on the stop token ids;
-  2. greedy rows (temperature 0) take the argmax;
-  3. sampling rows: temperature, top-k, top-p, min-p, then a seeded Gumbel-max race
+  2. logit controls (`controls.py`): logit bias, allowed token ids, bad words, and the token
+     bitmask of an output constraint (JSON schema, regex, grammar, choice);
+  3. greedy rows (temperature 0) take the argmax;
+  4. sampling rows: temperature, top-k, top-p, min-p, then a seeded Gumbel-max race
      (`headrace.worker.sampling.draw`: on the CPU a C kernel that makes noise only for the
      tokens that could still win, and tests top-p on the winners instead of sorting).
-Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax.
+Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax
+(`is_plain_greedy` says which rows are). After the pick, each constrained row's grammar
+advances by its token.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.outputs import TokenLogprob
+from headrace.worker.sampling.controls import advance_grammars, apply_controls
 from headrace.worker.sampling.draw import draw, seeded_key
 from headrace.worker.sampling.logprobs import token_logprobs
 from headrace.worker.sampling.ops import argmax, column, select_rows
@@ -29,11 +34,13 @@ from headrace.worker.sequence import Sequence
 
 def is_plain_greedy(seq: Sequence) -> bool:
     """Whether the row's token is the argmax of its raw logits: greedy, with nothing that
-    reads or changes the logits first (penalties, bans, logprobs). A step whose rows are all
-    plain greedy can take its tokens from the model's greedy head and skip the sampler."""
+    reads or changes the logits first (penalties, bans, logprobs, logit controls: a bias,
+    allowed ids, bad words, an output constraint). A step whose rows are all plain greedy can
+    take its tokens from the model's greedy head and skip the sampler."""
     config = seq.config
     return (
         config.is_greedy
+        and seq.controls is None
         and config.logprobs is None
         and not _has_penalty(config)
         and not config.no_repeat_ngram_size
@@ -71,7 +78,9 @@ class Sampler:
         if plan.sample_rows:
             token_ids[plan.sample_rows] = self._draw(processed, seqs, plan, processed is logits)
         logprobs = token_logprobs(logits, token_ids, seqs, plan.logprob_rows)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        picked = token_ids.tolist()
+        advance_grammars(seqs, picked, plan.control_rows)
+        return SamplerOutput(picked, logprobs)
 
     def _draw(
         self,
@@ -142,6 +151,8 @@ class _Plan:
     #: Rows still short of min_tokens, with stop token ids to hold back.
     min_tokens_rows: list[int] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
+    #: Rows with logit controls (bias, allowed ids, bad words, a constraint).
+    control_rows: list[int] = field(default_factory=list)
 
     @classmethod
     def of(cls, seqs: collections.abc.Sequence[Sequence]) -> _Plan:
@@ -157,11 +168,14 @@ class _Plan:
                 plan.min_tokens_rows.append(row)
             if config.logprobs is not None:
                 plan.logprob_rows.append(row)
+            if seq.controls is not None:
+                plan.control_rows.append(row)
         return plan
 
     @property
     def needs_history(self) -> bool:
-        return bool(self.penalty_rows or self.ngram_rows or self.min_tokens_rows)
+        rows = self.penalty_rows or self.ngram_rows or self.min_tokens_rows or self.control_rows
+        return bool(rows)
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -185,6 +199,7 @@ def _apply_history(
     processed = logits.clone(memory_format=torch.contiguous_format)
     apply_penalties(processed, seqs, plan.penalty_rows)
     apply_bans(processed, seqs, plan.ngram_rows, plan.min_tokens_rows)
+    apply_controls(processed, seqs, plan.control_rows)
     return processed
 
 

@@ -100,10 +100,10 @@ class WorkerSession:
         live = _Live(engine_id, timer, request.return_prompt_token_ids, telemetry)
         self.live[parsed.request_id] = live
         self.service.state.started()
-        adapter = parsed.adapter or None
         engine.add_request(
-            engine_id, parsed.prompt, parsed.config, self.stream, parsed.priority, adapter
-        )
+            engine_id, parsed.prompt, parsed.config, self.stream, parsed.priority,
+            parsed.adapter or None, parsed.num_resumed_tokens,
+        )  # fmt: skip
         if self.stream.holding:  # the client is behind already
             self._hold(live)
 

@@ -2,14 +2,15 @@
 // can stream from headrace.
 //
 //   node client.js TARGET PROMPT MAX_TOKENS [--one] [--chat] [--tls-ca PEM]
-//                  [--tls-cert PEM --tls-key PEM] [--api-key KEY]
+//                  [--tls-cert PEM --tls-key PEM] [--api-key KEY] [--config JSON]
 //
 // Sends one greedy request (ignore_eos) on a bidirectional `Generate` stream, or with --one
 // on the server-streaming `GenerateOne` (without a request_id: the server assigns one), and
 // prints each chunk as one JSON line. --chat sends the prompt as one user message of a
 // conversation, which the server renders with the model's chat template. --tls-ca speaks
 // TLS trusting that CA, --tls-cert and --tls-key present a client certificate (mTLS),
-// --api-key sends `authorization: Bearer`.
+// --api-key sends `authorization: Bearer`. --config adds GenerationConfig fields, named as in
+// the .proto (e.g. {"json_schema": "...", "choice": ["a"], "logit_bias": {"9": 100}}).
 // Exits 1 with the status on stderr if the RPC or the request fails.
 'use strict';
 
@@ -54,7 +55,7 @@ function parseArgs(argv) {
     const flag = rest[i];
     if (flag === '--one') options.one = true;
     else if (flag === '--chat') options.chat = true;
-    else if (['--tls-ca', '--tls-cert', '--tls-key', '--api-key'].includes(flag)) options[flag] = rest[++i];
+    else if (['--tls-ca', '--tls-cert', '--tls-key', '--api-key', '--config'].includes(flag)) options[flag] = rest[++i];
     else fail(new Error(`unknown flag ${flag}`));
   }
   return options;
@@ -77,7 +78,12 @@ function main() {
   const v1 = loadGeneration();
   const client = new v1.Generation(options.target, credentials(options));
   const request = {
-    config: { max_tokens: options.maxTokens, temperature: 0, ignore_eos: true },
+    config: {
+      max_tokens: options.maxTokens,
+      temperature: 0,
+      ignore_eos: true,
+      ...JSON.parse(options['--config'] || '{}'),
+    },
   };
   if (options.chat) request.chat = { messages: [{ role: 'user', content: options.prompt }] };
   else request.text = options.prompt;

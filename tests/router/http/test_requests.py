@@ -3,6 +3,8 @@ names the OpenAI param the caller sent."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from headrace.router.http.requests import (
     COMPLETION_MAX_TOKENS,
@@ -97,8 +99,13 @@ def test_completion_prompts_defaults_and_batches():
         ({"messages": [{"role": "assistant", "tool_calls": []}]}, "messages[0].tool_calls"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
-        ({"logit_bias": {"50": 1}}, "logit_bias"),
+        ({"logit_bias": {"50": 101}}, "logit_bias"),
+        ({"logit_bias": {"fifty": 1}}, "logit_bias"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_json": "{not json"}, "guided_json"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"frobnicate": 1}, "frobnicate"),
@@ -131,10 +138,24 @@ def test_a_bad_completion_field_is_refused_naming_its_param(fields: dict, param:
     assert refused.value.field == param
 
 
-def test_response_format_text_is_accepted_and_the_rest_waits_for_constraints():
+def test_response_format_and_guided_fields_become_constraints():
     assert chat(response_format={"type": "text"}).config == GenerationConfig(max_tokens=CONTEXT)
-    with pytest.raises(InvalidArgumentError, match="constrained decoding"):
-        chat(response_format={"type": "json_object"})
+    assert chat(response_format={"type": "json_object"}).config.json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    wrapped = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    assert chat(response_format=wrapped).config.constraint == ("json_schema", json.dumps(schema))
+    assert chat(guided_regex=r"\d+").config.regex == r"\d+"
+    assert chat(guided_choice=["yes", "no"]).config.choice == ("yes", "no")
+    assert chat(guided_json=schema).config.json_schema == json.dumps(schema)
+    assert chat(guided_grammar='root ::= "x"').config.grammar == 'root ::= "x"'
+
+
+def test_logit_bias_and_the_logit_extensions_land_on_the_config():
+    api = chat(logit_bias={"50": -100, "7": 2.5}, allowed_token_ids=[1, 2], bad_words=["no"])
+    assert api.config.logit_bias == {50: -100.0, 7: 2.5}
+    assert (api.config.allowed_token_ids, api.config.bad_words) == ((1, 2), ("no",))
+    completion = parse_completion({"prompt": "a", "logit_bias": {"3": 1}, "guided_regex": "b"})
+    assert (completion.config.logit_bias, completion.config.regex) == ({3: 1.0}, "b")
 
 
 def test_fields_named_by_the_router_or_a_worker_become_openai_params():
