@@ -24,7 +24,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import ServerProcess, start_router
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import load_report, start_worker, wait_all_blocks_free, wait_serving
+from tests.e2e.processes import start_worker, wait_all_blocks_free, wait_serving
 from tests.factories import cached_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -259,7 +259,8 @@ def test_a_streaming_client_that_disconnects_frees_the_workers_blocks(servers, m
     with httpx.stream("POST", f"{base_url(router)}/completions", json=body) as reply:
         lines = reply.iter_lines()  # kept: dropping it would close the response
         call_id = json.loads(next(lines).removeprefix("data: "))["id"]
-        assert load_report(worker.target).running_requests > 0
+        # Not read further: flow control may already have paused the requests (their
+        # blocks freed) before the disconnect; the router's log below shows them aborted.
     started = time.monotonic()
     report = wait_all_blocks_free(worker.target)
     assert report.free_kv_blocks == report.total_kv_blocks
