@@ -26,6 +26,8 @@ and the peer, never the key.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -118,11 +120,23 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return key
 
 
+#: How long a refused request stream may take to deliver its first message.
+FIRST_MESSAGE_WAIT_S = 2.0
+
+
 def _refusal(method: str, key_name: str, error: HeadraceError) -> Behavior:
-    """A handler body that ends the call with ``error``."""
+    """A handler body that ends the call with ``error``.
+
+    On a request stream it first reads the client's first message: an asyncio client whose
+    write is still in flight when the status arrives reports INTERNAL "Internal error from
+    Core" instead of the status (grpc/grpc#36066), so the refusal would reach it garbled."""
 
     async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
         _log_refusal(method, key_name, context, error)
+        if isinstance(request, AsyncIterator):
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(FIRST_MESSAGE_WAIT_S):
+                    await anext(request, None)
         await status.abort(context, error)
 
     return refuse

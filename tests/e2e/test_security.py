@@ -21,6 +21,7 @@ from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.credentials import API_KEY_ENV, bearer_metadata
 from headrace.sdk.errors import (
+    HeadraceError,
     PermissionDeniedError,
     ResourceExhaustedError,
     UnauthenticatedError,
@@ -93,6 +94,23 @@ def test_a_missing_or_wrong_key_is_unauthenticated(
             pytest.raises(UnauthenticatedError),
         ):
             client.generate("hello", GREEDY)
+
+
+def test_a_refused_stream_reports_its_status_not_a_write_race(
+    secure_worker: ServerProcess, pki: Pki
+) -> None:
+    """The refusal must reach the client as UNAUTHENTICATED every time: an asyncio client
+    whose first write is in flight when the status lands used to see INTERNAL "Internal error
+    from Core" instead (grpc/grpc#36066; about 1 call in 100 here), until the refusal began
+    to read the stream's first message before ending the call."""
+    outcomes = []
+    for _ in range(100):
+        with pki.client(secure_worker.target, None, cert=pki.tester) as client:
+            try:
+                client.generate("hello", GREEDY)
+            except HeadraceError as error:
+                outcomes.append(type(error).__name__)
+    assert outcomes == ["UnauthenticatedError"] * 100
 
 
 def test_a_priority_above_the_keys_ceiling_is_refused(
