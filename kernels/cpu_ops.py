@@ -24,7 +24,6 @@ __all__ = [
     "NAME",
     "apply_rotary",
     "apply_token_bitmask",
-    "argmax",
     "argmax_update",
     "lora_expand",
     "lora_shrink",
@@ -150,16 +149,6 @@ def _attend_in_kernel(
     )
     if status != 0:
         raise MemoryError("paged attention could not allocate its scratch memory")
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:  # [N, V] float32 -> [N] int64
-    """Each row's first maximum, rows split among torch's threads."""
-    assert x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu", x
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    _library().headrace_argmax_rows(_ptr(x), x.shape[0], x.shape[1], x.stride(0), _ptr(out))
-    return out
 
 
 def argmax_update(

@@ -48,7 +48,6 @@ _SIGNATURES = {
         _INT,
     ),
     "headrace_write_kv_cache": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64] + [_INT] * 4, None),
-    "headrace_argmax_rows": ([_P, _I64, _I64, _I64, _P], None),
     "headrace_argmax_update": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
     "headrace_sample_rows": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], None),
     "headrace_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),

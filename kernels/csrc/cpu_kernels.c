@@ -8,8 +8,8 @@
      sequence's K/V, read block by block from the paged cache in place (no gather, no padding).
      Decode rows (one query) and prefill chunks (many) take the same path.
    - write_kv_cache: scatter new K/V rows into their cache slots.
-   - argmax_rows: each row's first maximum, rows split among threads; argmax_update: the
-     same over column blocks (the greedy LM head's vocabulary slices), kept running.
+   - argmax_update: each row's first maximum over column blocks that arrive in order (the
+     greedy LM head's vocabulary slices), kept running.
    - sample_rows: one seeded draw per row from softmax(logits / T), truncated by min-p and
      top-p: a Gumbel-max race with counter-based noise, whose logs are taken only for the
      tokens that could still win, then the top-p test on the best few.
@@ -490,16 +490,6 @@ static inline int64_t row_argmax(const float *row, int64_t num_cols, float *valu
     }
     *value = best;
     return 0;
-}
-
-/* out[r] = the index of the first maximum of row r. */
-void headrace_argmax_rows(const float *x, int64_t num_rows, int64_t num_cols, int64_t row_stride,
-                          int64_t *out) {
-#pragma omp parallel for schedule(static) if (num_rows * num_cols >= (1 << 16))
-    for (int64_t r = 0; r < num_rows; r++) {
-        float value;
-        out[r] = row_argmax(x + r * row_stride, num_cols, &value);
-    }
 }
 
 /* A running argmax over column blocks that arrive in ascending order: x holds columns

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from headrace.kernels import cpu_ops
 from headrace.kernels.argmax import RunningArgmax
+
+from tests.kernels import needs_c_compiler
 
 
 def awkward_rows() -> torch.Tensor:
@@ -25,11 +26,11 @@ def awkward_rows() -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
+@pytest.mark.parametrize(
+    "native", [pytest.param(True, marks=needs_c_compiler), False], ids=["c", "torch"]
+)
 @pytest.mark.parametrize("block", [1, 7, 256, 300, 1000])
 def test_running_argmax_equals_numpy_argmax(native, block):
-    if native and not cpu_ops.available():
-        pytest.skip("no C compiler here")
     x = awkward_rows()
     running = RunningArgmax(x.shape[0], x.device)
     running._native = native

@@ -10,16 +10,14 @@ float32 reference over the same rounded inputs, and the kernel rounds its output
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from headrace.kernels import cpu_ops, native, reference, select_kernels
 
+from tests.kernels import needs_c_compiler
 from tests.kernels.paged import build_paged_batch, contiguous_attention
 
-pytestmark = pytest.mark.skipif(
-    not cpu_ops.available(), reason=f"no C compiler here: {native.build_error()}"
-)
+pytestmark = needs_c_compiler
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -117,19 +115,6 @@ def test_write_kv_cache_converts_to_the_cache_dtype():
     reference.write_kv_cache(key, value, want, slots)
     cpu_ops.write_kv_cache(key, value, got, slots)
     assert torch.equal(got, want)
-
-
-def test_argmax_equals_numpy_with_ties_and_nan():
-    torch.manual_seed(5)
-    x = torch.randn(37, 5003)
-    x[3, 10] = x[3, 4000] = 100.0  # a tie: the first wins
-    x[7, :] = -torch.inf
-    x[9, 50] = torch.nan  # NaN wins, as in numpy
-    x[11, 7] = torch.inf
-    want = np.argmax(x.numpy(), axis=-1)
-    assert cpu_ops.argmax(x).tolist() == want.tolist()
-    # A strided view of rows (logits of some rows of a bigger batch).
-    assert cpu_ops.argmax(x[::2]).tolist() == want[::2].tolist()
 
 
 def test_the_build_is_cached_and_keyed(tmp_path, monkeypatch):

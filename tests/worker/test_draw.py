@@ -19,7 +19,7 @@ from headrace.kernels import cpu_ops
 from headrace.worker.sampling.draw import draw, draw_torch, seeded_key
 from headrace.worker.sampling.warpers import top_p_removed
 
-needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler here")
+from tests.kernels import needs_c_compiler
 
 
 def python_gumbel(key: tuple[int, int], token: int) -> np.float32:
@@ -67,12 +67,12 @@ def draw_rows(logits, temperature, top_p, min_p, keys, fn=draw):
 @pytest.mark.parametrize(
     ("temperature", "top_p", "min_p"), [(1.0, 1.0, 0.0), (0.7, 0.9, 0.0), (1.3, 0.6, 0.05)]
 )
-@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize(
+    "use_kernel", [pytest.param(True, marks=needs_c_compiler), False], ids=["kernel", "torch"]
+)
 def test_the_seeded_stream_is_the_documented_algorithm(
     use_kernel, temperature, top_p, min_p, monkeypatch
 ):
-    if use_kernel and not cpu_ops.available():
-        pytest.skip("no C compiler here")
     monkeypatch.setattr(cpu_ops, "available", lambda: use_kernel)
     gen = torch.Generator().manual_seed(21)
     logits = torch.randn(40, 300, generator=gen) * 2
@@ -86,7 +86,7 @@ def test_the_seeded_stream_is_the_documented_algorithm(
     assert got == want
 
 
-@needs_kernels
+@needs_c_compiler
 @pytest.mark.parametrize("spread", [0.01, 3.0, 40.0], ids=["flat", "normal", "peaked"])
 def test_kernel_and_torch_race_agree_on_a_large_vocabulary(spread):
     """The kernel's bound skips most tokens' noise; it must never skip a winner. A low top_p
