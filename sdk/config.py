@@ -17,6 +17,7 @@ from headrace.sdk.errors import InvalidArgumentError
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_N = 256
+MAX_BEAMS = 64
 #: OpenAI's range for a logit bias.
 MAX_LOGIT_BIAS = 100.0
 #: The constraint fields; a request sets at most one.
@@ -80,6 +81,18 @@ class GenerationConfig:
     allowed_token_ids: tuple[int, ...] = ()
     #: Words never to generate: each is banned as the token sequences it tokenizes to.
     bad_words: tuple[str, ...] = ()
+    #: Beam search over this many beams (transformers' num_beams without sampling); 1 is
+    #: off. The request returns its n best beams whole when the search ends: nothing streams
+    #: before, and each carries its cumulative logprob and its beam score.
+    num_beams: int = 1
+    #: A beam's score is its cumulative logprob / (its generated tokens ** length_penalty):
+    #: above 0 favours longer outputs, below 0 shorter ones (beam search only).
+    length_penalty: float = 1.0
+    #: When beam search ends (transformers' early_stopping): False once the best running
+    #: beam can no longer beat the worst of num_beams finished ones (judged at the current
+    #: length), True as soon as num_beams beams have finished, "never" only when no running
+    #: beam could beat them at any length (the canonical algorithm).
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _set = object.__setattr__
@@ -112,6 +125,7 @@ class GenerationConfig:
         _check_int("no_repeat_ngram_size", self.no_repeat_ngram_size, low=0)
         self._check_logit_controls()
         self._check_constraint()
+        self._check_beams()
 
     def _check_logit_controls(self) -> None:
         _set = object.__setattr__
@@ -143,6 +157,45 @@ class GenerationConfig:
                 chosen[1], f"only one constraint at a time: {' and '.join(chosen)} are both set"
             )
 
+    def _check_beams(self) -> None:
+        _check_int("num_beams", self.num_beams, low=1, high=MAX_BEAMS)
+        penalty = self.length_penalty
+        if not isinstance(penalty, int | float) or isinstance(penalty, bool):
+            raise InvalidArgumentError("length_penalty", f"must be a number, got {penalty!r}")
+        if not math.isfinite(penalty):
+            raise InvalidArgumentError("length_penalty", f"must be finite, got {penalty}")
+        object.__setattr__(self, "early_stopping", _early_stopping(self.early_stopping))
+        if self.num_beams == 1:
+            return
+        if self.n > self.num_beams:
+            raise InvalidArgumentError(
+                "n", f"beam search returns at most num_beams ({self.num_beams}) beams, got {self.n}"
+            )
+        refused = {
+            "temperature": self.temperature not in (0.0, 1.0),
+            "top_k": self.top_k != 0,
+            "top_p": self.top_p != 1.0,
+            "min_p": self.min_p != 0.0,
+            "seed": self.seed is not None,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "stop": bool(self.stop),
+            "logit_bias": self.logit_bias is not None,
+            "allowed_token_ids": bool(self.allowed_token_ids),
+            "bad_words": bool(self.bad_words),
+        }
+        refused.update((name, getattr(self, name) not in (None, False, ())) for name in CONSTRAINTS)
+        for name, is_set in refused.items():
+            if is_set:
+                why = _BEAM_REFUSALS.get(name, "not supported with beam search yet")
+                raise InvalidArgumentError(
+                    name, f"cannot be combined with num_beams={self.num_beams}: {why}"
+                )
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.num_beams > 1
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -169,6 +222,29 @@ class GenerationConfig:
         allow-list or bad words) before it picks a token."""
         controls = (self.logit_bias, self.allowed_token_ids, self.bad_words)
         return self.constraint is not None or any(controls)
+
+
+_SAMPLING = "beam search ranks tokens by their raw logprobs and draws nothing"
+#: Why beam search refuses an option (see `GenerationConfig._check_beams`).
+_BEAM_REFUSALS = {
+    "temperature": "beam search scores raw logprobs; leave temperature at 0 or 1",
+    "top_k": _SAMPLING,
+    "top_p": _SAMPLING,
+    "min_p": _SAMPLING,
+    "seed": "beam search is deterministic",
+    "logprobs": "beams change until the search ends; each returned beam has its cumulative logprob",
+    "prompt_logprobs": "not supported with beams",
+    "stop": "stop strings are not supported with beams (stop_token_ids are)",
+}
+
+
+def _early_stopping(value: object) -> bool | str:
+    """True, False or "never" (the wire's strings "true" and "false" read as the bools)."""
+    if isinstance(value, bool) or value == "never":
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidArgumentError("early_stopping", f'must be true, false or "never", got {value!r}')
 
 
 def _logit_bias(value: object) -> dict[int, float]:

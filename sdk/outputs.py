@@ -52,6 +52,10 @@ class SampleDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     #: Set on the sample's last delta.
     finish_reason: FinishReason | None = None
+    #: Beam search (on the sample's one delta): the sum of its tokens' logprobs, and its
+    #: score (that sum / generated tokens ** length_penalty; transformers' sequences_scores).
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -79,6 +83,9 @@ class Completion:
     finish_reason: FinishReason | None = None
     #: Per generated token, when config.logprobs was set.
     logprobs: list[TokenLogprob] | None = None
+    #: Beam search: the beam's cumulative logprob and score (see `SampleDelta`).
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
 
 @dataclass(slots=True)
@@ -128,6 +135,9 @@ class GenerationResult:
             completion.logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
             completion.finish_reason = delta.finish_reason
+        if delta.beam_score is not None:
+            completion.cumulative_logprob = delta.cumulative_logprob
+            completion.beam_score = delta.beam_score
 
     def update(
         self,
