@@ -241,7 +241,7 @@ _BEAM_REFUSALS = {
 def _early_stopping(value: object) -> bool | str:
     """True, False or "never" (the wire's strings "true" and "false" read as the bools)."""
     if isinstance(value, bool) or value == "never":
-        return value  # type: ignore[return-value]
+        return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise InvalidArgumentError("early_stopping", f'must be true, false or "never", got {value!r}')

@@ -114,7 +114,9 @@ class DistributedExecutor:
         rows = [batch.logit_rows for batch in batches]
         sends = PendingSends(self.shard.parallel)
         try:
-            send_plan(self.encoder.encode(micro_batches, rows), sends, self.shard.plan_group)
+            plan = self.encoder.encode(micro_batches, rows, step.block_copies)
+            send_plan(plan, sends, self.shard.plan_group)
+            self.shard.runner.copy_blocks(step.block_copies)
             logits = self.stage.run([batch.inputs for batch in batches], rows, sends)
         except Exception as exc:  # the ranks are out of step now; nothing can be retried
             self.ranks.fail(f"step failed on rank 0: {exc!r}")

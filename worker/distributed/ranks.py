@@ -277,6 +277,7 @@ def _serve_steps(shard: Shard) -> None:
                 control.run_everywhere(message)
             continue
         mirrors.apply(message)
+        shard.runner.copy_blocks(message.block_copies)
         inputs = [shard.runner.build_inputs(mirrors.chunks(mb)) for mb in message.micro_batches]
         stage.run(inputs, [mb.logit_rows for mb in message.micro_batches], sends)
         sends.wait()

@@ -6,7 +6,8 @@ tables and token lists every step would cost O(context) per sequence per step, s
 sends deltas instead: a sequence's tokens and blocks the first time it runs, afterwards
 only the tokens sampled and blocks allocated since the ranks last saw it, and the ids of
 sequences that ended. Each rank keeps a `SeqMirror` per live sequence and applies the
-deltas in order. A preempted sequence (blocks freed, to be recomputed) is re-sent whole.
+deltas in order. A preempted sequence (blocks freed, to be recomputed) is re-sent whole, as
+is one whose last block changed (copy-on-write of a forked beam's shared block).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class StepPlan:
     finished_seq_ids: list[int]
     #: The step's chunks cut into micro-batches that flow through the pipeline in order.
     micro_batches: list[MicroBatchPlan]
+    #: KV block copies (source, destination) to run before the step (copy-on-write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -76,6 +79,8 @@ class _Sent:
     num_tokens: int
     num_blocks: int
     num_preemptions: int
+    #: The last block id sent (-1: none): a change means a copy-on-write replaced it.
+    last_block: int
 
 
 class PlanEncoder:
@@ -85,7 +90,10 @@ class PlanEncoder:
         self._sent: dict[int, _Sent] = {}
 
     def encode(
-        self, micro_batches: list[list[ScheduledChunk]], logit_rows: list[list[int]]
+        self,
+        micro_batches: list[list[ScheduledChunk]],
+        logit_rows: list[list[int]],
+        block_copies: list[tuple[int, int]] | None = None,
     ) -> StepPlan:
         finished = [seq_id for seq_id, sent in self._sent.items() if sent.seq.is_finished]
         for seq_id in finished:
@@ -97,18 +105,24 @@ class PlanEncoder:
             MicroBatchPlan([(c.seq.seq_id, c.start, c.num_new_tokens) for c in chunks], rows)
             for chunks, rows in zip(micro_batches, logit_rows, strict=True)
         ]
-        return StepPlan(updates, finished, plans)
+        return StepPlan(updates, finished, plans, list(block_copies or ()))
 
     def _update(self, seq: Sequence) -> SeqUpdate:
         sent = self._sent.get(seq.seq_id)
         reset = sent is None or sent.num_preemptions != seq.num_preemptions
+        if sent is not None and not reset and sent.num_blocks:
+            blocks = seq.block_ids
+            reset = len(blocks) < sent.num_blocks or blocks[sent.num_blocks - 1] != sent.last_block
         num_tokens = 0 if reset or sent is None else sent.num_tokens
         num_blocks = 0 if reset or sent is None else sent.num_blocks
         update = SeqUpdate(
             seq.seq_id, seq.token_ids[num_tokens:], seq.block_ids[num_blocks:], reset,
             seq.adapter if reset else None,
         )  # fmt: skip
-        self._sent[seq.seq_id] = _Sent(seq, seq.num_tokens, len(seq.block_ids), seq.num_preemptions)
+        last_block = seq.block_ids[-1] if seq.block_ids else -1
+        self._sent[seq.seq_id] = _Sent(
+            seq, seq.num_tokens, len(seq.block_ids), seq.num_preemptions, last_block
+        )
         return update
 
 

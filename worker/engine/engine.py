@@ -17,7 +17,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import torch
 from headrace.kernels import select_kernels
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
@@ -27,6 +29,7 @@ from headrace.sdk.weights import PauseMode
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.adapters import Adapters
+from headrace.worker.engine.beams import BeamRequests, beam_logprobs
 from headrace.worker.engine.control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
@@ -35,10 +38,11 @@ from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import InFlightStep, start_executor
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.sampling.logprobs import compute_prompt_logprobs
+from headrace.worker.sampling.ops import select_rows
 from headrace.worker.sampling.sampler import Sampler, SamplerOutput
 from headrace.worker.sampling.stops import finish_reason
 from headrace.worker.scheduling.block_manager import BlockManager
-from headrace.worker.scheduling.output import SchedulerOutput
+from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import Sequence
 from transformers import PreTrainedTokenizerBase
@@ -74,6 +78,7 @@ class Engine:
         self.intake = RequestIntake(
             self.spec, self.vocab_size, self.block_manager, self.detokenizer
         )
+        self.beam_requests = BeamRequests(self.scheduler, self.detokenizer, self.intake.new_seq_id)
         self._requests: dict[str, EngineRequest] = {}
         #: The plan of the step whose outputs the last `step()` returned (benchmarks, metrics).
         self.last_step: SchedulerOutput | None = None
@@ -161,7 +166,13 @@ class Engine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
-                output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
+                if request.beams is None:
+                    output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
+        if request.beams is not None and not request.beams.done:  # no beam was reported yet
+            request.beams.done = True
+            output.samples.extend(
+                SampleDelta(i, [], "", [], reason) for i in range(request.config.n)
+            )
 
     def pause_request(self, request_id: str) -> None:
         """Generate nothing for the request until `resume_request` (its reader fell behind);
@@ -273,18 +284,47 @@ class Engine:
             return
         self.scheduler.update_after_step(step)
         self._record_prompt_logprobs(result)
-        if sampled is not None:
+        if sampled.output is not None:
             for chunk, token_id, logprob in zip(
-                result.sample_chunks, sampled.token_ids, sampled.logprobs, strict=True
+                sampled.chunks, sampled.output.token_ids, sampled.output.logprobs, strict=True
             ):
                 if not chunk.seq.is_finished:  # else aborted while its step was in flight
                     self._append_token(chunk.seq, token_id, logprob, outputs)
+        for chunk, logprobs in sampled.beams:
+            self._report_beam(chunk, logprobs, outputs)
 
-    def _sample(self, result: StepResult) -> SamplerOutput | None:
+    def _sample(self, result: StepResult) -> _Sampled:
+        """The step's tokens, but for beam rows: their logprobs, for their searches."""
+        chunks = result.sample_chunks
         if (tokens := result.sample_token_ids) is not None:  # the model's greedy head's
-            return SamplerOutput(tokens, [None] * len(tokens))
-        logits, seqs = result.sample_logits, [c.seq for c in result.sample_chunks]
-        return None if logits is None else self.sampler(logits, seqs)
+            return _Sampled(chunks, SamplerOutput(tokens, [None] * len(tokens)))
+        if (logits := result.sample_logits) is None:
+            return _Sampled([], None)
+        beam_rows = [i for i, chunk in enumerate(chunks) if chunk.seq.config.is_beam_search]
+        if not beam_rows:
+            return _Sampled(chunks, self.sampler(logits, [c.seq for c in chunks]))
+        beam_chunks = [chunks[i] for i in beam_rows]
+        logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
+        rows = [i for i in range(len(chunks)) if i not in set(beam_rows)]
+        sampled = _Sampled(
+            [chunks[i] for i in rows], None, list(zip(beam_chunks, logprobs, strict=True))
+        )
+        if rows:
+            sampled.output = self.sampler(
+                select_rows(logits, rows), [c.seq for c in sampled.chunks]
+            )
+        return sampled
+
+    def _report_beam(self, chunk: ScheduledChunk, logprobs: torch.Tensor, outputs: Outputs) -> None:
+        seq = chunk.seq
+        if seq.is_finished or chunk.start + chunk.num_new_tokens != seq.num_tokens:
+            return  # aborted, or dropped; or the search moved on while it ran (stale)
+        request = self._requests[seq.request_id]
+        if request.times.first_token_s is None:
+            request.times.first_token_s = time.monotonic()
+        deltas = self.beam_requests.report(request, seq, logprobs)
+        if deltas is not None:
+            _output_of(outputs, seq.request_id).samples.extend(deltas)
 
     def _submit_steps(self, outputs: Outputs) -> None:
         """Schedule and submit steps until one per pipeline stage is in flight."""
@@ -296,6 +336,11 @@ class Engine:
             max_seqs = None if depth == 1 else max(1, -(-num_seqs // depth))
             step = self.scheduler.schedule(busy, max_seqs)
             for seq in step.out_of_blocks:
+                request = self._requests[seq.request_id]
+                if request.beams is not None:  # the search ends where it stands
+                    deltas = self.beam_requests.finish_now(request)
+                    _output_of(outputs, seq.request_id).samples.extend(deltas)
+                    continue
                 text = self.detokenizer.finish(seq.detok_state)
                 delta = SampleDelta(seq.sample_index, [], text, [], FinishReason.LENGTH)
                 _output_of(outputs, seq.request_id).samples.append(delta)
@@ -376,7 +421,11 @@ class Engine:
         output.times = request.times
         output.usage = Usage(
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_generated_tokens=sum(seq.num_output_tokens for seq in request.seqs),
+            num_generated_tokens=(
+                request.num_generated_tokens
+                if request.num_generated_tokens is not None
+                else sum(seq.num_output_tokens for seq in request.seqs)
+            ),
             num_cached_tokens=request.seqs[0].num_cached_tokens,
         )
         errors = [seq.error for seq in request.seqs if seq.error is not None]
@@ -390,6 +439,15 @@ class Engine:
                 continue
             request.seqs[0].error = error
             self._finish_all(request, FinishReason.ERROR, _output_of(outputs, request.request_id))
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """A collected step's picks: tokens of ``chunks`` (in order), and beam rows' logprobs."""
+
+    chunks: list[ScheduledChunk]
+    output: SamplerOutput | None
+    beams: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
 
 def _output_of(outputs: Outputs, request_id: str) -> RequestOutput:

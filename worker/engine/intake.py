@@ -22,6 +22,7 @@ from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.prompts import Chat, Prompt
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import RequestTimes
+from headrace.worker.sampling.beam_search import BeamSearch, beams_to_keep
 from headrace.worker.sampling.controls import LogitControls
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.scheduling.block_manager import BlockManager
@@ -43,6 +44,10 @@ class EngineRequest:
     adapter: str | None = None
     prompt_logprobs_sent: bool = False
     prompt_token_ids_sent: bool = False
+    #: A beam-search request's search (its live beams are `seqs`); None otherwise.
+    beams: BeamSearch | None = None
+    #: Set when the count is not the samples' (beam search: the returned beams').
+    num_generated_tokens: int | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -87,8 +92,11 @@ class RequestIntake:
         if not 0 <= num_resumed_tokens <= len(prompt_token_ids):
             raise InvalidArgumentError("num_resumed_tokens", "must be in [0, the prompt's length]")
         resumed = prompt_token_ids[len(prompt_token_ids) - num_resumed_tokens :]
-        controls = self.controls.for_samples(config, config.n, resumed)
+        num_seqs = 1 if config.is_beam_search else config.n  # beams fork as they go
+        controls = self.controls.for_samples(config, num_seqs, resumed)
         request = self._new_request(request_id, prompt_token_ids, config, priority)
+        if config.is_beam_search:
+            request.beams = self._beam_search(request)
         for seq, seq_controls in zip(request.seqs, controls, strict=True):
             seq.controls = seq_controls
         if lora is not None:
@@ -96,6 +104,21 @@ class RequestIntake:
             for seq in request.seqs:
                 seq.adapter, seq.lora_id = lora
         return request
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def _beam_search(self, request: EngineRequest) -> BeamSearch:
+        leader = request.seqs[0]
+        num_keep = beams_to_keep(request.config.num_beams, len(leader.stop_token_ids))
+        if num_keep > self.vocab_size:
+            raise InvalidArgumentError(
+                "num_beams",
+                f"keeps {num_keep} continuations a round, more than the vocabulary "
+                f"({self.vocab_size} tokens)",
+            )
+        max_length = min(leader.num_tokens + request.config.max_tokens, self.spec.max_model_len)
+        return BeamSearch(request.config, leader.num_tokens, max_length, leader.stop_token_ids)
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
         """The prompt as token ids: text tokenized, a chat rendered with the model's chat
@@ -190,7 +213,7 @@ class RequestIntake:
                 wants_prompt_logprobs=(i == 0 and config.prompt_logprobs is not None),
                 detok_state=self.detokenizer.new_state(prompt_token_ids, config),
             )
-            for i in range(config.n)
+            for i in range(1 if config.is_beam_search else config.n)
         ]
         times = RequestTimes(arrival_s=time.monotonic())
         return EngineRequest(request_id, config, prompt_token_ids, seqs, seqs[1:], times)

@@ -130,6 +130,7 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> StepResult:
         """Run a whole step on this (single) rank: forward, then logits of the needed rows,
         or only their greedy tokens when that is all the step needs."""
+        self.copy_blocks(step.block_copies)
         batch = self.prepare(step.chunks)
         hidden = self.forward(batch.inputs)
         if batch.is_plain_greedy:
@@ -137,6 +138,15 @@ class ModelRunner:
             tokens = self.model.compute_greedy(hidden.index_select(0, index))
             return StepResult(batch.sample_chunks, None, sample_token_ids=tokens.tolist())
         return batch.result(self.compute_logits(hidden, batch.logit_rows))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer (copy-on-write of shared
+        blocks; before the step that writes into them)."""
+        if not copies:
+            return
+        src, dst = (torch.tensor(ids, device=self.device) for ids in zip(*copies, strict=True))
+        for cache in self.kv_caches:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def forward(self, inputs: ModelInputs, carry: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of the forward pass (its pipeline stage)."""

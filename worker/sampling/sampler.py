@@ -40,9 +40,10 @@ def is_plain_greedy(seq: Sequence) -> bool:
     config = seq.config
     return (
         config.is_greedy
+        and config.num_beams == 1
         and seq.controls is None
         and config.logprobs is None
-        and not _has_penalty(config)
+        and not has_penalty(config)
         and not config.no_repeat_ngram_size
         and not (config.min_tokens > seq.num_output_tokens and seq.stop_token_ids)
     )
@@ -160,7 +161,7 @@ class _Plan:
         for row, seq in enumerate(seqs):
             config = seq.config
             (plan.greedy_rows if config.is_greedy else plan.sample_rows).append(row)
-            if _has_penalty(config):
+            if has_penalty(config):
                 plan.penalty_rows.append(row)
             if config.no_repeat_ngram_size:
                 plan.ngram_rows.append(row)
@@ -182,7 +183,7 @@ class _Plan:
         return not (self.sample_rows or self.needs_history or self.logprob_rows)
 
 
-def _has_penalty(config: GenerationConfig) -> bool:
+def has_penalty(config: GenerationConfig) -> bool:
     return (
         config.repetition_penalty != 1.0
         or config.presence_penalty != 0.0

@@ -18,6 +18,11 @@ an earlier epoch (kept through a weight update) keeps them but never registers t
 sequence admitted later hashes afresh, so no request ever reuses KV of other weights.
 A sequence with a LoRA adapter seeds its chain with the adapter's load number, so KV is
 shared only among sequences of the same adapter load (or of the base model).
+
+Beam search forks a sequence (`fork`): the child holds the parent's blocks (ref count + 1).
+A sequence about to write into a block it shares (the partial last block of a fork) first
+copies it to a fresh block of its own (copy-on-write); the copies a step needs are handed to
+the runner with the step (`take_copies`) and run before its forward pass.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class BlockManager:
         self.num_prefix_queried_blocks = 0
         #: Bumped by every reset: sequences of an older epoch neither match nor register.
         self.epoch = 0
+        #: (source, destination) block copies of copy-on-write, for the next step to run.
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,7 +122,12 @@ class BlockManager:
 
     def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_ids))
+        return max(0, total - len(seq.block_ids)) + self._must_copy(seq)
+
+    def _must_copy(self, seq: Sequence) -> bool:
+        """Whether the block that seq's next token goes into is shared (copy it first)."""
+        index = seq.num_computed_tokens // self.block_size
+        return index < len(seq.block_ids) and self.ref_counts[seq.block_ids[index]] > 1
 
     def cost_of(self, cached_block_ids: list[int], num_new_blocks: int) -> int:
         """Free blocks used up by taking these cached blocks plus num_new_blocks fresh ones."""
@@ -140,11 +152,38 @@ class BlockManager:
         """Append enough fresh blocks to hold num_new_tokens more computed tokens."""
         num_new = self.num_new_blocks_needed(seq, num_new_tokens)
         assert num_new <= len(self.free_queue), "caller must check can_allocate first"
+        if self._must_copy(seq):  # (in place: the runner's block table sees the change)
+            index = seq.num_computed_tokens // self.block_size
+            shared, own = seq.block_ids[index], self._take_free()
+            self.ref_counts[shared] -= 1
+            seq.block_ids[index] = own
+            self._copies.append((shared, own))
+            num_new -= 1
         for _ in range(num_new):
-            block_id, _ = self.free_queue.popitem(last=False)
-            self._forget(block_id)
-            self.ref_counts[block_id] = 1
-            seq.block_ids.append(block_id)
+            seq.block_ids.append(self._take_free())
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        self._forget(block_id)
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` (no blocks yet) the parent's blocks of its computed tokens, shared,
+        and the parent's place in the prefix cache."""
+        assert not child.block_ids
+        num_blocks = self.num_blocks_for(parent.num_computed_tokens)
+        child.block_ids = parent.block_ids[:num_blocks]
+        for block_id in child.block_ids:
+            self._ref(block_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.hash_epoch = parent.hash_epoch
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write block copies made since the last call, to run before the step."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that this step filled, so later sequences can reuse them."""

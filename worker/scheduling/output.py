@@ -36,3 +36,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     #: Sequences that outgrew the whole KV pool: finished with reason LENGTH, blocks freed.
     out_of_blocks: list[Sequence] = field(default_factory=list)
+    #: (source, destination) KV block copies to run before the forward pass: the
+    #: copy-on-write of blocks that forked beams share (see `BlockManager.fork`).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)

@@ -28,6 +28,11 @@ head of the queue stops admission until it fits, so nothing behind it overtakes 
 
 A paused sequence (its reader fell behind, see `pause`) is not scheduled: a running one keeps
 its blocks but may be preempted, a waiting one is HELD out of the queue until `resume`.
+
+Beam search forks running sequences (`fork`): the child joins the running set with the
+parent's blocks shared. Forks may take the running set past `max_num_seqs` for a while, and a
+beam whose siblings wait for it (one already generating) is admitted past the cap, so a
+search never waits on itself.
 """
 
 from __future__ import annotations
@@ -88,6 +93,11 @@ class _StepPlan:
         return self.budget <= 0 or len(self.chunks) >= self.max_seqs
 
 
+def _is_started_beam(seq: Sequence) -> bool:
+    """A beam of a search under way: its siblings wait for its next logprobs."""
+    return seq.config.num_beams > 1 and seq.num_output_tokens > 0
+
+
 def _order(seq: Sequence) -> tuple[int, int]:
     """Sort key: higher priority first, then earlier arrival."""
     return (-seq.priority, seq.arrival)
@@ -131,6 +141,20 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child``, a copy of ``parent``'s tokens: running on the parent's blocks
+        when the parent has computed all its tokens, else queued to compute its own."""
+        if parent.status == SequenceStatus.RUNNING and (
+            parent.num_computed_tokens == parent.num_tokens
+        ):
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, child, key=_order)
+        else:
+            self.add(child)
+        if parent.seq_id in self._paused:
+            self.pause(child)
 
     def pause(self, seq: Sequence) -> None:
         """Stop scheduling ``seq`` until `resume` (a running one keeps its blocks)."""
@@ -181,8 +205,9 @@ class Scheduler:
         num_decode_seqs = sum(1 for c in chunks if c.num_new_tokens == 1)
         num_batched_tokens = self.config.max_num_batched_tokens - plan.budget
         return SchedulerOutput(
-            chunks, num_decode_seqs, num_batched_tokens, plan.preempted, plan.out_of_blocks
-        )
+            chunks, num_decode_seqs, num_batched_tokens, plan.preempted, plan.out_of_blocks,
+            self.block_manager.take_copies(),
+        )  # fmt: skip
 
     def _chunk_size(self, num_uncomputed: int, budget: int) -> int:
         """Tokens to run this step out of num_uncomputed, or 0 to wait for a bigger budget."""
@@ -222,7 +247,7 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 return
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_num_seqs and not _is_started_beam(seq):
                 # At the sequence cap a higher priority takes the place of the lowest one.
                 victim = self._victim(plan)
                 if victim is None or victim.priority >= seq.priority:
