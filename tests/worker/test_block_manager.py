@@ -119,3 +119,39 @@ def test_a_preempted_sequence_rejoins_the_new_epoch():
     assert admit(bm, seq) == []
     assert seq.hash_epoch == bm.epoch
     assert admit(bm, make_seq(list(range(10)))) == seq.block_ids[:2]
+
+
+def test_a_fork_shares_blocks_and_copies_the_partial_one_before_writing():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    parent = make_seq(list(range(10)))  # blocks: 4 + 4 + 2 tokens
+    admit(bm, parent)
+    child = make_seq(list(range(10)))
+    bm.fork(parent, child)
+    assert child.block_ids == parent.block_ids and child.num_computed_tokens == 10
+    assert [bm.ref_counts[b] for b in parent.block_ids] == [2, 2, 2]
+    for seq, token in ((parent, 50), (child, 60)):
+        seq.token_ids.append(token)
+    # The first writer into the shared partial block copies it; the last one writes in place.
+    assert bm.num_new_blocks_needed(parent, 1) == 1
+    bm.allocate(parent, 1)
+    shared = child.block_ids[2]
+    assert parent.block_ids[:2] == child.block_ids[:2] and parent.block_ids[2] != shared
+    assert bm.take_copies() == [(shared, parent.block_ids[2])] and bm.take_copies() == []
+    assert bm.num_new_blocks_needed(child, 1) == 0
+    bm.allocate(child, 1)
+    assert child.block_ids[2] == shared and bm.take_copies() == []
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == 8 and all(count == 0 for count in bm.ref_counts)
+
+
+def test_a_fork_at_a_block_boundary_needs_no_copy():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent = make_seq(list(range(8)))
+    admit(bm, parent)
+    child = make_seq(list(range(8)))
+    bm.fork(parent, child)
+    child.token_ids.append(1)
+    bm.allocate(child, 1)
+    assert child.block_ids[:2] == parent.block_ids and len(child.block_ids) == 3
+    assert bm.take_copies() == []

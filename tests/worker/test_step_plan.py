@@ -76,3 +76,17 @@ def test_micro_batches_name_their_chunks_and_rows():
     assert [mb.logit_rows for mb in plan.micro_batches] == [[2], []]
     (mirror_b,) = mirrors.chunks(plan.micro_batches[1])
     assert (mirror_b.seq.token_ids, mirror_b.start, mirror_b.num_new_tokens) == (b.token_ids, 0, 2)
+
+
+def test_a_copied_last_block_is_sent_whole_again():
+    """Copy-on-write replaces a forked beam's shared last block in place: not an append."""
+    encoder, mirrors = PlanEncoder(), MirrorTable()
+    seq = make_seq(6)
+    seq.block_ids = [1, 2]
+    step(encoder, mirrors, chunk(seq, 6))
+    seq.token_ids.append(7)
+    seq.block_ids[1] = 5  # its own copy of shared block 2
+    plan = step(encoder, mirrors, chunk(seq, 1))
+    assert plan.updates[0].reset and plan.updates[0].new_block_ids == [1, 5]
+    assert mirrors.seqs[seq.seq_id].block_ids == [1, 5]
+    assert mirrors.seqs[seq.seq_id].token_ids == seq.token_ids

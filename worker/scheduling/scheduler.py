@@ -31,8 +31,9 @@ its blocks but may be preempted, a waiting one is HELD out of the queue until `r
 
 Beam search forks running sequences (`fork`): the child joins the running set with the
 parent's blocks shared. Forks may take the running set past `max_num_seqs` for a while, and a
-beam whose siblings wait for it (one already generating) is admitted past the cap, so a
-search never waits on itself.
+beam whose siblings wait for it (one already generating) is admitted past the cap, and may
+preempt a sibling that already has its logprobs for the round: a search never waits on itself,
+and runs in a pool that holds one beam (a beam alone that outgrows it ends the search).
 """
 
 from __future__ import annotations
@@ -185,11 +186,6 @@ class Scheduler:
             heapq.heappop(self._waiting)
         return self._waiting[0][2] if self._waiting else None
 
-    def _pop_waiting(self) -> Sequence:
-        _, _, seq = heapq.heappop(self._waiting)
-        self.num_waiting -= 1
-        return seq
-
     # --- one step --------------------------------------------------------------------------
 
     def schedule(self, busy: Collection[int] = (), max_seqs: int | None = None) -> SchedulerOutput:
@@ -273,14 +269,17 @@ class Scheduler:
                 break
             victim = self._victim(plan)
             if victim is None or victim.priority >= seq.priority:
-                return False
+                victim = self._idle_sibling(seq, plan)
+                if victim is None:
+                    return False
             self._preempt(victim, plan)
-        self._pop_waiting()
+        # Its heap entry is dropped lazily: a sibling preempted for it may now head the heap.
+        self.num_waiting -= 1
+        seq.status = SequenceStatus.RUNNING
         bm.take_cached(seq, cached)
         if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
             seq.num_cached_tokens = num_cached_tokens
         bm.allocate(seq, num_new)
-        seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_order)
         plan.add(seq, num_new)
         return True
@@ -290,6 +289,19 @@ class Scheduler:
         for seq in reversed(self.running):
             if seq.seq_id not in plan.busy:
                 return seq
+        return None
+
+    def _idle_sibling(self, seq: Sequence, plan: _StepPlan) -> Sequence | None:
+        """For a beam of a search under way: a running beam of the same search that has
+        computed all its tokens (its logprobs for the round are kept), so freeing its blocks
+        loses nothing; else None. The search then needs only one beam's blocks at a time."""
+        if not _is_started_beam(seq):
+            return None
+        for other in reversed(self.running):
+            idle = other.num_computed_tokens == other.num_tokens
+            planned = other.seq_id in plan.busy or other.seq_id in plan.chunks
+            if other.request_id == seq.request_id and idle and not planned:
+                return other
         return None
 
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
