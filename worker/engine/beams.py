@@ -12,14 +12,19 @@ whole delta (nothing streams before; beams change until the end).
 from __future__ import annotations
 
 import collections.abc
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from headrace.sdk.outputs import FinishReason, SampleDelta
 from headrace.worker.engine.intake import EngineRequest
+from headrace.worker.execution.batch import StepResult
 from headrace.worker.sampling.detokenizer import Detokenizer
+from headrace.worker.sampling.ops import select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
-from headrace.worker.sampling.sampler import has_penalty
+from headrace.worker.sampling.sampler import Sampler, SamplerOutput, has_penalty
+from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import Sequence
 
@@ -38,6 +43,37 @@ def beam_logprobs(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]
     return logprobs
 
 
+@dataclass(slots=True)
+class StepPicks:
+    """A collected step's picks: the sampled tokens of ``chunks`` (in order), and the beam
+    rows' logprobs for their searches."""
+
+    chunks: list[ScheduledChunk]
+    output: SamplerOutput | None
+    beams: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
+
+
+def pick(result: StepResult, sampler: Sampler) -> StepPicks:
+    """Sample the step's rows, but for beam rows: their logprobs (`beam_logprobs`)."""
+    chunks = result.sample_chunks
+    if (tokens := result.sample_token_ids) is not None:  # the model's greedy head's
+        return StepPicks(chunks, SamplerOutput(tokens, [None] * len(tokens)))
+    if (logits := result.sample_logits) is None:
+        return StepPicks([], None)
+    beam_rows = [i for i, chunk in enumerate(chunks) if chunk.seq.config.is_beam_search]
+    if not beam_rows:
+        return StepPicks(chunks, sampler(logits, [c.seq for c in chunks]))
+    beam_chunks = [chunks[i] for i in beam_rows]
+    logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
+    rows = [i for i in range(len(chunks)) if i not in set(beam_rows)]
+    picks = StepPicks(
+        [chunks[i] for i in rows], None, list(zip(beam_chunks, logprobs, strict=True))
+    )
+    if rows:
+        picks.output = sampler(select_rows(logits, rows), [c.seq for c in picks.chunks])
+    return picks
+
+
 class BeamRequests:
     """Advances the beam requests of one engine."""
 
@@ -49,12 +85,16 @@ class BeamRequests:
         self.new_seq_id = new_seq_id
 
     def report(
-        self, request: EngineRequest, seq: Sequence, logprobs: torch.Tensor
+        self, request: EngineRequest, chunk: ScheduledChunk, logprobs: torch.Tensor
     ) -> list[SampleDelta] | None:
-        """Record one live beam's logprobs; ends the round once every live beam reported.
-        The request's final deltas when the search is done, else None."""
-        search = request.beams
+        """Record the logprobs a live beam's chunk yielded; ends the round once every live
+        beam reported. The request's final deltas when the search is done, else None."""
+        search, seq = request.beams, chunk.seq
         assert search is not None
+        if seq.is_finished or chunk.start + chunk.num_new_tokens != seq.num_tokens:
+            return None  # aborted, or dropped; or the search moved on while it ran (stale)
+        if request.times.first_token_s is None:
+            request.times.first_token_s = time.monotonic()
         search.report(_index_of(request.seqs, seq), logprobs)
         if not search.is_round_complete:
             return None
@@ -75,6 +115,17 @@ class BeamRequests:
                 self.scheduler.finish(parent, FinishReason.ABORT)
         request.seqs = children
         return None
+
+    def end(self, request: EngineRequest, reason: FinishReason) -> list[SampleDelta]:
+        """Abort or fail the search: every live beam ends, and each of the n samples with a
+        final empty delta (none was reported before)."""
+        for seq in request.seqs:
+            self.scheduler.finish(seq, reason)
+        assert request.beams is not None
+        if request.beams.done:
+            return []
+        request.beams.done = True
+        return [SampleDelta(i, [], "", [], reason) for i in range(request.config.n)]
 
     def finish_now(self, request: EngineRequest) -> list[SampleDelta]:
         """End the search where it stands (a beam outgrew the KV pool)."""
@@ -108,7 +159,7 @@ class BeamRequests:
             self.scheduler.finish(seq, FinishReason.STOP)
         assert request.beams is not None
         best = request.beams.best(request.config.n)
-        request.num_generated_tokens = sum(len(h.token_ids) for h in best)
+        request.num_beam_tokens = sum(len(h.token_ids) for h in best)
         deltas = []
         for index, hypothesis in enumerate(best):
             state = self.detokenizer.new_state(request.prompt_token_ids, request.config)

@@ -17,9 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import torch
 from headrace.kernels import select_kernels
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
@@ -29,20 +27,17 @@ from headrace.sdk.weights import PauseMode
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.adapters import Adapters
-from headrace.worker.engine.beams import BeamRequests, beam_logprobs
+from headrace.worker.engine.beams import BeamRequests, pick
 from headrace.worker.engine.control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
-from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import InFlightStep, start_executor
 from headrace.worker.sampling.detokenizer import Detokenizer
-from headrace.worker.sampling.logprobs import compute_prompt_logprobs
-from headrace.worker.sampling.ops import select_rows
-from headrace.worker.sampling.sampler import Sampler, SamplerOutput
+from headrace.worker.sampling.sampler import Sampler
 from headrace.worker.sampling.stops import finish_reason
 from headrace.worker.scheduling.block_manager import BlockManager
-from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
+from headrace.worker.scheduling.output import SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import Sequence
 from transformers import PreTrainedTokenizerBase
@@ -163,16 +158,13 @@ class Engine:
         self, request: EngineRequest, reason: FinishReason, output: RequestOutput
     ) -> None:
         """End every unfinished sample of a request, each with a final empty delta."""
+        if request.beams is not None:
+            output.samples.extend(self.beam_requests.end(request, reason))
+            return
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason)
-                if request.beams is None:
-                    output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
-        if request.beams is not None and not request.beams.done:  # no beam was reported yet
-            request.beams.done = True
-            output.samples.extend(
-                SampleDelta(i, [], "", [], reason) for i in range(request.config.n)
-            )
+                output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
 
     def pause_request(self, request_id: str) -> None:
         """Generate nothing for the request until `resume_request` (its reader fell behind);
@@ -277,54 +269,25 @@ class Engine:
         step = self.last_step = in_flight.step
         try:
             result = self.executor.collect(in_flight)
-            sampled = self._sample(result)
+            picks = pick(result, self.sampler)
         except Exception as exc:  # a fault in the step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
             return
         self.scheduler.update_after_step(step)
-        self._record_prompt_logprobs(result)
-        if sampled.output is not None:
+        for span in result.prompt_spans:
+            span.record()
+        if picks.output is not None:
             for chunk, token_id, logprob in zip(
-                sampled.chunks, sampled.output.token_ids, sampled.output.logprobs, strict=True
+                picks.chunks, picks.output.token_ids, picks.output.logprobs, strict=True
             ):
                 if not chunk.seq.is_finished:  # else aborted while its step was in flight
                     self._append_token(chunk.seq, token_id, logprob, outputs)
-        for chunk, logprobs in sampled.beams:
-            self._report_beam(chunk, logprobs, outputs)
-
-    def _sample(self, result: StepResult) -> _Sampled:
-        """The step's tokens, but for beam rows: their logprobs, for their searches."""
-        chunks = result.sample_chunks
-        if (tokens := result.sample_token_ids) is not None:  # the model's greedy head's
-            return _Sampled(chunks, SamplerOutput(tokens, [None] * len(tokens)))
-        if (logits := result.sample_logits) is None:
-            return _Sampled([], None)
-        beam_rows = [i for i, chunk in enumerate(chunks) if chunk.seq.config.is_beam_search]
-        if not beam_rows:
-            return _Sampled(chunks, self.sampler(logits, [c.seq for c in chunks]))
-        beam_chunks = [chunks[i] for i in beam_rows]
-        logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
-        rows = [i for i in range(len(chunks)) if i not in set(beam_rows)]
-        sampled = _Sampled(
-            [chunks[i] for i in rows], None, list(zip(beam_chunks, logprobs, strict=True))
-        )
-        if rows:
-            sampled.output = self.sampler(
-                select_rows(logits, rows), [c.seq for c in sampled.chunks]
-            )
-        return sampled
-
-    def _report_beam(self, chunk: ScheduledChunk, logprobs: torch.Tensor, outputs: Outputs) -> None:
-        seq = chunk.seq
-        if seq.is_finished or chunk.start + chunk.num_new_tokens != seq.num_tokens:
-            return  # aborted, or dropped; or the search moved on while it ran (stale)
-        request = self._requests[seq.request_id]
-        if request.times.first_token_s is None:
-            request.times.first_token_s = time.monotonic()
-        deltas = self.beam_requests.report(request, seq, logprobs)
-        if deltas is not None:
-            _output_of(outputs, seq.request_id).samples.extend(deltas)
+        for chunk, logprobs in picks.beams:
+            request = self._requests.get(chunk.seq.request_id)
+            ended = None if request is None else self.beam_requests.report(request, chunk, logprobs)
+            if ended is not None:  # the search ended: its samples, whole
+                _output_of(outputs, chunk.seq.request_id).samples.extend(ended)
 
     def _submit_steps(self, outputs: Outputs) -> None:
         """Schedule and submit steps until one per pipeline stage is in flight."""
@@ -361,13 +324,6 @@ class Engine:
                 if times.first_scheduled_s is None:
                     times.first_scheduled_s = now
 
-    def _record_prompt_logprobs(self, result: StepResult) -> None:
-        for span in result.prompt_spans:
-            num_top = span.seq.config.prompt_logprobs or 0
-            scored = compute_prompt_logprobs(span.logits, span.target_ids, num_top)
-            del span.seq.prompt_logprobs[span.first_position :]
-            span.seq.prompt_logprobs.extend(scored)
-
     def _append_token(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, outputs: Outputs
     ) -> None:
@@ -401,19 +357,11 @@ class Engine:
             if not request.prompt_token_ids_sent:
                 output.prompt_token_ids = request.prompt_token_ids
                 request.prompt_token_ids_sent = True
-            self._attach_prompt_logprobs(request, output)
+            output.prompt_logprobs = request.take_prompt_logprobs()
             if request.is_finished:
                 del self._requests[request_id]
                 self._finalize(request, output)
         return list(outputs.values())
-
-    def _attach_prompt_logprobs(self, request: EngineRequest, output: RequestOutput) -> None:
-        leader = request.seqs[0]
-        if not leader.wants_prompt_logprobs or request.prompt_logprobs_sent:
-            return
-        if len(leader.prompt_logprobs) >= leader.num_prompt_tokens - 1:
-            output.prompt_logprobs = list(leader.prompt_logprobs)
-            request.prompt_logprobs_sent = True
 
     def _finalize(self, request: EngineRequest, output: RequestOutput) -> None:
         output.finished = True
@@ -421,11 +369,7 @@ class Engine:
         output.times = request.times
         output.usage = Usage(
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_generated_tokens=(
-                request.num_generated_tokens
-                if request.num_generated_tokens is not None
-                else sum(seq.num_output_tokens for seq in request.seqs)
-            ),
+            num_generated_tokens=request.num_generated_tokens,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
         )
         errors = [seq.error for seq in request.seqs if seq.error is not None]
@@ -439,15 +383,6 @@ class Engine:
                 continue
             request.seqs[0].error = error
             self._finish_all(request, FinishReason.ERROR, _output_of(outputs, request.request_id))
-
-
-@dataclass(slots=True)
-class _Sampled:
-    """A collected step's picks: tokens of ``chunks`` (in order), and beam rows' logprobs."""
-
-    chunks: list[ScheduledChunk]
-    output: SamplerOutput | None
-    beams: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
 
 def _output_of(outputs: Outputs, request_id: str) -> RequestOutput:

@@ -19,6 +19,7 @@ from typing import cast
 
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.outputs import TokenLogprob
 from headrace.sdk.prompts import Chat, Prompt
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import RequestTimes
@@ -46,12 +47,29 @@ class EngineRequest:
     prompt_token_ids_sent: bool = False
     #: A beam-search request's search (its live beams are `seqs`); None otherwise.
     beams: BeamSearch | None = None
-    #: Set when the count is not the samples' (beam search: the returned beams').
-    num_generated_tokens: int | None = None
+    #: The returned beams' tokens, once a beam search ends.
+    num_beam_tokens: int = 0
 
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The prompt's logprobs once all are scored, the first time they are (else None)."""
+        leader = self.seqs[0]
+        if not leader.wants_prompt_logprobs or self.prompt_logprobs_sent:
+            return None
+        if len(leader.prompt_logprobs) < leader.num_prompt_tokens - 1:
+            return None
+        self.prompt_logprobs_sent = True
+        return list(leader.prompt_logprobs)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Over every sample (a beam search: over the beams it returned)."""
+        if self.beams is not None:
+            return self.num_beam_tokens
+        return sum(seq.num_output_tokens for seq in self.seqs)
 
 
 class RequestIntake:

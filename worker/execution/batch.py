@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from headrace.kernels import AttentionMetadata
 from headrace.kernels.lora import LoraIndices
+from headrace.worker.sampling.logprobs import compute_prompt_logprobs
 from headrace.worker.sampling.sampler import is_plain_greedy
 from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.sequence import Sequence
@@ -67,6 +68,14 @@ class PromptLogitsSpan:
     first_position: int
     logits: torch.Tensor  # [k, V] float32
     target_ids: torch.Tensor  # [k]: the prompt token that follows each position
+
+    def record(self) -> None:
+        """Score these prompt positions into the sequence's prompt_logprobs (a span
+        recomputed after a preemption replaces what it covers)."""
+        num_top = self.seq.config.prompt_logprobs or 0
+        scored = compute_prompt_logprobs(self.logits, self.target_ids, num_top)
+        del self.seq.prompt_logprobs[self.first_position :]
+        self.seq.prompt_logprobs.extend(scored)
 
 
 @dataclass(slots=True)
