@@ -5,9 +5,11 @@ every token it streamed to the client. If the worker dies, the request is resume
 as ``prompt_token_ids + streamed tokens`` with the remaining budget and the same seed: a
 seeded sample's draws depend only on (seed, position), so the client sees one unbroken
 stream; `num_resumed_tokens` tells the worker how many prompt tokens were generated, so it
-advances an output constraint (JSON schema, regex, ...) over them. Chunks are rewritten on
-the way back so the client never notices: its own request id, its own prompt length in the
-usage, generated tokens counted across workers.
+advances an output constraint (JSON schema, regex, ...) over them. A beam search streams
+nothing before it ends, so it restarts whole from its original prompt (nothing resumed), even
+with several beams returned (other requests with n > 1 are not resumed). Chunks are
+rewritten on the way back so the client never notices: its own request id, its own prompt
+length in the usage, generated tokens counted across workers.
 """
 
 from __future__ import annotations

@@ -217,7 +217,10 @@ class Router:
         if request.cancelled:
             self._finish_locally(request, pb.FINISH_REASON_CANCELLED)
             return
-        if request.parsed.config.n > 1:
+        config = request.parsed.config
+        # A beam search streams nothing before its end, so it restarts whole from its
+        # original prompt, whatever its n; other samples cannot resume one by one.
+        if config.n > 1 and not config.is_beam_search:
             error = UnavailableError(
                 f"worker {link.target} failed; requests with n > 1 are not resumed elsewhere"
             )

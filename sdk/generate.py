@@ -6,12 +6,15 @@
     headrace generate --target router:443 --tls-ca ca.pem --api-key KEY "Hello"
     headrace generate --json-schema person.json "Describe a person as JSON"
     headrace generate --choice yes --choice no "Is water wet?"
+    headrace generate --num-beams 4 --n 2 "Name a color"    # the 2 best of 4 beams, scored
 
 When the served model has a chat template (an Instruct model), the prompt is sent as one
 user message of a conversation, which the server renders with that template; ``--raw``
 sends it as plain text instead (a base model, or text to continue). Decoding is greedy unless
 ``--temperature`` says otherwise. Text goes to stdout as it arrives; a summary line (tokens,
-tok/s, finish reason) to stderr.
+tok/s, finish reason) to stderr. With ``--n`` above 1 or ``--num-beams`` above 1, each sample
+is printed whole once the request ends, under a line naming it (a beam's with its score and
+cumulative logprob): a beam search returns nothing before it ends anyway.
 With `OTEL_EXPORTER_OTLP_ENDPOINT` set (and the OpenTelemetry SDK installed, as the router
 and worker extras do), the request's client span is exported, the root of its trace.
 """
@@ -32,7 +35,7 @@ from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.credentials import API_KEY_ENV
 from headrace.sdk.errors import InvalidArgumentError
-from headrace.sdk.outputs import StreamChunk
+from headrace.sdk.outputs import Completion, GenerationResult, StreamChunk
 from headrace.sdk.prompts import Chat, ChatMessage, Prompt
 from headrace.sdk.tls import ClientTls
 
@@ -62,11 +65,13 @@ def add_generate_command(subparsers: argparse._SubParsersAction) -> None:
     add("--seed", type=int, help="make sampling reproducible")
     add("--stop", action="append", default=[], help="a stop string (repeatable)")
     add("--ignore-eos", action="store_true", help="keep generating past EOS")
+    add("--n", type=int, default=1, help="samples to return (with --num-beams: the best beams)")
     add("--priority", type=int, default=0, help="higher runs sooner")
     add("--adapter", default="", help="a LoRA adapter the server has loaded (default: none)")
     add("--timeout", type=float, help="seconds before the server gives up on the request")
     add("--json", action="store_true", help="print each chunk as one JSON line")
     _add_control_arguments(parser)
+    _add_beam_arguments(parser)
     _add_connection_arguments(parser)
     parser.set_defaults(handler=run_generate)
 
@@ -109,6 +114,25 @@ def _control_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _add_beam_arguments(parser: argparse.ArgumentParser) -> None:
+    """Beam search: greedy over num_beams hypotheses (sampling flags and --stop refused)."""
+    add = parser.add_argument
+    add("--num-beams", type=int, default=1, help="beam search over this many beams; 1 is off")
+    add(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        help="a beam's score is its cumulative logprob / its tokens ** this",
+    )
+    add(
+        "--early-stopping",
+        choices=("true", "false", "never"),
+        default="false",
+        help="when the search ends: as soon as num-beams beams finished (true), once no "
+        "running beam can beat them at its length (false) or at any length (never)",
+    )
+
+
 def _add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--tls", action="store_true", help="use TLS, trusting the system's CAs")
@@ -136,8 +160,9 @@ def client_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    config = GenerationConfig(
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    """The request's config from the flags (checked: a bad value raises InvalidArgumentError)."""
+    return GenerationConfig(
         max_tokens=args.max_tokens,
         min_tokens=args.min_tokens,
         temperature=args.temperature,
@@ -148,8 +173,16 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        n=args.n,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        early_stopping=args.early_stopping,
         **_control_options(args),
     )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    config = generation_config(args)
     provider = tracing.configure_tracing("headrace-generate")
     try:
         return _stream(args, config)
@@ -169,14 +202,23 @@ def _prompt(args: argparse.Namespace, client: Client) -> Prompt:
 def _stream(args: argparse.Namespace, config: GenerationConfig) -> int:
     start = time.perf_counter()
     num_tokens, last = 0, None
+    # Several samples (or beams) are kept and printed whole: streamed, they would interleave.
+    whole: GenerationResult | None = None
+    if not args.json and (config.n > 1 or config.is_beam_search):
+        whole = GenerationResult.empty("", config.n, with_logprobs=False)
     with Client(args.target, **client_options(args)) as client:
         prompt = _prompt(args, client)
         options: dict[str, Any] = {"priority": args.priority, "timeout": args.timeout}
         for chunk in client.stream(prompt, config, adapter=args.adapter, **options):
             num_tokens += len(chunk.token_ids)
             last = chunk
+            if whole is not None:
+                whole.add(chunk)
+                continue
             sys.stdout.write(_as_json(chunk) + "\n" if args.json else chunk.text)
             sys.stdout.flush()
+    if whole is not None:
+        print_samples(whole)
     seconds = time.perf_counter() - start
     if not args.json:
         reason = last.finish_reason if last is not None else None
@@ -186,6 +228,23 @@ def _stream(args: argparse.Namespace, config: GenerationConfig) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def print_samples(result: GenerationResult) -> None:
+    """Each of a request's samples whole, under a line naming it (a beam's with its score)."""
+    for completion in result.outputs:
+        print(f"[{_sample_label(completion)}]")
+        print(completion.text)
+
+
+def _sample_label(completion: Completion) -> str:
+    finish = f"finish: {completion.finish_reason}"
+    if completion.beam_score is None:
+        return f"sample {completion.index}, {finish}"
+    return (
+        f"beam {completion.index}: score {completion.beam_score:.4f}, cumulative logprob "
+        f"{completion.cumulative_logprob:.4f}, {len(completion.token_ids)} tokens, {finish}"
+    )
 
 
 def _as_json(chunk: StreamChunk) -> str:

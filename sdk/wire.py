@@ -23,6 +23,9 @@ _DEFAULT_CONFIG = GenerationConfig()
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
 _REPEATED_FIELDS = frozenset({"stop", "stop_token_ids", "choice", "allowed_token_ids", "bad_words"})
 _MAP_FIELDS = frozenset({"logit_bias"})
+#: Fields whose SDK value is a bool or a string and whose wire field a string: their bools
+#: travel as "true" / "false" (`GenerationConfig` reads those back as the bools).
+_BOOL_OR_STRING_FIELDS = frozenset({"early_stopping"})
 
 FINISH_REASONS: dict[FinishReason, pb.FinishReason] = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -55,6 +58,8 @@ def config_to_wire(config: GenerationConfig) -> pb.GenerationConfig:
             getattr(wire, name).extend(value)
         elif name in _MAP_FIELDS:
             getattr(wire, name).update(value)
+        elif name in _BOOL_OR_STRING_FIELDS:
+            setattr(wire, name, str(value).lower())
         else:
             setattr(wire, name, value)
     return wire
@@ -228,4 +233,11 @@ def chunk_from_wire(wire: pb.Chunk) -> StreamChunk:
         usage=usage,
         prompt_logprobs=logprobs_from_wire(wire.prompt_logprobs) if wire.prompt_logprobs else None,
         weight_version=wire.weight_version,
+        cumulative_logprob=_optional(wire, "cumulative_logprob"),
+        beam_score=_optional(wire, "beam_score"),
     )
+
+
+def _optional(wire: pb.Chunk, name: str) -> float | None:
+    """An optional field's value; None when it is unset."""
+    return getattr(wire, name) if wire.HasField(name) else None

@@ -14,6 +14,10 @@ Structured output: `response_format` ``{"type": "json_object"}`` becomes
 its `json_schema` (`_response_format`); vLLM's extra fields `guided_json`, `guided_regex`,
 `guided_choice` and `guided_grammar` map onto json_schema, regex, choice and grammar.
 `logit_bias` (token ids as JSON strings) is the config's own.
+
+Beam search: vLLM's extra fields `num_beams`, `length_penalty` and `early_stopping` (true,
+false or "never") are the config's own too; `n` says how many of the best beams come back,
+as the choices, best first, each whole in the one event a beam search streams per choice.
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ EXTENSION_FIELDS = (
     "allowed_token_ids",
     "bad_words",
     "logit_bias",
+    "num_beams",
+    "length_penalty",
+    "early_stopping",
 )
 #: vLLM's structured-output extensions → the `GenerationConfig` constraint each sets.
 GUIDED_FIELDS = {

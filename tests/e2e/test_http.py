@@ -158,6 +158,23 @@ def test_n_samples_equal_the_grpc_paths(servers, client: openai.OpenAI, model: s
     assert got.usage is not None and got.usage.completion_tokens == generated
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_beam_search_returns_the_n_best_beams_as_the_offline_api_does(
+    client: openai.OpenAI, model: str, offline: LLM, stream: bool
+):
+    config = GenerationConfig(max_tokens=8, temperature=0.0, n=2, num_beams=3)
+    (want,) = offline.generate(PROMPT, config)
+    extra = {"num_beams": 3, "early_stopping": False}
+    got = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, n=2, stream=stream,
+        extra_body=extra,
+    )  # fmt: skip
+    texts = ["", ""]
+    for choice in [c for chunk in got for c in chunk.choices] if stream else got.choices:
+        texts[choice.index] += choice.text
+    assert texts == [o.text for o in want.outputs]  # best first
+
+
 def test_logprobs_equal_the_grpc_paths(servers, client: openai.OpenAI, model: str):
     config = GenerationConfig(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True)
     with Client(servers[1].target) as grpc_client:
@@ -292,6 +309,9 @@ def test_a_streaming_client_that_disconnects_frees_the_workers_blocks(servers, m
         ({"temprature": 0.5}, "temprature"),
         ({"stream": "yes"}, "stream"),
         ({"priority": 1.5}, "priority"),
+        ({"num_beams": 2, "top_p": 0.5}, "top_p"),
+        ({"num_beams": 2, "early_stopping": "soon"}, "early_stopping"),
+        ({"num_beams": 2, "n": 3}, "n"),
     ],
 )
 def test_a_bad_field_is_a_400_naming_it(servers, model: str, fields: dict, param: str):

@@ -1,7 +1,8 @@
 """A client in another language: Node's @grpc/grpc-js, loading only the `.proto` files,
 streams a generation from a real worker and through a router (`make install` installs its
 packages), in plaintext and over TLS with an API key; on `GenerateOne` it sends no
-request_id, as a request built by hand from the `.proto` would."""
+request_id, as a request built by hand from the `.proto` would; a beam search's scores come
+back on its beams' chunks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from headrace.sdk.config import GenerationConfig
@@ -118,3 +120,29 @@ def test_node_client_sends_constraints_and_logit_controls(
         assert [t for c in chunks for t in c["token_ids"]] == want.token_ids  # type: ignore[attr-defined]
         assert "".join(str(c["text"]) for c in chunks) == want.text
     assert want.token_ids == [9] * MAX_TOKENS
+
+
+@pytest.mark.parametrize("server", ["worker", "router"])
+def test_node_client_gets_the_best_beams_with_their_scores(
+    request: pytest.FixtureRequest, offline: LLM, server: str
+) -> None:
+    """num_beams, n and early_stopping (a string on the wire) built by hand from the .proto;
+    each returned beam comes whole in one chunk with its cumulative logprob and score."""
+    target = request.getfixturevalue(server)
+    target = target if isinstance(target, str) else target.target
+    fields = {"num_beams": 3, "n": 2, "length_penalty": 0.5, "early_stopping": "never"}
+    chunks: list[Any] = _node_client(target, "--config", json.dumps({**fields, "temperature": 0}))
+    beams = sorted((c for c in chunks if c["token_ids"]), key=lambda c: c["index"])
+    assert [c["index"] for c in beams] == [0, 1]  # one chunk per beam: nothing streamed before
+    for beam in beams:
+        assert beam["cumulative_logprob"] is not None and beam["cumulative_logprob"] < 0
+        want_score = beam["cumulative_logprob"] / len(beam["token_ids"]) ** 0.5
+        assert beam["beam_score"] == pytest.approx(want_score, rel=1e-4)
+    assert beams[0]["beam_score"] >= beams[1]["beam_score"]  # best first
+    assert chunks[-1]["finished"] is True
+    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **fields)
+    want = offline.generate(PROMPT, config)[0]
+    assert [c["token_ids"] for c in beams] == [o.token_ids for o in want.outputs]
+    assert [c["beam_score"] for c in beams] == pytest.approx(
+        [o.beam_score for o in want.outputs], rel=1e-5
+    )

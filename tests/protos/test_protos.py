@@ -82,3 +82,46 @@ def test_request_round_trip_with_token_ids_and_timeout() -> None:
     parsed = wire.request_from_wire(request)
     assert (parsed.request_id, parsed.prompt, parsed.priority) == ("r1", [1, 2, 3], -2)
     assert (parsed.timeout_s, parsed.model) == (1.25, "m")
+
+
+@pytest.mark.parametrize(("early_stopping", "on_wire"), [(True, "true"), ("never", "never")])
+def test_beam_options_round_trip_with_early_stopping_as_a_string(
+    early_stopping: bool | str, on_wire: str
+) -> None:
+    config = GenerationConfig(
+        temperature=0.0, n=2, num_beams=3, length_penalty=0.5, early_stopping=early_stopping
+    )
+    wired = wire.config_to_wire(config)
+    assert (wired.num_beams, wired.length_penalty, wired.early_stopping) == (3, 0.5, on_wire)
+    assert wire.config_from_wire(wired) == config
+
+
+def test_early_stopping_false_is_the_default_and_its_wire_strings_read_as_bools() -> None:
+    assert not wire.config_to_wire(GenerationConfig(early_stopping=False)).HasField(
+        "early_stopping"
+    )
+    for text, value in (("false", False), ("true", True), ("TRUE", True)):
+        config = wire.config_from_wire(pb.GenerationConfig(early_stopping=text))
+        assert config.early_stopping is value
+
+
+def test_bad_early_stopping_on_the_wire_names_the_field() -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        wire.config_from_wire(pb.GenerationConfig(num_beams=2, early_stopping="sometimes"))
+    assert caught.value.field == "config.early_stopping"
+    assert "sometimes" in str(caught.value)
+
+
+def test_a_beam_option_beams_cannot_honour_is_refused_naming_it() -> None:
+    with pytest.raises(InvalidArgumentError) as caught:
+        wire.config_from_wire(pb.GenerationConfig(num_beams=2, top_p=0.5))
+    assert caught.value.field == "config.top_p"
+
+
+def test_a_beam_chunk_carries_its_scores_and_others_none() -> None:
+    beam = wire.chunk_from_wire(
+        pb.Chunk(request_id="r", index=1, token_ids=[4, 5], cumulative_logprob=-2.5, beam_score=0.0)
+    )
+    assert (beam.index, beam.cumulative_logprob, beam.beam_score) == (1, -2.5, 0.0)
+    plain = wire.chunk_from_wire(pb.Chunk(request_id="r", token_ids=[4]))
+    assert (plain.cumulative_logprob, plain.beam_score) == (None, None)

@@ -312,6 +312,38 @@ def test_requests_with_several_samples_fail_over_as_unavailable():
     assert router.active.num_in_flight == 0
 
 
+def test_a_beam_search_with_several_beams_returned_restarts_whole_on_another_worker():
+    a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
+    router = make_router(a, b)
+    outbox = Outbox()
+    router.admit(make_request("r", prompt="hello", n=2, num_beams=3, early_stopping=True), outbox)
+    # A beam search's only chunk before its end carries no tokens.
+    router.on_response(a, chunk(a, 0, prompt_token_ids=PROMPT_IDS))
+    assert [list(c.token_ids) for c in drain(outbox)] == [[]]
+    b.room = 1
+    router.on_down(a, a.lose())  # type: ignore[arg-type]
+    (restarted,) = b.sent
+    assert restarted.text == "hello" and restarted.num_resumed_tokens == 0
+    assert restarted.config == a.sent[0].config  # num_beams, n and max_tokens untouched
+    beams = [
+        pb.Chunk(request_id=restarted.request_id, index=k, token_ids=[20 + k, 30], text="ab",
+                 finish_reason=pb.FINISH_REASON_LENGTH, cumulative_logprob=-1.0 - k,
+                 beam_score=(-1.0 - k) / 2)
+        for k in range(2)
+    ]  # fmt: skip
+    beams[-1].finished = True
+    beams[-1].usage.CopyFrom(pb.Usage(prompt_tokens=4, generated_tokens=4))
+    router.on_response(b, pb.GenerateResponse(chunks=beams))
+    got = drain(outbox)
+    assert [(c.request_id, c.index, list(c.token_ids)) for c in got] == [
+        ("r", 0, [20, 30]),
+        ("r", 1, [21, 30]),
+    ]
+    assert [(c.cumulative_logprob, c.beam_score) for c in got] == [(-1.0, -0.5), (-2.0, -1.0)]
+    assert got[-1].finished and got[-1].usage.generated_tokens == 4
+    assert not any(c.HasField("error") for c in got)
+
+
 def test_cancel_ends_a_queued_request_here_and_asks_the_worker_for_a_dispatched_one():
     link = FakeLink("a:1", room=1)
     router = make_router(link)

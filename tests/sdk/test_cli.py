@@ -151,3 +151,52 @@ def test_generate_flags_become_constraints_and_logit_controls(tmp_path: Path) ->
     with pytest.raises(InvalidArgumentError) as refused:
         _control_options(bad)
     assert refused.value.field == "logit_bias"
+
+
+def test_generate_beam_flags_become_the_config() -> None:
+    from headrace.sdk.generate import generation_config
+
+    argv = ["generate", "q", "--num-beams", "4", "--n", "2", "--length-penalty", "0.5"]
+    config = generation_config(build_parser().parse_args([*argv, "--early-stopping", "never"]))
+    assert (config.num_beams, config.n, config.length_penalty) == (4, 2, 0.5)
+    assert config.early_stopping == "never" and config.temperature == 0.0
+    for flag, value in (("true", True), ("false", False)):
+        args = build_parser().parse_args([*argv, "--early-stopping", flag])
+        assert generation_config(args).early_stopping is value
+    assert generation_config(build_parser().parse_args(["generate", "q"])).num_beams == 1
+
+
+def test_generate_refuses_a_beam_flag_combination_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from headrace.sdk.errors import InvalidArgumentError
+    from headrace.sdk.generate import generation_config
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "q", "--early-stopping", "soon"])
+    assert "invalid choice: 'soon'" in capsys.readouterr().err
+    args = build_parser().parse_args(["generate", "q", "--num-beams", "2", "--top-p", "0.5"])
+    with pytest.raises(InvalidArgumentError) as refused:
+        generation_config(args)
+    assert refused.value.field == "top_p"
+
+
+def test_generate_prints_each_beam_whole_under_its_score(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from headrace.sdk.generate import print_samples
+    from headrace.sdk.outputs import FinishReason, GenerationResult, SampleDelta
+
+    result = GenerationResult.empty("r", 2, with_logprobs=False)
+    for index, text, logprob in ((0, "red", -1.5), (1, "blue", -2.25)):
+        result.add(
+            SampleDelta(index, [7, 8, 9], text, finish_reason=FinishReason.STOP,
+                        cumulative_logprob=logprob, beam_score=logprob / 3)
+        )  # fmt: skip
+    print_samples(result)
+    assert capsys.readouterr().out.splitlines() == [
+        "[beam 0: score -0.5000, cumulative logprob -1.5000, 3 tokens, finish: stop]",
+        "red",
+        "[beam 1: score -0.7500, cumulative logprob -2.2500, 3 tokens, finish: stop]",
+        "blue",
+    ]

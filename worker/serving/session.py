@@ -198,6 +198,9 @@ class WorkerSession:
                 logprobs=wire.logprobs_to_wire(delta.logprobs),
                 finish_reason=wire.finish_reason_to_wire(delta.finish_reason),
                 weight_version=output.weight_version,
+                # A beam's (None, the non-beam case, leaves them unset).
+                cumulative_logprob=delta.cumulative_logprob,
+                beam_score=delta.beam_score,
             )
             for delta in output.samples
         ] or [pb.Chunk(request_id=request_id, weight_version=output.weight_version)]

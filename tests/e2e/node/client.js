@@ -10,7 +10,9 @@
 // conversation, which the server renders with the model's chat template. --tls-ca speaks
 // TLS trusting that CA, --tls-cert and --tls-key present a client certificate (mTLS),
 // --api-key sends `authorization: Bearer`. --config adds GenerationConfig fields, named as in
-// the .proto (e.g. {"json_schema": "...", "choice": ["a"], "logit_bias": {"9": 100}}).
+// the .proto (e.g. {"json_schema": "...", "choice": ["a"], "logit_bias": {"9": 100}}, or a beam
+// search: {"num_beams": 3, "n": 2, "early_stopping": "never"}). A chunk's optional
+// cumulative_logprob and beam_score (a beam's) print as null when unset.
 // Exits 1 with the status on stderr if the RPC or the request fails.
 'use strict';
 
@@ -38,7 +40,11 @@ function printChunk(chunk) {
     throw new Error(`request failed: code ${chunk.error.code}: ${chunk.error.message}`);
   }
   const { request_id, index, token_ids, text, finish_reason, finished } = chunk;
-  console.log(JSON.stringify({ request_id, index, token_ids, text, finish_reason, finished }));
+  // proto3 optional fields: absent from the decoded object when unset.
+  const cumulative_logprob = chunk.cumulative_logprob ?? null;
+  const beam_score = chunk.beam_score ?? null;
+  const line = { request_id, index, token_ids, text, finish_reason, finished };
+  console.log(JSON.stringify({ ...line, cumulative_logprob, beam_score }));
   return finished;
 }
 

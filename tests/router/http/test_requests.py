@@ -111,6 +111,13 @@ def test_completion_prompts_defaults_and_batches():
         ({"frobnicate": 1}, "frobnicate"),
         ({"priority": True}, "priority"),
         ({"model": 3}, "model"),
+        ({"num_beams": 0}, "num_beams"),
+        ({"num_beams": 2.5}, "num_beams"),
+        ({"num_beams": 2, "n": 3}, "n"),
+        ({"num_beams": 2, "top_p": 0.5}, "top_p"),
+        ({"num_beams": 2, "logprobs": True}, "top_logprobs"),
+        ({"num_beams": 2, "early_stopping": "soon"}, "early_stopping"),
+        ({"num_beams": 2, "length_penalty": "long"}, "length_penalty"),
     ],
 )
 def test_a_bad_chat_field_is_refused_naming_its_param(fields: dict, param: str):
@@ -130,6 +137,8 @@ def test_a_bad_chat_field_is_refused_naming_its_param(fields: dict, param: str):
         ({"prompt": "a", "best_of": 3}, "best_of"),
         ({"prompt": "a", "logprobs": 21}, "logprobs"),
         ({"prompt": "a", "messages": MESSAGES}, "messages"),
+        ({"prompt": "a", "num_beams": 65}, "num_beams"),
+        ({"prompt": "a", "num_beams": 2, "stop": ["x"]}, "stop"),
     ],
 )
 def test_a_bad_completion_field_is_refused_naming_its_param(fields: dict, param: str):
@@ -168,3 +177,16 @@ def test_fields_named_by_the_router_or_a_worker_become_openai_params():
     completion = parse_completion({"prompt": "a"})
     assert completion.param("prompt") == "prompt" and completion.param("config.n") == "n"
     assert completion.param("") is None
+
+
+@pytest.mark.parametrize(
+    ("sent", "early_stopping"), [(True, True), ("never", "never"), (None, False)]
+)
+def test_beam_search_extensions_land_on_the_config(sent: object, early_stopping: object):
+    api = chat(num_beams=4, n=2, length_penalty=0.5, temperature=0, early_stopping=sent)
+    assert api.config == GenerationConfig(
+        max_tokens=CONTEXT, num_beams=4, n=2, length_penalty=0.5, temperature=0.0,
+        early_stopping=early_stopping,
+    )  # fmt: skip
+    completion = parse_completion({"prompt": "a", "num_beams": 3, "early_stopping": "false"})
+    assert (completion.config.num_beams, completion.config.early_stopping) == (3, False)
