@@ -244,7 +244,7 @@ def test_more_continuations_than_the_vocabulary_holds_are_refused(tmp_path):
     """A round keeps (1 + stop tokens) x num_beams continuations; they must exist."""
     engine = Engine(EngineConfig(str(build_checkpoint(tmp_path)), dtype="float32"))
     stops = tuple(range(3, 23))
-    assert 21 * 64 > engine.vocab_size
+    assert engine.vocab_size < 21 * 64
     wide = GenerationConfig(num_beams=64, stop_token_ids=stops)
     with pytest.raises(InvalidArgumentError) as info:
         engine.add_request("wide", [5, 6, 7], wide)
