@@ -7,7 +7,8 @@ prompt, and makes one `Sequence` per sample, each with its own logit controls (i
 place in the constraint). Bad input raises
 `InvalidArgumentError` naming the field and changes nothing. Samples 1..n-1 of a request
 wait (status NEW) until sample 0 has computed the shared prompt, so they find its blocks in
-the prefix cache.
+the prefix cache. A beam search starts as one sequence with its `BeamSearch`; its beams fork
+as the search goes (`engine/beams.py`).
 """
 
 from __future__ import annotations
