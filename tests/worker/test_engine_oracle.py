@@ -249,3 +249,18 @@ def test_warm_up_leaves_outputs_and_blocks_untouched(oracle, backend):
     llm.engine.runner.warm_up(llm.engine.max_model_len)
     assert_all_blocks_free(llm.engine)
     assert [r.token_ids for r in llm.generate(prompts, greedy())] == expected
+
+
+def test_reused_logits_buffers_never_hold_two_steps_at_once(llama):
+    """On a CPU a step's logits land in a ring of reused buffers, one per step that can be in
+    flight: two steps in flight on one rank (each over half the sequences) sample from their
+    own logits, so seeded tokens equal those of one step at a time."""
+    prompts = make_prompts(LLM(str(llama), dtype="float32").engine.vocab_size, seed=11)
+    configs = [seeded(i) for i in range(len(prompts))]
+    one = LLM(str(llama), dtype="float32")
+    assert one.engine.runner.num_logits_buffers == 1
+    expected = [r.token_ids for r in one.generate(prompts, configs)]
+    two = LLM(str(llama), dtype="float32", pipeline_steps_in_flight=2)
+    assert two.engine.runner.num_logits_buffers == 2
+    assert [r.token_ids for r in two.generate(prompts, configs)] == expected
+    assert len(two.engine.runner._logits_buffers) == 2

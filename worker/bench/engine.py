@@ -70,8 +70,8 @@ class _TimedModel:
     def __call__(self, *args: Any) -> Any:
         return self._timed(self._model, *args)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._timed(self._model.compute_logits, hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self._timed(self._model.compute_logits, hidden, out)
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._timed(self._model.compute_greedy, hidden)
@@ -113,6 +113,8 @@ def run_headrace(
         outputs = engine.step()
         now = time.perf_counter()
         report.num_tokens += sum(len(d.token_ids) for o in outputs for d in o.samples)
+        if failed := next((o for o in outputs if o.error is not None), None):
+            raise RuntimeError(f"bench request {failed.request_id} failed: {failed.error}")
         for output in outputs:
             first_token.setdefault(output.request_id, now - start)
         plan = engine.last_step

@@ -108,6 +108,7 @@ def start_executor(
     num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
     runner = ModelRunner(loaded.model, device, dtype, config.block_size, num_blocks)
     runner.lora = lora
+    runner.num_logits_buffers = config.steps_in_flight  # no step's logits outlive the ring
     if device.type == "cuda":
         runner.warm_up(max_model_len)
     return Executor(runner, ParallelConfig())

@@ -51,6 +51,13 @@ class ModelRunner:
         self.weights_offloaded = False
         #: The model's LoRA adapters and slots, when LoRA is enabled.
         self.lora: LoraManager | None = None
+        #: On a CPU, `execute` writes logits into a ring of this many reused buffers (the
+        #: executor sets it to the steps that can be in flight; 0: a new tensor each step).
+        #: Logits of 256 rows of a 49k vocabulary (50 MB) are past glibc's mmap threshold:
+        #: a new tensor's fresh pages cost more than the LM head's matmul (8.6 ms vs 6.9).
+        self.num_logits_buffers = 0
+        self._logits_buffers: list[torch.Tensor] = []
+        self._num_executed = 0
 
     def _new_kv_caches(self) -> list[torch.Tensor]:
         model = self.model
@@ -65,6 +72,7 @@ class ModelRunner:
         """Free the KV cache (its contents are lost) and, with ``offload_weights`` on a GPU,
         move the weights to host memory (in place: every module keeps its parameters)."""
         self.kv_caches = []
+        self._logits_buffers = []
         if offload_weights and self.device.type != "cpu":
             for param in self.model.parameters():
                 param.data = param.data.to("cpu")
@@ -137,7 +145,8 @@ class ModelRunner:
             index = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
             tokens = self.model.compute_greedy(hidden.index_select(0, index))
             return StepResult(batch.sample_chunks, None, sample_token_ids=tokens.tolist())
-        return batch.result(self.compute_logits(hidden, batch.logit_rows))
+        rows = batch.logit_rows
+        return batch.result(self.compute_logits(hidden, rows, self._logits_buffer(len(rows))))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer (copy-on-write of shared
@@ -156,12 +165,28 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, carry
         )
 
-    def compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    def compute_logits(
+        self, hidden: torch.Tensor, rows: list[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """[len(rows), V] float32 logits of the given rows of the last stage's output."""
         if not rows:
             return None
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index))
+        return self.model.compute_logits(hidden.index_select(0, index), out)
+
+    def _logits_buffer(self, num_rows: int) -> torch.Tensor | None:
+        """The next buffer of the ring (see `num_logits_buffers`) as [num_rows, V], or None."""
+        if not self.num_logits_buffers or not num_rows or self.device.type != "cpu":
+            return None
+        slot = self._num_executed % self.num_logits_buffers
+        self._num_executed += 1
+        buffers = self._logits_buffers
+        if slot == len(buffers):
+            buffers.append(torch.empty(0, self.model.vocab_size))
+        if buffers[slot].shape[0] < num_rows:
+            rows = max(num_rows, 2 * buffers[slot].shape[0])
+            buffers[slot] = torch.empty(rows, self.model.vocab_size)
+        return buffers[slot][:num_rows]
 
     def prepare(self, chunks: list[ScheduledChunk]) -> PreparedBatch:
         """The batch of ``chunks`` (decodes first), with the rows whose logits are needed."""

@@ -79,7 +79,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+    def forward(  # [N, hidden] -> [N, vocab]
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 logits; into ``out`` ([N, vocab] float32) where it can (one rank, float32)."""
+        float32 = hidden.dtype == self.weight.dtype == torch.float32
+        if out is not None and self.parallel.is_single and float32:
+            return torch.mm(hidden, self.weight[: self.num_embeddings].t(), out=out)
         logits = linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
         logits = all_gather(logits, self.parallel)  # [N, padded vocab]
         return logits[:, : self.num_embeddings].float()

@@ -251,10 +251,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # last stage: [T, hidden], final norm applied; else [2, T, hidden]
         return self.model(input_ids, positions, kv_caches, attn_metadata, carry)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        """float32 logits over the true vocabulary (last stage only)."""
+    def compute_logits(  # [N, hidden] -> [N, V]
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 logits over the true vocabulary (last stage only), into ``out`` where the
+        LM head can write there."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, out)
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
         """Each row's greedy token: the argmax of `compute_logits` (one rank only)."""
