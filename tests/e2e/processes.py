@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,6 +18,7 @@ __all__ = [
     "load_report",
     "start_router",
     "start_worker",
+    "two_workers_behind_a_router",
     "wait_all_blocks_free",
     "wait_serving",
 ]
@@ -23,6 +26,20 @@ __all__ = [
 
 def start_worker(model: Path | str, log_dir: Path, *extra: str) -> ServerProcess:
     return launch.start_worker(model, *extra, log_path=log_dir / "worker.log")
+
+
+@contextlib.contextmanager
+def two_workers_behind_a_router(
+    model: Path | str, tmp_path: Path
+) -> Iterator[tuple[ServerProcess, ServerProcess, ServerProcess]]:
+    """(router, worker a, worker b), serving; logs in tmp_path/a, tmp_path/b and
+    tmp_path/router.log (a failover test kills b and reads the router's log)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = start_worker(model, tmp_path / "a"), start_worker(model, tmp_path / "b")
+    with a, b, start_router([a.target, b.target], log_path=tmp_path / "router.log") as router:
+        assert wait_serving(router.target)
+        yield router, a, b
 
 
 def load_report(target: str) -> worker_pb2.LoadReport:

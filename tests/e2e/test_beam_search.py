@@ -23,7 +23,12 @@ from headrace.sdk.launch import start_router
 from headrace.sdk.outputs import GenerationResult
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import ServerProcess, load_report, start_worker, wait_serving
+from tests.e2e.processes import (
+    ServerProcess,
+    load_report,
+    two_workers_behind_a_router,
+    wait_serving,
+)
 
 PROMPTS = ["the quick brown fox", "a story about the sea"]
 CONFIGS = {
@@ -133,18 +138,15 @@ def test_a_beam_search_whose_worker_dies_restarts_whole_elsewhere(
     config = GenerationConfig(max_tokens=300, temperature=0.0, n=2, num_beams=4, ignore_eos=True)
     prompts = [f"beams across a failover {i}" for i in range(4)]
     want = offline.generate(prompts, config)
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a, b = start_worker(tiny_model, tmp_path / "a"), start_worker(tiny_model, tmp_path / "b")
-    log_path = tmp_path / "router.log"
-    with a, b, start_router([a.target, b.target], log_path=log_path) as router:
-        assert wait_serving(router.target)
+    with two_workers_behind_a_router(tiny_model, tmp_path) as (router, _, b):
         got = asyncio.run(_generate_and_kill(router.target, b, prompts, config))
     assert [[o.token_ids for o in r.outputs] for r in got] == [
         [o.token_ids for o in r.outputs] for r in want
     ]
     assert all(o.beam_score is not None for r in got for o in r.outputs)
-    assert "resuming request" in log_path.read_text()  # b's searches really moved to a
+    assert (
+        "resuming request" in (tmp_path / "router.log").read_text()
+    )  # b's searches really moved to a
 
 
 async def _generate_and_kill(

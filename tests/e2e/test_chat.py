@@ -24,7 +24,7 @@ from headrace.sdk.launch import ServerProcess, start_router
 from headrace.sdk.prompts import Chat
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import load_report, start_worker, wait_serving
+from tests.e2e.processes import load_report, start_worker, two_workers_behind_a_router, wait_serving
 from tests.e2e.test_node_client import NODE_DIR
 from tests.factories import cached_checkpoint
 
@@ -90,12 +90,7 @@ def test_a_chat_request_fails_over_exactly(chat_model, chat_offline, tmp_path) -
     long = GenerationConfig(max_tokens=120, temperature=0.0, ignore_eos=True)
     conversations = [[{"role": "user", "content": f"Tell tale number {i}"}] for i in range(12)]
     want = [r.token_ids for r in chat_offline.chat(conversations, long)]
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = start_worker(chat_model, tmp_path / "a")
-    b = start_worker(chat_model, tmp_path / "b")
-    with a, b, start_router([a.target, b.target], log_path=tmp_path / "router.log") as router:
-        assert wait_serving(router.target)
+    with two_workers_behind_a_router(chat_model, tmp_path) as (router, _, b):
         got = asyncio.run(_kill_mid_stream(router.target, b, conversations, long))
     assert got == want
     assert "resuming request" in (tmp_path / "router.log").read_text()

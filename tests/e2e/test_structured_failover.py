@@ -15,11 +15,11 @@ import pytest
 from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
-from headrace.sdk.launch import ServerProcess, start_router
+from headrace.sdk.launch import ServerProcess
 from headrace.sdk.outputs import FinishReason
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import load_report, start_worker, wait_serving
+from tests.e2e.processes import load_report, two_workers_behind_a_router
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,18 +48,15 @@ def test_a_constrained_stream_survives_a_worker_kill(
     prompts = [f"constrained failover {i}" for i in range(NUM_STREAMS)]
     configs = _configs()
     want = [r.token_ids for r in offline.generate(prompts, configs)]  # type: ignore[arg-type]
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a, b = start_worker(tiny_model, tmp_path / "a"), start_worker(tiny_model, tmp_path / "b")
-    log_path = tmp_path / "router.log"
-    with a, b, start_router([a.target, b.target], log_path=log_path) as router:
-        assert wait_serving(router.target)
+    with two_workers_behind_a_router(tiny_model, tmp_path) as (router, _, b):
         got, texts, reasons = asyncio.run(_stream_and_kill(router, b, prompts, configs))
     assert got == want
     for text in texts:
         jsonschema.validate(json.loads(text), WORDS)
     assert reasons == [FinishReason.STOP] * NUM_STREAMS
-    assert "resuming request" in log_path.read_text()  # b's streams really moved to a
+    assert (
+        "resuming request" in (tmp_path / "router.log").read_text()
+    )  # b's streams really moved to a
 
 
 async def _stream_and_kill(
