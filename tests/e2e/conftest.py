@@ -27,6 +27,15 @@ def worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="session")
+def router(worker: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A router in front of the shared worker: its target."""
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    with start_router([worker.target], log_path=log) as process:
+        assert wait_serving(process.target)
+        yield process.target
+
+
+@pytest.fixture(scope="session")
 def offline(tiny_model: Path) -> LLM:
     """The in-process API over the same checkpoint: the reference for what gRPC returns."""
     return LLM(str(tiny_model))

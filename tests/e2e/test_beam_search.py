@@ -9,7 +9,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,7 +18,6 @@ from headrace.protos import generation_pb2_grpc
 from headrace.sdk import wire
 from headrace.sdk.client import AsyncClient, Client
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.launch import start_router
 from headrace.sdk.outputs import GenerationResult
 from headrace.worker.engine.llm import LLM
 
@@ -27,7 +25,6 @@ from tests.e2e.processes import (
     ServerProcess,
     load_report,
     two_workers_behind_a_router,
-    wait_serving,
 )
 
 PROMPTS = ["the quick brown fox", "a story about the sea"]
@@ -37,14 +34,6 @@ CONFIGS = {
         max_tokens=10, n=3, num_beams=4, length_penalty=-0.5, early_stopping="never"
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def router(worker: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("beam-router") / "router.log"
-    with start_router([worker.target], log_path=log) as process:
-        assert wait_serving(process.target)
-        yield process.target
 
 
 def _target(request: pytest.FixtureRequest, server: str) -> str:

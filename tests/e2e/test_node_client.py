@@ -9,16 +9,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.launch import start_router
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import ServerProcess, wait_serving
 from tests.e2e.security import CLIENT_KEY, ROUTER_KEY, Pki
 
 NODE_DIR = Path(__file__).parent / "node"
@@ -44,14 +41,6 @@ def _run_node_client(target: str, *mode: str) -> subprocess.CompletedProcess[str
         text=True,
         timeout=60,
     )
-
-
-@pytest.fixture(scope="module")
-def router(worker: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("node-router") / "router.log"
-    with start_router([worker.target], log_path=log) as process:
-        assert wait_serving(process.target)
-        yield process.target
 
 
 @pytest.mark.parametrize("mode", [[], ["--one"]], ids=["Generate", "GenerateOne"])
