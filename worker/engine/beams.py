@@ -22,8 +22,7 @@ from headrace.worker.engine.intake import EngineRequest
 from headrace.worker.execution.batch import StepResult
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.sampling.ops import select_rows
-from headrace.worker.sampling.penalties import apply_bans, apply_penalties
-from headrace.worker.sampling.sampler import Sampler, SamplerOutput, has_penalty
+from headrace.worker.sampling.sampler import Sampler, SamplerOutput, apply_history
 from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import Sequence
@@ -32,15 +31,7 @@ from headrace.worker.sequence import Sequence
 def beam_logprobs(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
     """[B, V] next-token logprobs of beam rows: log-softmax of the raw logits, then the
     penalties and bans (transformers applies its processors to the logprobs)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1).contiguous()
-    rows = range(len(seqs))
-    penalty_rows = [r for r in rows if has_penalty(seqs[r].config)]
-    ngram_rows = [r for r in rows if seqs[r].config.no_repeat_ngram_size]
-    min_tokens_rows = [r for r in rows if seqs[r].config.min_tokens > seqs[r].num_output_tokens]
-    apply_penalties(logprobs, seqs, penalty_rows)
-    if ngram_rows or min_tokens_rows:
-        apply_bans(logprobs, seqs, ngram_rows, min_tokens_rows)
-    return logprobs
+    return apply_history(torch.log_softmax(logits.float(), dim=-1), seqs)
 
 
 @dataclass(slots=True)
@@ -65,7 +56,8 @@ def pick(result: StepResult, sampler: Sampler) -> StepPicks:
         return StepPicks(chunks, sampler(logits, [c.seq for c in chunks]))
     beam_chunks = [chunks[i] for i in beam_rows]
     logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
-    rows = [i for i in range(len(chunks)) if i not in set(beam_rows)]
+    beam_row_set = set(beam_rows)
+    rows = [i for i in range(len(chunks)) if i not in beam_row_set]
     picks = StepPicks(
         [chunks[i] for i in rows], None, list(zip(beam_chunks, logprobs, strict=True))
     )

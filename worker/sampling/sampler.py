@@ -43,7 +43,7 @@ def is_plain_greedy(seq: Sequence) -> bool:
         and config.num_beams == 1
         and seq.controls is None
         and config.logprobs is None
-        and not has_penalty(config)
+        and not _has_penalty(config)
         and not config.no_repeat_ngram_size
         and not (config.min_tokens > seq.num_output_tokens and seq.stop_token_ids)
     )
@@ -161,7 +161,7 @@ class _Plan:
         for row, seq in enumerate(seqs):
             config = seq.config
             (plan.greedy_rows if config.is_greedy else plan.sample_rows).append(row)
-            if has_penalty(config):
+            if _has_penalty(config):
                 plan.penalty_rows.append(row)
             if config.no_repeat_ngram_size:
                 plan.ngram_rows.append(row)
@@ -183,12 +183,18 @@ class _Plan:
         return not (self.sample_rows or self.needs_history or self.logprob_rows)
 
 
-def has_penalty(config: GenerationConfig) -> bool:
+def _has_penalty(config: GenerationConfig) -> bool:
     return (
         config.repetition_penalty != 1.0
         or config.presence_penalty != 0.0
         or config.frequency_penalty != 0.0
     )
+
+
+def apply_history(x: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
+    """x ([B, V], row i of seqs[i]) after the penalties, bans and logit controls its rows
+    need (stage 1 and 2 above): a copy where any apply, else x itself."""
+    return _apply_history(x, seqs, _Plan.of(seqs))
 
 
 def _apply_history(

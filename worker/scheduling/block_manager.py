@@ -121,8 +121,12 @@ class BlockManager:
     # --- allocation ---------------------------------------------------------------------
 
     def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        return self._num_appended(seq, num_new_tokens) + self._must_copy(seq)
+
+    def _num_appended(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to append so that num_new_tokens more computed tokens fit."""
         total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_ids)) + self._must_copy(seq)
+        return max(0, total - len(seq.block_ids))
 
     def _must_copy(self, seq: Sequence) -> bool:
         """Whether the block that seq's next token goes into is shared (copy it first)."""
@@ -150,15 +154,14 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append enough fresh blocks to hold num_new_tokens more computed tokens."""
-        num_new = self.num_new_blocks_needed(seq, num_new_tokens)
-        assert num_new <= len(self.free_queue), "caller must check can_allocate first"
-        if self._must_copy(seq):  # (in place: the runner's block table sees the change)
+        copy, num_new = self._must_copy(seq), self._num_appended(seq, num_new_tokens)
+        assert copy + num_new <= len(self.free_queue), "caller must check can_allocate first"
+        if copy:  # (in place: the runner's block table sees the change)
             index = seq.num_computed_tokens // self.block_size
             shared, own = seq.block_ids[index], self._take_free()
             self.ref_counts[shared] -= 1
             seq.block_ids[index] = own
             self._copies.append((shared, own))
-            num_new -= 1
         for _ in range(num_new):
             seq.block_ids.append(self._take_free())
 
