@@ -111,9 +111,14 @@ class LoraManager:
         self._slots.pop(name, None)  # the slot is free; its contents are overwritten on reuse
 
     def _target(self, module: str) -> tuple[LinearLora | None, ShardId]:
+        layer_name, shard_id = self._fused_name(module)
+        return self.layers.get(layer_name), shard_id
+
+    def _fused_name(self, module: str) -> tuple[str, ShardId]:
+        """The model's (fused) module that a checkpoint module is part of, and which part."""
         parent, _, leaf = module.rpartition(".")
         fused, shard_id = self.packed_modules.get(leaf, (leaf, None))
-        return self.layers.get(f"{parent}.{fused}"), shard_id
+        return f"{parent}.{fused}", shard_id
 
     def _cache(self, adapter: LoraAdapter) -> None:
         self._host[adapter.name] = adapter
@@ -168,9 +173,8 @@ class LoraManager:
         adapter = self._host_copy(name)
         per_layer: dict[str, dict[ShardId, tuple[torch.Tensor, torch.Tensor]]] = {}
         for module, pair in adapter.weights.items():
-            parent, _, leaf = module.rpartition(".")
-            fused, shard_id = self.packed_modules.get(leaf, (leaf, None))
-            per_layer.setdefault(f"{parent}.{fused}", {})[shard_id] = pair
+            layer_name, shard_id = self._fused_name(module)
+            per_layer.setdefault(layer_name, {})[shard_id] = pair
         for layer_name, layer in self.layers.items():
             layer.set_slot(slot, per_layer.get(layer_name, {}), adapter.scaling)
         self._slots[name] = slot
