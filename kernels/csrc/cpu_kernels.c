@@ -12,7 +12,8 @@
      greedy LM head's vocabulary slices), kept running.
    - sample_rows: one seeded draw per row from softmax(logits / T), truncated by min-p and
      top-p: a Gumbel-max race with counter-based noise, whose logs are taken only for the
-     tokens that could still win, then the top-p test on the best few.
+     tokens that could still win, then the top-p test on the best few. About 1 ns per token
+     on one core (AVX-512), 3.8 ms for 256 rows of a 49k vocabulary on two.
 
    Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention computes in float32 whatever the storage
    dtype (softmax statistics, scores and the weighted sum of V all in float32).
@@ -137,6 +138,26 @@ static inline v16 exp_nonpositive(v16 x) {
     p = p * r * r + r + 1.0f;
     v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
     return p * (v16)bits;
+}
+
+/* 2**t per lane for t <= 0 (below -126 gives 2**-126, not 0; the caller masks what must be
+   0): a degree-5 polynomial of 2**f, f = t - round(t), within 2.4e-7 relative (fitted here,
+   minimax on [-1/2, 1/2]), scaled by 2**round(t) in one instruction where there is AVX-512. */
+static inline v16 exp2_nonpositive(v16 t) {
+#ifdef __AVX512F__
+    const __m512 x = _mm512_max_ps((__m512)t, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const v16 f = (v16)_mm512_sub_ps(x, n);
+    v16 p = splat(1.327647129073739e-3f);
+    p = p * f + 9.675540961325169e-3f;
+    p = p * f + 5.550713092088699e-2f;
+    p = p * f + 2.4022120237350464e-1f;
+    p = p * f + 6.931469440460205e-1f;
+    p = p * f + 1.0000001192092896f;
+    return (v16)_mm512_scalef_ps((__m512)p, n);
+#else
+    return exp_nonpositive(t * 0.6931471805599453f);
+#endif
 }
 
 /* ---- paged attention ---------------------------------------------------------------------- */
@@ -514,9 +535,9 @@ void headrace_argmax_update(const float *x, int64_t num_rows, int64_t num_cols,
 typedef uint32_t v16w __attribute__((vector_size(64)));
 
 /* The noise hash of token ids under a row key (multiplier, offset): a Weyl sequence, then
-   xorshift-multiply rounds, all mod 2**32 (headrace.worker.sampling.draw.gumbel_noise). */
-static inline v16w token_hash(v16w token, uint32_t multiplier, uint32_t offset) {
-    v16w h = token * multiplier + offset;
+   xorshift-multiply rounds, all mod 2**32 (headrace.worker.sampling.draw.gumbel_noise).
+   `mix` is the rounds, of weyl = token * multiplier + offset. */
+static inline v16w mix(v16w h) {
     h ^= h >> 16;
     h *= 0x21F0AAADu;
     h ^= h >> 15;
@@ -543,15 +564,31 @@ static inline uint32_t lane_bits(v16i mask) {
 #endif
 }
 
+/* Bit k set where lane k of a is below lane k of b (false for NaN). */
+static inline uint32_t lanes_below(v16 a, v16 b) {
+#ifdef __AVX512F__
+    return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_LT_OQ);
+#else
+    return lane_bits(a < b);
+#endif
+}
+
+/* Lane-wise max of x and best, best where x is NaN. */
+static inline v16 max_lanes(v16 x, v16 best) {
+#ifdef __AVX512F__
+    return (v16)_mm512_max_ps((__m512)x, (__m512)best);
+#else
+    return select_lanes(x > best, x, best);
+#endif
+}
+
 /* The race keeps this many best (score, token) pairs: the first top-p keeps is the draw. */
 #define MAX_CANDIDATES 8
-/* Slack on the bound that skips the logs (covers float rounding of weights and 1 - u). */
-#define SKIP_SLACK 1.001f
-
-typedef struct {
-    float *scaled;  /* [V padded] logits / T (NaN as -inf), pad lanes -inf */
-    float *weights; /* [V padded] exp(scaled - max): 0 for -inf */
-} SampleScratch;
+/* The race prefetches this far ahead in a row: its first read of the logits, from memory (the
+   hardware prefetcher stops at 4 KiB pages). Measured: race 7.8 -> 5.7 ms on one core. */
+#define PREFETCH_FLOATS 1024
+/* Blocks whose weights are summed in float lanes before the sum moves to double. */
+#define SUM_BLOCKS 64
 
 /* 16 floats from [first, first + 16), missing lanes as fill. */
 static inline v16 load_block(const float *row, int64_t first, int64_t vocab, float fill) {
@@ -561,27 +598,14 @@ static inline v16 load_block(const float *row, int64_t first, int64_t vocab, flo
     return out;
 }
 
-/* Scale and weigh the row; sum all weights (top-p's denominator). Returns the row's max. */
-static float weigh_row(const float *logits, int64_t vocab, float temperature, SampleScratch *s,
-                       double *all_total) {
-    const int64_t num_blocks = (vocab + LANES - 1) / LANES;
-    v16 best_lanes = splat(-INFINITY);
-    for (int64_t b = 0; b < num_blocks; b++) {
-        v16 x = load_block(logits, b * LANES, vocab, -INFINITY) / temperature;
-        x = select_lanes(x == x, x, splat(-INFINITY)); /* a NaN logit can never be drawn */
-        *(v16 *)(s->scaled + b * LANES) = x;
-        best_lanes = select_lanes(x > best_lanes, x, best_lanes);
+/* The row's largest logit, NaN ignored (-inf when every logit is -inf or NaN). */
+static float row_max(const float *logits, int64_t vocab) {
+    v16 best = splat(-INFINITY);
+    for (int64_t first = 0; first < vocab; first += LANES) {
+        const v16 x = load_block(logits, first, vocab, -INFINITY);
+        best = select_lanes(x > best, x, best);
     }
-    const float best = hmax(best_lanes);
-    double all = 0.0;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const v16 x = *(const v16 *)(s->scaled + b * LANES);
-        const v16 w = select_lanes(x == -INFINITY, splat(0.0f), exp_nonpositive(x - best));
-        *(v16 *)(s->weights + b * LANES) = w;
-        all += hsum(w);
-    }
-    *all_total = all;
-    return best;
+    return hmax(best);
 }
 
 typedef struct {
@@ -606,95 +630,170 @@ static void candidates_add(Candidates *c, float score, int64_t token) {
     if (c->count < MAX_CANDIDATES) c->count++;
 }
 
-/* The Gumbel race over the tokens min-p keeps: the best MAX_CANDIDATES of scaled + noise.
-   Noise is a log of a log; most tokens provably lose without it. A token of weight w
-   (= exp(scaled - max)) beats score t only if -log(-log u) > t - scaled, which needs
-   1 - u < exp(scaled - t) = w * exp(max - t) (as -log u >= 1 - u): the hash alone rules
-   out the rest. */
-static void gumbel_race(const SampleScratch *s, int64_t vocab, float best, float min_p,
-                        const int64_t *key, Candidates *c) {
-    const uint32_t multiplier = (uint32_t)key[0], offset = (uint32_t)key[1];
-    const int64_t num_blocks = (vocab + LANES - 1) / LANES;
-    v16w lane_ids;
-    for (int k = 0; k < LANES; k++) lane_ids[k] = (uint32_t)k;
-    float reach = INFINITY; /* exp(max - the last candidate's score), once there are enough */
-    c->count = 0;
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const v16 w = *(const v16 *)(s->weights + b * LANES);
-        v16i live = (w > 0.0f) & (w >= min_p);
-        if (reach < INFINITY) {
-            const v16w h = token_hash(lane_ids + (uint32_t)(b * LANES), multiplier, offset);
-            const v16 one_minus_u = (__builtin_convertvector(~h, v16) + 0.5f) * 0x1p-32f;
-            live &= one_minus_u < w * (reach * SKIP_SLACK);
-        }
-        for (uint32_t bits = lane_bits(live); bits; bits &= bits - 1) {
-            const int64_t token = b * LANES + __builtin_ctz(bits);
-            const uint32_t h = token_hash(lane_ids * 0 + (uint32_t)token, multiplier, offset)[0];
-            const float score = s->scaled[token] + gumbel_of(h);
-            candidates_add(c, score, token);
-            if (c->count == MAX_CANDIDATES) {
-                reach = (float)exp((double)best - (double)c->score[MAX_CANDIDATES - 1]);
-            }
-        }
-    }
+typedef struct {
+    const float *logits; /* the row */
+    int64_t vocab;
+    float temperature;
+    float min_logit;             /* min-p drops tokens below it (-inf: no min-p) */
+    uint32_t multiplier, offset; /* the row's noise key */
+} SampleRow;
+
+/* The race's bound on 16 lanes: token x (hash h) can beat the race's threshold t only where
+   bits(f) < x * k1 + k0, f = (float)(~h >> 8) and bits(f) its float32 bits as a number.
+   Why: x / T + g beats t, g = -log(-log u), only if -log u < exp(x / T - t), which needs
+   1 - u < exp(x / T - t) (as -log u >= 1 - u), i.e. log2(1 - u) < (x / T - t) log2(e). And
+   1 - u = (~h + 0.5) / 2**32 has log2(1 - u) >= log2(f) - 24 >= bits(f) / 2**23 - 151
+   (f exact below 2**24; log2(1 + m) >= m on [0, 1]), within 0.09 of it where ~h >= 256. */
+typedef struct {
+    float k1, k0;
+} RaceBound;
+
+static RaceBound race_bound(float temperature, float threshold) {
+    if (threshold == -INFINITY) return (RaceBound){0.0f, INFINITY};
+    /* Slack in natural-log units for the float rounding of x / T, g, their sum and the
+       bound's own arithmetic (relative to the scores' magnitude, which is |t| + 23 at most
+       for a token that can win: g < 23 for every 32-bit u). */
+    const double slack = 1e-3 + 1e-6 * (fabs((double)threshold) + 32.0);
+    const double log2e = 1.4426950408889634, scale = 8388608.0; /* 2**23 */
+    return (RaceBound){(float)(log2e * scale / temperature),
+                       (float)((151.0 - ((double)threshold - slack) * log2e) * scale)};
 }
 
-/* Whether top-p keeps token j: the probability of the tokens no more likely than it exceeds
-   floor = 1 - top_p (HF's rule: drop the ascending prefix whose cumulative probability is
-   <= 1 - top_p, never the most likely token). */
-static int top_p_keeps(const SampleScratch *s, int64_t vocab, int64_t j, float best,
-                       double all_total, float floor) {
-    const float x = s->scaled[j];
-    if (floor <= 0.0f || x == best) return 1;
-    double mass = 0.0;
-    const int64_t num_blocks = (vocab + LANES - 1) / LANES;
-    for (int64_t b = 0; b < num_blocks; b += LANES) {
-        v16 block = splat(0.0f);
-        for (int64_t k = b; k < b + LANES && k < num_blocks; k++) {
-            const v16 scaled = *(const v16 *)(s->scaled + k * LANES);
-            const v16 w = *(const v16 *)(s->weights + k * LANES);
-            block += select_lanes(scaled <= x, w, splat(0.0f));
+/* Where the race's scan stands in a row. */
+typedef struct {
+    int64_t first; /* the next block's first token */
+    v16w weyl;     /* token * multiplier + offset of that block's tokens */
+    v16 best;      /* the largest logit per lane so far (NaN ignored) */
+} RaceScan;
+
+/* Scan blocks until one has a token the bound lets in (min-p's too): returns its lanes' bits
+   and noise hashes, the scan then standing at that block (0 at the row's end). No calls in
+   the loop, so its vectors stay in registers. */
+static inline uint32_t scan_to_next_entrant(const SampleRow *row, RaceBound bound, RaceScan *scan,
+                                            v16w *hash) {
+    const int64_t vocab = row->vocab;
+    const uint32_t weyl_step = LANES * row->multiplier;
+    const v16 k1 = splat(bound.k1), k0 = splat(bound.k0), min_logit = splat(row->min_logit);
+    int64_t first = scan->first;
+    v16w weyl = scan->weyl;
+    v16 best = scan->best;
+    uint32_t bits = 0;
+    for (; first < vocab; first += LANES, weyl += weyl_step) {
+        __builtin_prefetch(row->logits + first + PREFETCH_FLOATS);
+        const v16 x = load_block(row->logits, first, vocab, -INFINITY);
+        best = max_lanes(x, best);
+        const v16w h = mix(weyl);
+        const v16 f = __builtin_convertvector((v16i)((~h) >> 8), v16);
+        const v16 f_bits = __builtin_convertvector((v16i)f, v16);
+        bits = lanes_below(f_bits, x * k1 + k0) & ~lanes_below(x, min_logit);
+        if (bits) {
+            *hash = h;
+            break;
         }
-        mass += hsum(block);
     }
-    return (float)(mass / all_total) > floor;
+    scan->first = first;
+    scan->weyl = weyl;
+    scan->best = best;
+    return bits;
+}
+
+/* The race, one pass over the row: the best MAX_CANDIDATES of x / T + Gumbel noise over the
+   tokens min-p keeps, each token's noise a log of a log taken only where `race_bound` says it
+   could still enter the best. Returns the row's largest logit (NaN ignored). */
+static float race(const SampleRow *row, Candidates *c) {
+    RaceScan scan = {0, {0}, splat(-INFINITY)};
+    for (int k = 0; k < LANES; k++) scan.weyl[k] = (uint32_t)k * row->multiplier + row->offset;
+    RaceBound bound = race_bound(row->temperature, -INFINITY);
+    c->count = 0;
+    v16w h;
+    for (uint32_t bits; (bits = scan_to_next_entrant(row, bound, &scan, &h));) {
+        for (; bits; bits &= bits - 1) {
+            const int64_t token = scan.first + __builtin_ctz(bits);
+            const float scaled = row->logits[token] / row->temperature;
+            candidates_add(c, scaled + gumbel_of(h[__builtin_ctz(bits)]), token);
+            if (c->count == MAX_CANDIDATES) {
+                bound = race_bound(row->temperature, c->score[MAX_CANDIDATES - 1]);
+            }
+        }
+        scan.first += LANES;
+        scan.weyl += LANES * row->multiplier;
+    }
+    return hmax(scan.best);
+}
+
+/* The largest logit x with x / T <= bound in float division (monotone in x), from x0 whose
+   x0 / T is bound: token x <= it exactly when x / T <= bound, without dividing every token.
+   NAN when T is so large that the search would be long. */
+static float largest_logit_at_most(float x0, float temperature, float bound) {
+    float x = x0;
+    for (int steps = 0; steps < 4096; steps++) {
+        const float next = nextafterf(x, INFINITY);
+        if (!(next / temperature <= bound)) return x;
+        x = next;
+    }
+    return NAN;
+}
+
+/* Whether top-p keeps token j (1, or 0; -1: T too large to tell here): the probability of
+   the tokens no more likely than it (x / T <= x_j / T) exceeds floor = 1 - top_p (HF's rule:
+   drop the ascending prefix whose cumulative probability is <= 1 - top_p, never the most
+   likely token). Weights exp((x - max) / T), summed in float lanes, then in double. */
+static int top_p_keeps(const SampleRow *row, float max_logit, int64_t j, float floor) {
+    const float scaled = row->logits[j] / row->temperature;
+    if (floor <= 0.0f || scaled == max_logit / row->temperature) return 1;
+    const float limit = largest_logit_at_most(row->logits[j], row->temperature, scaled);
+    if (limit != limit) return -1;
+    const v16 top = splat(max_logit), bound = splat(limit);
+    const float log2e_over_t = 1.4426950408889634f / row->temperature;
+    double mass = 0.0, total = 0.0;
+    v16 partial_mass = splat(0.0f), partial_total = splat(0.0f);
+    for (int64_t b = 0, first = 0; first < row->vocab; b++, first += LANES) {
+        const v16 x = load_block(row->logits, first, row->vocab, -INFINITY);
+        const v16 w = select_lanes(x > -INFINITY, exp2_nonpositive((x - top) * log2e_over_t),
+                                   splat(0.0f));
+        partial_total += w;
+        partial_mass += select_lanes(x <= bound, w, splat(0.0f));
+        if ((b + 1) % SUM_BLOCKS == 0) {
+            total += hsum(partial_total);
+            mass += hsum(partial_mass);
+            partial_total = partial_mass = splat(0.0f);
+        }
+    }
+    total += hsum(partial_total);
+    mass += hsum(partial_mass);
+    return (float)(mass / total) > floor;
 }
 
 /* One token per row: out[r] = argmax of (logits / T + Gumbel noise) over the tokens top-k
-   (already -inf), top-p and min-p keep, or -1 when none of the race's best MAX_CANDIDATES is
-   in the top-p set (the caller then races the row whole, in torch). keys [rows, 2]. */
+   (already -inf), top-p and min-p keep; -1 when none of the race's best MAX_CANDIDATES is in
+   the top-p set, a logit is +inf or T is huge (the caller then races the row whole, in
+   torch). keys [rows, 2]. One pass over a row races; another weighs it for top-p's test of
+   the winner, unless that is the most likely token (min-p's threshold takes one more, first). */
 void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
                           const float *temperature, const float *top_p_floor, const float *min_p,
                           const int64_t *keys, int64_t *out) {
-#pragma omp parallel if (num_rows > 1)
-    {
-        const int64_t num_blocks = (vocab + LANES - 1) / LANES;
-        const size_t padded = (size_t)num_blocks * LANES * sizeof(float);
-        SampleScratch s;
-        s.scaled = aligned_alloc(64, padded);
-        s.weights = aligned_alloc(64, padded);
-        const int ok = s.scaled && s.weights;
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t r = 0; r < num_rows; r++) {
-            out[r] = -1;
-            if (!ok) continue;
-            double all_total;
-            const float best = weigh_row(logits + r * row_stride, vocab, temperature[r], &s, &all_total);
-            if (best == -INFINITY) { /* every token removed (bans): nothing to race */
-                out[r] = 0;
-                continue;
-            }
-            Candidates c;
-            gumbel_race(&s, vocab, best, min_p[r], keys + 2 * r, &c);
-            for (int k = 0; k < c.count; k++) {
-                if (top_p_keeps(&s, vocab, c.token[k], best, all_total, top_p_floor[r])) {
-                    out[r] = c.token[k];
-                    break;
-                }
+#pragma omp parallel for schedule(dynamic, 4) if (num_rows > 1)
+    for (int64_t r = 0; r < num_rows; r++) {
+        SampleRow row = {logits + r * row_stride, vocab, temperature[r], -INFINITY,
+                         (uint32_t)keys[2 * r], (uint32_t)keys[2 * r + 1]};
+        if (min_p[r] > 0.0f) { /* p >= min_p * p_max: x >= max + T log(min_p) */
+            row.min_logit = row_max(row.logits, vocab) + temperature[r] * logf(min_p[r]);
+        }
+        Candidates c;
+        const float max_logit = race(&row, &c);
+        out[r] = -1;
+        if (max_logit == INFINITY) continue;
+        if (max_logit == -INFINITY) { /* every token removed (bans): nothing to race */
+            out[r] = 0;
+            continue;
+        }
+        for (int k = 0; k < c.count; k++) {
+            const int keeps = top_p_keeps(&row, max_logit, c.token[k], top_p_floor[r]);
+            if (keeps) {
+                out[r] = keeps > 0 ? c.token[k] : -1;
+                break;
             }
         }
-        free(s.scaled);
-        free(s.weights);
     }
 }
 

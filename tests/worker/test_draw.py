@@ -102,6 +102,27 @@ def test_kernel_and_torch_race_agree_on_a_large_vocabulary(spread):
         assert kernel == twin
 
 
+@needs_c_compiler
+@pytest.mark.parametrize(
+    ("scale", "temperature"),
+    [(1e4, 1.0), (30.0, 0.05), (1.0, 5000.0)],
+    ids=["huge-logits", "cold", "hot"],
+)
+def test_kernel_and_torch_race_agree_at_the_edges(scale, temperature):
+    """The kernel's bound carries slack for float rounding at any magnitude. A NaN logit
+    never wins in the kernel (the torch race, whose softmax turns a NaN row to NaNs, is no
+    reference for that row)."""
+    gen = torch.Generator().manual_seed(25)
+    logits = torch.randn(48, 3000, generator=gen) * scale
+    logits[3, ::7] = math.nan
+    keys = key_tensor(torch.randint(0, 1 << 32, (48, 2), generator=gen).tolist())
+    for top_p, min_p in ((0.9, 0.0), (1.0, 0.2), (0.3, 0.05)):
+        kernel = draw_rows(logits, temperature, top_p, min_p, keys)
+        twin = draw_rows(logits, temperature, top_p, min_p, keys, fn=draw_torch)
+        assert kernel[:3] + kernel[4:] == twin[:3] + twin[4:]
+        assert kernel[3] % 7 != 0  # not a NaN token
+
+
 def test_a_seeded_draw_ignores_last_bit_noise_in_other_tokens_logits():
     """What an inverse CDF could not promise: logits that differ in their last bits (another
     batch's matmul) leave the token unchanged unless the two best scores tie within that."""

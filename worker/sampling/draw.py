@@ -17,13 +17,14 @@ the tiny test model, about one seeded draw in a thousand moved when a request wa
 on another worker. Gumbel-max moves only when the two best noisy scores tie within rounding.
 
 The cost of noise for every token (100 ms per step for 256 rows of a 49k vocabulary in
-torch on a 2-core CPU) is avoided on the CPU by the C kernel (`cpu_ops.sample_rows`): it
-weighs the row (w = exp(x / T - max), for min-p and top-p), then races with a bound that
-needs only the integer hash for most tokens (a token of weight w beats the race's current
-threshold t only if 1 - u < w * exp(max - t)), keeping the best 8 scores; the draw is the
-first of them top-p keeps (tested by the mass of the tokens no more likely). When none of
-the 8 is kept, or elsewhere than on a CPU, `draw_torch` masks by sorting and races every
-token. Both give the same tokens (the torch path is the reference the kernel is tested
+torch on a 2-core CPU) is avoided on the CPU by the C kernel (`cpu_ops.sample_rows`): one pass
+races, keeping the best 8 scores, with a bound that needs only the integer hash for most
+tokens (a token beats the race's current threshold t only if 1 - u < exp(x / T - t), tested
+on a lower bound of log2(1 - u) read off the float bits of the hash); a second pass weighs the
+row (exp((x - max) / T)) for top-p's test of the winner, by the mass of the tokens no more
+likely, skipped when the winner is the most likely token. The draw is the first of the 8 top-p
+keeps. When none is kept, or elsewhere than on a CPU, `draw_torch` masks by sorting and races
+every token. Both give the same tokens (the torch path is the reference the kernel is tested
 against), and the same as headrace's earlier sampler for the same seeds.
 """
 
