@@ -44,7 +44,7 @@ from headrace.worker.bench.common import (
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
 from headrace.worker.bench.profile import StepProfile
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine.engine import Engine
+from headrace.worker.engine.engine import Engine, freeze_startup_heap
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 
@@ -180,6 +180,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     warm_up = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
     for sampled in {False, args.sampled}:
         run_headrace(engine, warm_up, "warm-up", sampled=sampled)
+    freeze_startup_heap()  # as a worker does
     profile = StepProfile() if args.profile else None
     if profile is not None:
         profile.attach(engine)
@@ -193,19 +194,27 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         summary.update(profile.summary())
         profile.detach()
     if args.sampled:
-        summary.update(_run_sampled(engine, workload, ours))
+        summary.update(_run_sampled(engine, workload, ours, args.profile))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     engine.close()
     return summary
 
 
-def _run_sampled(engine: Engine, workload: Workload, greedy: Report) -> Summary:
-    sampled = run_headrace(engine, workload, "headrace sampled", sampled=True)
+def _run_sampled(engine: Engine, workload: Workload, greedy: Report, profiled: bool) -> Summary:
+    """The workload again, sampled; profiled as the greedy run was, so their steps compare."""
+    profile = StepProfile() if profiled else None
+    if profile is not None:
+        profile.attach(engine)
+    sampled = run_headrace(engine, workload, "headrace sampled", sampled=True, profile=profile)
     print(sampled.describe())
+    out: Summary = {f"sampled_{key}": value for key, value in sampled.summary().items()}
+    if profile is not None:
+        print(profile.describe())
+        out.update({f"sampled_{key}": value for key, value in profile.summary().items()})
+        profile.detach()
     ratio = quantile(sampled.decode_step_s, 0.5) / quantile(greedy.decode_step_s, 0.5)
     print(f"  sampled decode step / greedy decode step (p50): {ratio:.2f}x")
-    out: Summary = {f"sampled_{key}": value for key, value in sampled.summary().items()}
     out["ratio_sampled_greedy_step"] = round(ratio, 3)
     return out
 

@@ -21,6 +21,7 @@ from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
+from headrace.worker.engine.engine import freeze_startup_heap
 from headrace.worker.serving.control import WorkerControlService
 from headrace.worker.serving.generation_control import GenerationControlService
 from headrace.worker.serving.metrics import WorkerMetrics
@@ -105,6 +106,7 @@ class WorkerServer:
 def run(engine_config: EngineConfig, options: ServerOptions) -> int:
     """Load the model, serve until SIGTERM / SIGINT, drain, and return the exit code (0)."""
     engine = AsyncEngine(engine_config)
+    freeze_startup_heap()
     model_name = options.served_model_name or engine_config.model
 
     async def main() -> None:
