@@ -242,11 +242,13 @@ def test_attention_backend_is_validated_before_loading(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
 def test_warm_up_leaves_outputs_and_blocks_untouched(oracle, backend):
-    """Warm-up (run at start on CUDA) writes garbage into block 0 only; requests after it,
-    block 0 among their blocks, still equal the oracle."""
+    """Warm-up (its kernel variants run at start on CUDA, a budget-sized prefill on a CPU)
+    writes garbage into block 0 only; requests after it, block 0 among their blocks, still
+    equal the oracle."""
     path, prompts, expected = oracle("llama")
     llm = LLM(str(path), dtype="float32", attention_backend=backend, block_size=4)
-    llm.engine.runner.warm_up(llm.engine.max_model_len)
+    llm.engine.runner.warm_up_kernels(llm.engine.max_model_len)
+    llm.engine.runner.warm_up_heap(llm.engine.max_model_len, 96)
     assert_all_blocks_free(llm.engine)
     assert [r.token_ids for r in llm.generate(prompts, greedy())] == expected
 

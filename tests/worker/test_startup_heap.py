@@ -18,7 +18,7 @@ def test_startup_objects_leave_the_collectors_view_and_later_cycles_are_still_co
     result = _run(
         """
         import gc, weakref
-        from headrace.worker.engine.engine import freeze_startup_heap
+        from headrace.worker.execution.host_memory import freeze_startup_heap
 
         class Node:
             pass
@@ -46,7 +46,7 @@ def test_a_frozen_process_exits_without_leak_reports() -> None:
     result = _run(
         """
         import triton  # noqa: F401
-        from headrace.worker.engine.engine import freeze_startup_heap
+        from headrace.worker.execution.host_memory import freeze_startup_heap
         freeze_startup_heap()
         """
     )

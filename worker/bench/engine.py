@@ -44,7 +44,8 @@ from headrace.worker.bench.common import (
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
 from headrace.worker.bench.profile import StepProfile
 from headrace.worker.config import EngineConfig
-from headrace.worker.engine.engine import Engine, freeze_startup_heap
+from headrace.worker.engine.engine import Engine
+from headrace.worker.execution.host_memory import freeze_startup_heap
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 

@@ -36,6 +36,7 @@ from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.distributed.pipeline import PendingSends, StageRunner, receive_plan
 from headrace.worker.distributed.rank_control import RankCommandError, RankControl
 from headrace.worker.distributed.step_plan import MirrorTable, StepPlan
+from headrace.worker.execution.host_memory import keep_freed_memory
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
 from headrace.worker.lora.manager import start_lora
@@ -95,6 +96,7 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(setup.num_threads)
+        keep_freed_memory()
     parallel, plan_group = _init_process_groups(setup, rank, store, device)
     kernels = select_kernels(config.attention_backend, device)
     loaded = load_model(setup.model_path, setup.dtype, device, parallel, kernels)
@@ -107,7 +109,7 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
     runner = ModelRunner(loaded.model, device, setup.dtype, config.block_size, num_blocks, parallel)
     runner.lora = lora
     if device.type == "cuda":
-        runner.warm_up(setup.max_model_len)
+        runner.warm_up_kernels(setup.max_model_len)
     logger.info(
         "rank %d ready: stage %d layers %s, tp rank %d, kv heads %d, %d KV blocks (this rank %d)",
         rank,

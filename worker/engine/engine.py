@@ -13,8 +13,6 @@ and reports. Between steps it takes control calls (pause, new weights, sleep), w
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import time
 from collections import deque
@@ -385,20 +383,6 @@ class Engine:
                 continue
             request.seqs[0].error = error
             self._finish_all(request, FinishReason.ERROR, _output_of(outputs, request.request_id))
-
-
-def freeze_startup_heap() -> None:
-    """Move everything alive now out of the garbage collector's view, for a process that
-    serves from here on (a worker, a benchmark) with a heap it built at start-up: the model,
-    its tokenizer, torch's and transformers' modules. Without it a full collection walks all
-    of that: measured on the tiny bench, one took 149 ms inside a decode step (step p99 174 ms;
-    frozen, 0.5 ms). vLLM freezes after start-up too. Not for the offline `LLM`, whose heap is
-    the user's. Frozen objects are still freed by their reference counts, not as cycles; the
-    heap is thawed at exit, so the interpreter's last collection finalizes it (nanobind, in
-    triton, reports every object it did not see finalized)."""
-    gc.collect()
-    gc.freeze()
-    atexit.register(gc.unfreeze)
 
 
 def _output_of(outputs: Outputs, request_id: str) -> RequestOutput:

@@ -21,6 +21,7 @@ from headrace.worker.distributed.executor import DistributedExecutor, PendingSte
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.distributed.rank_control import RankCommand, RankControl
 from headrace.worker.execution.batch import StepResult
+from headrace.worker.execution.host_memory import keep_freed_memory
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
 from headrace.worker.lora.manager import start_lora
@@ -103,12 +104,14 @@ def start_executor(
     if config.world_size > 1:
         distributed = start_distributed(config, model_path, dtype, device, max_model_len, hf_config)
         return Executor(distributed.shard.runner, distributed.shard.parallel, distributed)
+    if device.type == "cpu":
+        keep_freed_memory()
     loaded = load_model(model_path, dtype, device, kernels=kernels)
     lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
     runner = ModelRunner(loaded.model, device, dtype, config.block_size, num_blocks)
     runner.lora = lora
     runner.num_logits_buffers = config.steps_in_flight  # no step's logits outlive the ring
-    if device.type == "cuda":
-        runner.warm_up(max_model_len)
+    if kernels.NAME != "triton" or device.type == "cuda":  # not Triton's CPU interpreter (tests)
+        runner.warm_up(max_model_len, config.max_num_batched_tokens)
     return Executor(runner, ParallelConfig())

@@ -21,7 +21,7 @@ from headrace.sdk import serving
 from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
-from headrace.worker.engine.engine import freeze_startup_heap
+from headrace.worker.execution.host_memory import freeze_startup_heap
 from headrace.worker.serving.control import WorkerControlService
 from headrace.worker.serving.generation_control import GenerationControlService
 from headrace.worker.serving.metrics import WorkerMetrics
