@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from headrace.kernels import cpu_ops
-from headrace.worker.sampling.draw import draw, draw_torch, seeded_key
+from headrace.worker.sampling.draw import draw, draw_torch, seeded_key, seeded_keys
 from headrace.worker.sampling.warpers import top_p_removed
 
 from tests.kernels import needs_c_compiler
@@ -49,6 +49,15 @@ def python_draw(
     kept = [i for i in range(len(scaled)) if i not in removed and weights[i] >= min_p]
     scores = {i: np.float32(scaled[i] + python_gumbel(key, i)) for i in kept}
     return max(kept, key=lambda i: (scores[i], -i))  # the first maximum
+
+
+def test_batched_seeded_keys_are_each_rows_key():
+    """The sampler's one-pass keys equal `seeded_key`'s (seeds of any int64 sign and size)."""
+    gen = torch.Generator().manual_seed(26)
+    seeds = torch.randint(-(1 << 63), (1 << 63) - 1, (500,), generator=gen).tolist() + [0, 1]
+    positions = torch.randint(0, 1 << 20, (502,), generator=gen).tolist()
+    want = [list(seeded_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
+    assert seeded_keys(seeds, positions).tolist() == want
 
 
 def key_tensor(keys: list[tuple[int, int]]) -> torch.Tensor:

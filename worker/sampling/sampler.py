@@ -24,7 +24,7 @@ import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.outputs import TokenLogprob
 from headrace.worker.sampling.controls import advance_grammars, apply_controls
-from headrace.worker.sampling.draw import draw, seeded_key
+from headrace.worker.sampling.draw import draw, seeded_keys
 from headrace.worker.sampling.logprobs import token_logprobs
 from headrace.worker.sampling.ops import argmax, column, select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
@@ -113,17 +113,20 @@ class Sampler:
         A seeded row's key is a function of (sample_seed, position) alone; other rows get
         fresh keys from the sampler's generator.
         """
-        num_unseeded = sum(seq.sample_seed is None for seq in seqs)
-        fresh = iter(
-            torch.randint(0, 1 << 32, (num_unseeded, 2), generator=self._generator).tolist()
-        )
-        keys = [
-            next(fresh) if seq.sample_seed is None else seeded_key(seq.sample_seed, seq.num_tokens)
-            for seq in seqs
-        ]
-        keys_tensor = torch.tensor(keys, dtype=torch.long).view(len(seqs), 2)
-        keys_tensor[:, 0] |= 1
-        return keys_tensor
+        seeded = [i for i, seq in enumerate(seqs) if seq.sample_seed is not None]
+        seeds = [seqs[i].sample_seed or 0 for i in seeded]
+        seeded_rows = seeded_keys(seeds, [seqs[i].num_tokens for i in seeded])
+        if len(seeded) == len(seqs):
+            keys = seeded_rows
+        else:
+            unseeded = [i for i, seq in enumerate(seqs) if seq.sample_seed is None]
+            keys = torch.empty(len(seqs), 2, dtype=torch.long)
+            keys[unseeded] = torch.randint(
+                0, 1 << 32, (len(unseeded), 2), generator=self._generator
+            )
+            keys[seeded] = seeded_rows
+        keys[:, 0] |= 1
+        return keys
 
 
 def process_logits(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
