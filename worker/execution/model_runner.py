@@ -92,7 +92,6 @@ class ModelRunner:
         if not self.kv_caches:
             self.kv_caches = self._new_kv_caches()
 
-    @torch.inference_mode()
     def warm_up(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Set-up a first request must not pay for, run before it: on CUDA `warm_up_kernels`,
         on a CPU `warm_up_heap`."""
@@ -101,6 +100,7 @@ class ModelRunner:
         else:
             self.warm_up_kernels(max_model_len)
 
+    @torch.inference_mode()
     def warm_up_kernels(self, max_model_len: int) -> None:
         """Run the kernels once per variant a step can need, so JIT compilation (Triton) and
         library set-up never land on a request's latency: one step of 1-token decodes with a
@@ -112,6 +112,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
     def warm_up_heap(self, max_model_len: int, num_tokens: int) -> None:
         """One prefill step of num_tokens (the token budget), in sequences of at most
         `WARM_UP_SEQ_LEN`: on a CPU the first step of a shape pays for BLAS set-up and for the
