@@ -80,7 +80,7 @@ def _faults_of_ten_steps(keep: bool) -> int:
 
 
 def test_kept_memory_serves_later_steps_without_fresh_pages() -> None:
-    # 10 steps of 15,600 pages each, after 10 more: glibc alone gives them back and faults
-    # them in again.
-    assert _faults_of_ten_steps(keep=False) > 50_000
+    # 10 steps of 15,600 pages each, after 10 more. Without keep_freed_memory glibc's own
+    # heuristics (its threshold rises as blocks are freed) decide: 0 faults in one run of
+    # this suite, over 50,000 in others, so only the kept case is asserted.
     assert _faults_of_ten_steps(keep=True) < 5_000
