@@ -55,15 +55,14 @@ def test_a_frozen_process_exits_without_leak_reports() -> None:
     assert "leaked" not in result.stderr, result.stderr
 
 
-def _faults_of_ten_steps(keep: bool) -> int:
+def _faults_of_ten_steps_with_memory_kept() -> int:
     result = _run(
-        f"""
+        """
         import resource
         import torch
         from headrace.worker.execution.host_memory import keep_freed_memory
 
-        if {keep}:
-            assert keep_freed_memory()
+        assert keep_freed_memory()
         def step():  # a layer's activations (25, 25 and 12 MB), written, then freed
             live = [torch.empty(n << 18).fill_(1.0) for n in (25, 25, 12)]
             del live
@@ -83,4 +82,4 @@ def test_kept_memory_serves_later_steps_without_fresh_pages() -> None:
     # 10 steps of 15,600 pages each, after 10 more. Without keep_freed_memory glibc's own
     # heuristics (its threshold rises as blocks are freed) decide: 0 faults in one run of
     # this suite, over 50,000 in others, so only the kept case is asserted.
-    assert _faults_of_ten_steps(keep=True) < 5_000
+    assert _faults_of_ten_steps_with_memory_kept() < 5_000
