@@ -51,13 +51,30 @@ def python_draw(
     return max(kept, key=lambda i: (scores[i], -i))  # the first maximum
 
 
+def python_seeded_key(seed: int, position: int) -> tuple[int, int]:
+    """The documented key, in plain Python integers: splitmix64 twice, mod 2**64."""
+    mask = (1 << 64) - 1
+
+    def splitmix64(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    mixed = splitmix64((splitmix64(seed & mask) + position) & mask)
+    return mixed >> 32, mixed & 0xFFFFFFFF
+
+
 def test_batched_seeded_keys_are_each_rows_key():
-    """The sampler's one-pass keys equal `seeded_key`'s (seeds of any int64 sign and size)."""
+    """The sampler's one-pass keys equal the documented key (seeds of any int64 sign and
+    size), and `seeded_key` is one row of them."""
     gen = torch.Generator().manual_seed(26)
     seeds = torch.randint(-(1 << 63), (1 << 63) - 1, (500,), generator=gen).tolist() + [0, 1]
     positions = torch.randint(0, 1 << 20, (502,), generator=gen).tolist()
-    want = [list(seeded_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
+    want = [list(python_seeded_key(s, p)) for s, p in zip(seeds, positions, strict=True)]
     assert seeded_keys(seeds, positions).tolist() == want
+    one_by_one = zip(seeds[:20], positions[:20], strict=True)
+    assert [list(seeded_key(s, p)) for s, p in one_by_one] == want[:20]
 
 
 def key_tensor(keys: list[tuple[int, int]]) -> torch.Tensor:

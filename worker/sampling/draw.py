@@ -49,28 +49,22 @@ _SPARSE_SHARE = 1 / 8
 
 def seeded_key(seed: int, position: int) -> tuple[int, int]:
     """The noise key of the token at position of a request with this seed."""
-    mixed = _splitmix64((_splitmix64(seed) + position) & _MASK64)
-    return mixed >> 32, mixed & _MASK32
+    multiplier, offset = seeded_keys([seed], [position])[0].tolist()
+    return multiplier, offset
 
 
 def seeded_keys(seeds: list[int], positions: list[int]) -> torch.Tensor:  # [N, 2] int64
-    """`seeded_key` of each (seed, position), in one vectorised pass (uint64 wraps)."""
+    """Each (seed, position)'s noise key, in one vectorised pass: splitmix64 of splitmix64
+    of the seed plus the position, all mod 2**64; the key is its high and low 32 bits."""
     seed = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)
     position = np.array(positions, dtype=np.uint64)
-    mixed = _splitmix64_array(_splitmix64_array(seed) + position)
+    mixed = _splitmix64(_splitmix64(seed) + position)
     keys = np.stack([mixed >> np.uint64(32), mixed & np.uint64(_MASK32)], axis=1)
     return torch.from_numpy(keys.astype(np.int64))
 
 
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-def _splitmix64_array(z: np.ndarray) -> np.ndarray:
-    """`_splitmix64` of each uint64 (numpy's uint64 arithmetic wraps mod 2**64)."""
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output of each uint64 z plus its increment (numpy's uint64 wraps)."""
     with np.errstate(over="ignore"):
         z = z + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

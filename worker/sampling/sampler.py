@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections.abc
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from headrace.sdk.config import GenerationConfig
@@ -114,17 +115,12 @@ class Sampler:
         fresh keys from the sampler's generator.
         """
         seeded = [i for i, seq in enumerate(seqs) if seq.sample_seed is not None]
-        seeds = [seqs[i].sample_seed or 0 for i in seeded]
-        seeded_rows = seeded_keys(seeds, [seqs[i].num_tokens for i in seeded])
-        if len(seeded) == len(seqs):
-            keys = seeded_rows
-        else:
-            unseeded = [i for i, seq in enumerate(seqs) if seq.sample_seed is None]
-            keys = torch.empty(len(seqs), 2, dtype=torch.long)
-            keys[unseeded] = torch.randint(
-                0, 1 << 32, (len(unseeded), 2), generator=self._generator
-            )
-            keys[seeded] = seeded_rows
+        unseeded = [i for i, seq in enumerate(seqs) if seq.sample_seed is None]
+        keys = torch.empty(len(seqs), 2, dtype=torch.long)
+        keys[unseeded] = torch.randint(0, 1 << 32, (len(unseeded), 2), generator=self._generator)
+        keys[seeded] = seeded_keys(
+            [cast(int, seqs[i].sample_seed) for i in seeded], [seqs[i].num_tokens for i in seeded]
+        )
         keys[:, 0] |= 1
         return keys
 
