@@ -666,11 +666,11 @@ typedef struct {
     v16 best;      /* the largest logit per lane so far (NaN ignored) */
 } RaceScan;
 
-/* Scan blocks until one has a token the bound lets in (min-p's too): returns its lanes' bits
-   and noise hashes, the scan then standing at that block (0 at the row's end). No calls in
-   the loop, so its vectors stay in registers. */
+/* Scan blocks until one has a token the bound lets in (min-p's too): returns its lanes' bits,
+   its first token and its noise hashes, the scan then standing past it (0 at the row's end).
+   No calls in the loop, so its vectors stay in registers. */
 static inline uint32_t scan_to_next_entrant(const SampleRow *row, RaceBound bound, RaceScan *scan,
-                                            v16w *hash) {
+                                            int64_t *block_first, v16w *hash) {
     const int64_t vocab = row->vocab;
     const uint32_t weyl_step = LANES * row->multiplier;
     const v16 k1 = splat(bound.k1), k0 = splat(bound.k0), min_logit = splat(row->min_logit);
@@ -687,7 +687,10 @@ static inline uint32_t scan_to_next_entrant(const SampleRow *row, RaceBound boun
         const v16 f_bits = __builtin_convertvector((v16i)f, v16);
         bits = lanes_below(f_bits, x * k1 + k0) & ~lanes_below(x, min_logit);
         if (bits) {
+            *block_first = first;
             *hash = h;
+            first += LANES;
+            weyl += weyl_step;
             break;
         }
     }
@@ -701,22 +704,22 @@ static inline uint32_t scan_to_next_entrant(const SampleRow *row, RaceBound boun
    tokens min-p keeps, each token's noise a log of a log taken only where `race_bound` says it
    could still enter the best. Returns the row's largest logit (NaN ignored). */
 static float race(const SampleRow *row, Candidates *c) {
-    RaceScan scan = {0, {0}, splat(-INFINITY)};
-    for (int k = 0; k < LANES; k++) scan.weyl[k] = (uint32_t)k * row->multiplier + row->offset;
+    v16w weyl;
+    for (int k = 0; k < LANES; k++) weyl[k] = (uint32_t)k * row->multiplier + row->offset;
+    RaceScan scan = {0, weyl, splat(-INFINITY)};
     RaceBound bound = race_bound(row->temperature, -INFINITY);
     c->count = 0;
+    int64_t first;
     v16w h;
-    for (uint32_t bits; (bits = scan_to_next_entrant(row, bound, &scan, &h));) {
+    for (uint32_t bits; (bits = scan_to_next_entrant(row, bound, &scan, &first, &h));) {
         for (; bits; bits &= bits - 1) {
-            const int64_t token = scan.first + __builtin_ctz(bits);
-            const float scaled = row->logits[token] / row->temperature;
-            candidates_add(c, scaled + gumbel_of(h[__builtin_ctz(bits)]), token);
+            const int lane = __builtin_ctz(bits);
+            const float scaled = row->logits[first + lane] / row->temperature;
+            candidates_add(c, scaled + gumbel_of(h[lane]), first + lane);
             if (c->count == MAX_CANDIDATES) {
                 bound = race_bound(row->temperature, c->score[MAX_CANDIDATES - 1]);
             }
         }
-        scan.first += LANES;
-        scan.weyl += LANES * row->multiplier;
     }
     return hmax(scan.best);
 }
