@@ -582,8 +582,11 @@ static inline v16 max_lanes(v16 x, v16 best) {
 #endif
 }
 
-/* The race keeps this many best (score, token) pairs: the first top-p keeps is the draw. */
+/* The race keeps at most this many best (score, token) pairs: the first top-p keeps is the
+   draw (`race_capacity` says how many a row needs). */
 #define MAX_CANDIDATES 8
+/* Rows whose race should keep candidates until top-p rejects them all about this rarely. */
+#define ALL_REJECTED_RATE 1e-4
 /* The race prefetches this far ahead in a row: its first read of the logits, from memory (the
    hardware prefetcher stops at 4 KiB pages). Measured: race 7.8 -> 5.7 ms on one core. */
 #define PREFETCH_FLOATS 1024
@@ -609,25 +612,37 @@ static float row_max(const float *logits, int64_t vocab) {
 }
 
 typedef struct {
-    int count;
+    int count, capacity;
     float score[MAX_CANDIDATES];
     int64_t token[MAX_CANDIDATES];
 } Candidates;
+
+/* How many candidates a row's race keeps, given top-p's floor (1 - top_p). Each candidate is
+   outside the nucleus (rejected) with probability at most floor, so all of k are with about
+   floor**k; keep the fewest that make that ALL_REJECTED_RATE (the caller then races the row in
+   torch: the same token, slower). Fewer candidates, fewer entrants: the best k of N random
+   scores change about k (1 + ln(N / k)) times in a scan, each a log of a log. */
+static int race_capacity(float floor) {
+    if (floor <= 0.0f) return 1; /* no top-p: the winner is the draw */
+    if (floor >= 0.5f) return MAX_CANDIDATES;
+    const int k = (int)ceil(log(ALL_REJECTED_RATE) / log((double)floor));
+    return k < MAX_CANDIDATES ? k : MAX_CANDIDATES;
+}
 
 /* Insert (score, token) in descending order of score; tokens arrive in ascending order, so
    an equal score goes after those before it (argmax's first maximum). */
 static void candidates_add(Candidates *c, float score, int64_t token) {
     int at = c->count;
     while (at > 0 && c->score[at - 1] < score) at--;
-    if (at >= MAX_CANDIDATES) return;
-    const int last = c->count < MAX_CANDIDATES ? c->count : MAX_CANDIDATES - 1;
+    if (at >= c->capacity) return;
+    const int last = c->count < c->capacity ? c->count : c->capacity - 1;
     for (int k = last; k > at; k--) {
         c->score[k] = c->score[k - 1];
         c->token[k] = c->token[k - 1];
     }
     c->score[at] = score;
     c->token[at] = token;
-    if (c->count < MAX_CANDIDATES) c->count++;
+    if (c->count < c->capacity) c->count++;
 }
 
 typedef struct {
@@ -700,9 +715,18 @@ static inline uint32_t scan_to_next_entrant(const SampleRow *row, RaceBound boun
     return bits;
 }
 
-/* The race, one pass over the row: the best MAX_CANDIDATES of x / T + Gumbel noise over the
+/* Whether `race_bound` lets token x with hash h in (scan_to_next_entrant's test, one lane). */
+static inline int bound_lets_in(RaceBound bound, float x, uint32_t h) {
+    const float f = (float)(int32_t)(~h >> 8);
+    int32_t f_bits;
+    memcpy(&f_bits, &f, sizeof f_bits);
+    return (float)f_bits < x * bound.k1 + bound.k0;
+}
+
+/* The race, one pass over the row: the best c->capacity of x / T + Gumbel noise over the
    tokens min-p keeps, each token's noise a log of a log taken only where `race_bound` says it
-   could still enter the best. Returns the row's largest logit (NaN ignored). */
+   could still enter the best (tested again per token: the bound rises as tokens of the block
+   enter). Returns the row's largest logit (NaN ignored). */
 static float race(const SampleRow *row, Candidates *c) {
     v16w weyl;
     for (int k = 0; k < LANES; k++) weyl[k] = (uint32_t)k * row->multiplier + row->offset;
@@ -714,10 +738,11 @@ static float race(const SampleRow *row, Candidates *c) {
     for (uint32_t bits; (bits = scan_to_next_entrant(row, bound, &scan, &first, &h));) {
         for (; bits; bits &= bits - 1) {
             const int lane = __builtin_ctz(bits);
-            const float scaled = row->logits[first + lane] / row->temperature;
-            candidates_add(c, scaled + gumbel_of(h[lane]), first + lane);
-            if (c->count == MAX_CANDIDATES) {
-                bound = race_bound(row->temperature, c->score[MAX_CANDIDATES - 1]);
+            const float x = row->logits[first + lane];
+            if (!bound_lets_in(bound, x, h[lane])) continue;
+            candidates_add(c, x / row->temperature + gumbel_of(h[lane]), first + lane);
+            if (c->count == c->capacity) {
+                bound = race_bound(row->temperature, c->score[c->capacity - 1]);
             }
         }
     }
@@ -768,7 +793,7 @@ static int top_p_keeps(const SampleRow *row, float max_logit, int64_t j, float f
 }
 
 /* One token per row: out[r] = argmax of (logits / T + Gumbel noise) over the tokens top-k
-   (already -inf), top-p and min-p keep; -1 when none of the race's best MAX_CANDIDATES is in
+   (already -inf), top-p and min-p keep; -1 when none of the race's best candidates is in
    the top-p set, a logit is +inf or T is huge (the caller then races the row whole, in
    torch). keys [rows, 2]. One pass over a row races; another weighs it for top-p's test of
    the winner, unless that is the most likely token (min-p's threshold takes one more, first). */
@@ -782,7 +807,7 @@ void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, 
         if (min_p[r] > 0.0f) { /* p >= min_p * p_max: x >= max + T log(min_p) */
             row.min_logit = row_max(row.logits, vocab) + temperature[r] * logf(min_p[r]);
         }
-        Candidates c;
+        Candidates c = {.capacity = race_capacity(top_p_floor[r])};
         const float max_logit = race(&row, &c);
         out[r] = -1;
         if (max_logit == INFINITY) continue;

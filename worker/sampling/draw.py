@@ -18,14 +18,15 @@ on another worker. Gumbel-max moves only when the two best noisy scores tie with
 
 The cost of noise for every token (100 ms per step for 256 rows of a 49k vocabulary in
 torch on a 2-core CPU) is avoided on the CPU by the C kernel (`cpu_ops.sample_rows`): one pass
-races, keeping the best 8 scores, with a bound that needs only the integer hash for most
+races, keeping the best few scores (1 without top-p; with it, enough that top-p rejects them
+all about once in 10^4 rows, up to 8), with a bound that needs only the integer hash for most
 tokens (a token beats the race's current threshold t only if 1 - u < exp(x / T - t), tested
 on a lower bound of log2(1 - u) read off the float bits of the hash); a second pass weighs the
 row (exp((x - max) / T)) for top-p's test of the winner, by the mass of the tokens no more
-likely, skipped when the winner is the most likely token. The draw is the first of the 8 top-p
-keeps. When none is kept, or elsewhere than on a CPU, `draw_torch` masks by sorting and races
-every token. Both give the same tokens (the torch path is the reference the kernel is tested
-against), and the same as headrace's earlier sampler for the same seeds.
+likely, skipped when the winner is the most likely token. The draw is the first of the kept
+scores that top-p keeps. When it keeps none, or elsewhere than on a CPU, `draw_torch` masks by
+sorting and races every token. Both give the same tokens (the torch path is the reference the
+kernel is tested against), and the same as headrace's earlier sampler for the same seeds.
 """
 
 from __future__ import annotations
