@@ -98,6 +98,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run sampled (temperature 0.8, top_p 0.9, seeds): its step vs greedy's",
     )
     add(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --sampled: greedy and sampled runs alternate this many times; the ratio is "
+        "the median of each round's (a shared host's speed drifts between runs)",
+    )
+    add(
         "--attention-backend",
         choices=["auto", "triton", "cpu", "reference"],  # kernels.BACKEND_NAMES (no torch here)
         default="auto",

@@ -18,7 +18,8 @@ samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Fig
 
 With ``--baseline hf`` each transformers mode runs the same prompts and output length, and
 ``ratio_hf_generate`` / ``ratio_hf_generate_batch`` are headrace's tok/s over theirs.
-``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's.
+``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's: the
+median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed drifts.
 ``--profile`` splits the decode steps into phases (`headrace.worker.bench.profile`).
 """
 
@@ -195,15 +196,19 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         summary.update(profile.summary())
         profile.detach()
     if args.sampled:
-        summary.update(_run_sampled(engine, workload, ours, args.profile))
+        summary.update(_run_sampled(engine, workload, ours, args.profile, args.rounds))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     engine.close()
     return summary
 
 
-def _run_sampled(engine: Engine, workload: Workload, greedy: Report, profiled: bool) -> Summary:
-    """The workload again, sampled; profiled as the greedy run was, so their steps compare."""
+def _run_sampled(
+    engine: Engine, workload: Workload, greedy: Report, profiled: bool, rounds: int
+) -> Summary:
+    """The workload again, sampled (profiled as the greedy run was, so their steps compare),
+    then ``rounds - 1`` more (greedy, sampled) pairs: each round's ratio sets its sampled
+    decode step p50 against the greedy run just before it, and the median round is reported."""
     profile = StepProfile() if profiled else None
     if profile is not None:
         profile.attach(engine)
@@ -214,10 +219,20 @@ def _run_sampled(engine: Engine, workload: Workload, greedy: Report, profiled: b
         print(profile.describe())
         out.update({f"sampled_{key}": value for key, value in profile.summary().items()})
         profile.detach()
-    ratio = quantile(sampled.decode_step_s, 0.5) / quantile(greedy.decode_step_s, 0.5)
-    print(f"  sampled decode step / greedy decode step (p50): {ratio:.2f}x")
+    ratios = [_step_ratio(sampled, greedy)]
+    for _ in range(rounds - 1):
+        greedy = run_headrace(engine, workload)
+        ratios.append(_step_ratio(run_headrace(engine, workload, sampled=True), greedy))
+    ratio = quantile(ratios, 0.5)
+    rounds_text = ", ".join(f"{r:.2f}" for r in ratios)
+    print(f"  sampled decode step / greedy decode step (p50): {ratio:.2f}x (rounds: {rounds_text})")
     out["ratio_sampled_greedy_step"] = round(ratio, 3)
+    out["ratio_sampled_greedy_step_rounds"] = [round(r, 3) for r in ratios]
     return out
+
+
+def _step_ratio(sampled: Report, greedy: Report) -> float:
+    return quantile(sampled.decode_step_s, 0.5) / quantile(greedy.decode_step_s, 0.5)
 
 
 def _run_baselines(model_path: Path, engine: Engine, workload: Workload, ours: Report) -> Summary:
