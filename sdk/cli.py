@@ -145,6 +145,7 @@ def _worker(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
+        overlap_steps=args.overlap_steps,
         max_prompt_bytes=args.max_prompt_bytes,
         weight_version=args.weight_version,
         enable_lora=args.enable_lora,
@@ -234,6 +235,12 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="micro-batches per step, so pipeline stages also overlap within a step",
+    )
+    add(
+        "--overlap-steps",
+        action="store_true",
+        help="one rank: run steps on a device thread, two in flight over different sequences, "
+        "so host work hides under device work (for GPUs; a loss on a small CPU)",
     )
     add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
     add(

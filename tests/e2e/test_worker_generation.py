@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,7 +22,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import DeadlineExceededError
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import ServerProcess, load_report, wait_all_blocks_free
+from tests.e2e.processes import ServerProcess, load_report, start_worker, wait_all_blocks_free
 
 PROMPTS = ["the quick brown fox", "a story about the sea", "to be or not", "hello"]
 
@@ -113,6 +114,29 @@ def test_100_concurrent_requests_and_10_cancels(worker: ServerProcess, offline: 
     report = wait_all_blocks_free(worker.target)
     assert report.free_kv_blocks == report.total_kv_blocks
     assert (report.running_requests, report.waiting_requests) == (0, 0)
+
+
+def test_overlapped_steps_worker_streams_the_offline_tokens(
+    tiny_model: Path, offline: LLM, tmp_path: Path
+) -> None:
+    """A worker started with --overlap-steps (each step's forward on a device thread, two in
+    flight): concurrent streams, cancels among them, and every token as offline."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} overlapped {i}" for i in range(40)]
+    budgets = [6 + (i * 5) % 30 for i in range(40)]
+    cancelled = {i: 3 for i in range(0, 40, 10)}
+    for i in cancelled:
+        budgets[i] = 400
+    with start_worker(tiny_model, tmp_path, "--overlap-steps") as worker:
+        results = asyncio.run(_run_many(worker.target, prompts, budgets, cancelled))
+        report = wait_all_blocks_free(worker.target)
+    configs = [GenerationConfig(max_tokens=b, temperature=0.0, ignore_eos=True) for b in budgets]
+    expected = offline.generate(prompts, configs)
+    for i in range(40):
+        if i in cancelled:
+            assert 3 <= len(results[i]) < budgets[i]
+        want = expected[i].token_ids
+        assert results[i] == (want[: len(results[i])] if i in cancelled else want), i
+    assert report.free_kv_blocks == report.total_kv_blocks
 
 
 def _long_request(request_id: str) -> pb.GenerateRequest:

@@ -20,13 +20,18 @@ MAX_TOKENS = 10
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 # Engine options per batch composition. "preempting" gives the pool 14 blocks of 4 tokens
-# for 6 sequences that need 1 to 13 each (34 in all), so preemption must happen.
+# for 6 sequences that need 1 to 13 each (34 in all), so preemption must happen. "overlapped"
+# runs two steps in flight over different sequences, each on the device thread while the
+# engine samples and plans the other.
+PREEMPTING = dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
 COMPOSITIONS = {
     "chunked-8": dict(max_num_batched_tokens=8),
     "unchunked": dict(enable_chunked_prefill=False, max_num_batched_tokens=512),
     "block-1": dict(block_size=1, max_num_batched_tokens=16),
     "block-16": dict(block_size=16),
-    "preempting": dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16),
+    "preempting": PREEMPTING,
+    "overlapped-chunked-8": dict(overlap_steps=True, max_num_batched_tokens=8),
+    "overlapped-preempting": dict(overlap_steps=True, **PREEMPTING),
 }
 
 
@@ -106,7 +111,7 @@ def test_batch_compositions_equal_oracle(oracle, family, composition, backend):
     assert backend == llm.engine.kernels.NAME
     results = llm.generate(prompts, greedy())
     assert [r.token_ids for r in results] == expected
-    if composition == "preempting":
+    if composition.endswith("preempting"):
         assert llm.engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm.engine)
 
@@ -195,8 +200,14 @@ def test_n_samples_share_prompt_blocks_and_sample_zero_matches_n1(llama):
     assert_all_blocks_free(llm.engine)
 
 
-def test_abort_mid_run_frees_every_block_and_others_finish(llama):
-    engine = Engine(EngineConfig(str(llama), dtype="float32", max_num_batched_tokens=16))
+@pytest.mark.parametrize("overlap_steps", [False, True])
+def test_abort_mid_run_frees_every_block_and_others_finish(llama, overlap_steps):
+    """With overlapped steps an aborted request may be in a step the device is running."""
+    engine = Engine(
+        EngineConfig(
+            str(llama), dtype="float32", max_num_batched_tokens=16, overlap_steps=overlap_steps
+        )
+    )
     prompts = make_prompts(engine.vocab_size, seed=3)
     expected = hf_greedy(llama, prompts, MAX_TOKENS)
     for i, prompt in enumerate(prompts):
@@ -207,7 +218,14 @@ def test_abort_mid_run_frees_every_block_and_others_finish(llama):
         for output in engine.step():
             for delta in output.samples:
                 tokens.setdefault(output.request_id, []).extend(delta.token_ids)
-    for request_id in ("r1", "r4"):
+    victims = ["r1", "r4"]
+    if overlap_steps:  # one request of the step in flight, one of the others
+        in_flight = sorted({c.seq.request_id for s in engine._in_flight for c in s.step.chunks})
+        others = [f"r{i}" for i in range(len(prompts)) if f"r{i}" not in in_flight]
+        assert in_flight and others
+        victims = [in_flight[0], others[0]]
+    before = {request_id: list(tokens.get(request_id, [])) for request_id in victims}
+    for request_id in victims:
         aborted = engine.abort_request(request_id)
         assert aborted is not None and aborted.finished
         finish[request_id] = aborted.samples[0].finish_reason
@@ -215,9 +233,11 @@ def test_abort_mid_run_frees_every_block_and_others_finish(llama):
         for output in engine.step():
             for delta in output.samples:
                 tokens.setdefault(output.request_id, []).extend(delta.token_ids)
-    assert finish == {"r1": "abort", "r4": "abort"}
-    for i in (0, 2, 3, 5):
-        assert tokens[f"r{i}"] == expected[i]
+    assert finish == dict.fromkeys(victims, "abort")
+    assert {request_id: tokens.get(request_id, []) for request_id in victims} == before
+    for i in range(len(prompts)):
+        if f"r{i}" not in victims:
+            assert tokens[f"r{i}"] == expected[i]
     assert_all_blocks_free(engine)
 
 

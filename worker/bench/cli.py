@@ -98,6 +98,11 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run sampled (temperature 0.8, top_p 0.9, seeds): its step vs greedy's",
     )
     add(
+        "--overlap-steps",
+        action="store_true",
+        help="run the engine with overlap_steps (two steps in flight, a device thread)",
+    )
+    add(
         "--rounds",
         type=int,
         default=3,

@@ -169,6 +169,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
             max_num_seqs=max(256, num_requests),
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend,
+            overlap_steps=args.overlap_steps,
         )
     )
     workload = make_workload(

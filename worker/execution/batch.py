@@ -108,22 +108,23 @@ class PreparedBatch:
     sample_rows: list[int]
     sample_chunks: list[ScheduledChunk]
     prompt_rows: list[PromptRows]
+    #: Whether the step needs no logits at all: rows sample, every one plain greedy, and no
+    #: prompt logprobs are asked for. Decided when the batch is built, from the sequences as
+    #: they stand then (the step may run while the engine appends other steps' tokens).
+    is_plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_plain_greedy = (
+            bool(self.sample_chunks)
+            and not self.prompt_rows
+            and all(is_plain_greedy(chunk.seq) for chunk in self.sample_chunks)
+        )
 
     @property
     def logit_rows(self) -> list[int]:
         """Rows that go through the LM head: sampling rows, then prompt-logprob rows."""
         prompt = [r for p in self.prompt_rows for r in range(p.first_row, p.first_row + p.num_rows)]
         return self.sample_rows + prompt
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """Whether the step needs no logits at all: rows sample, every one plain greedy, and
-        no prompt logprobs are asked for."""
-        return (
-            bool(self.sample_chunks)
-            and not self.prompt_rows
-            and all(is_plain_greedy(chunk.seq) for chunk in self.sample_chunks)
-        )
 
     def result(self, logits: torch.Tensor | None) -> StepResult:
         """Split the logits of `logit_rows` into what the sampler and prompt logprobs read."""

@@ -3,13 +3,16 @@
 `start_executor` is the one place the engine builds its model: with a single rank it loads the
 model here and the `ModelRunner` executes steps directly; with several it hands over to
 `distributed.executor`, which starts the other ranks. Either way the engine submits steps and
-collects their results in order; on one rank a step's result is ready at submission.
+collects their results in order. On one rank a step's result is ready at submission, unless
+`EngineConfig.overlap_steps` is set: then submission builds the step's batch and a device thread
+runs it (forward, LM head), while the engine goes on with the host's work of other steps.
 Between steps it runs control commands (new weights, memory release) on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -39,6 +42,8 @@ class InFlightStep:
     result: StepResult | None = None
     #: Rank 0's part of a step running across ranks.
     pending: PendingStep | None = None
+    #: The step on the device thread (one rank with overlap_steps).
+    running: Future[StepResult] | None = None
 
 
 @dataclass(slots=True)
@@ -50,6 +55,8 @@ class Executor:
     parallel: ParallelConfig
     #: Set when the worker has other ranks.
     distributed: DistributedExecutor | None = None
+    #: Runs submitted steps' device work in order (one rank with overlap_steps), else None.
+    device_thread: ThreadPoolExecutor | None = None
     #: Rank 0's side of control commands (on one rank, the only side).
     rank_control: RankControl = field(init=False)
 
@@ -62,12 +69,19 @@ class Executor:
     def submit(self, step: SchedulerOutput) -> InFlightStep:
         if self.distributed is not None:
             return InFlightStep(step, pending=self.distributed.submit(step))
+        if self.device_thread is not None:
+            batch = self.runner.prepare(step.chunks)  # now: it reads what the engine changes
+            running = self.device_thread.submit(self.runner.run, step.block_copies, batch)
+            return InFlightStep(step, running=running)
         return InFlightStep(step, result=self.runner.execute(step))
 
     def collect(self, in_flight: InFlightStep) -> StepResult:
-        """The step's result; steps must be collected in the order they were submitted."""
+        """The step's result (a step that failed raises its error here); steps must be
+        collected in the order they were submitted."""
         if in_flight.result is not None:
             return in_flight.result
+        if in_flight.running is not None:
+            return in_flight.running.result()
         assert self.distributed is not None and in_flight.pending is not None
         return self.distributed.collect(in_flight.pending)
 
@@ -80,6 +94,9 @@ class Executor:
             self.rank_control.run_everywhere(command)
 
     def close(self) -> None:
+        if self.device_thread is not None:
+            self.device_thread.shutdown()
+            self.device_thread = None
         self.rank_control.close()
         if self.distributed is not None:
             self.distributed.close()
@@ -114,4 +131,7 @@ def start_executor(
     runner.num_logits_buffers = config.steps_in_flight  # no step's logits outlive the ring
     if kernels.NAME != "triton" or device.type == "cuda":  # not Triton's CPU interpreter (tests)
         runner.warm_up(max_model_len, config.max_num_batched_tokens)
-    return Executor(runner, ParallelConfig())
+    device_thread = None
+    if config.overlap_steps:
+        device_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headrace-device")
+    return Executor(runner, ParallelConfig(), device_thread=device_thread)

@@ -158,12 +158,16 @@ class ModelRunner:
         if self.parallel.is_last_stage:
             self.model.compute_logits(hidden[-1:])
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> StepResult:
-        """Run a whole step on this (single) rank: forward, then logits of the needed rows,
-        or only their greedy tokens when that is all the step needs."""
-        self.copy_blocks(step.block_copies)
-        batch = self.prepare(step.chunks)
+        """Run a whole step on this (single) rank: `prepare` its batch, then `run` it."""
+        return self.run(step.block_copies, self.prepare(step.chunks))
+
+    @torch.inference_mode()
+    def run(self, block_copies: list[tuple[int, int]], batch: PreparedBatch) -> StepResult:
+        """The device's part of a step: copy blocks, forward, then logits of the needed rows,
+        or only their greedy tokens when that is all the step needs. It reads nothing the
+        scheduler changes (`prepare` read that), so it may run while the next step is planned."""
+        self.copy_blocks(block_copies)
         hidden = self.forward(batch.inputs)
         if batch.is_plain_greedy:
             index = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
