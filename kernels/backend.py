@@ -56,6 +56,14 @@ class KernelSet(Protocol):
         sin: torch.Tensor,  # [T, 1, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def linear(
+        self,
+        x: torch.Tensor,  # [T, in]
+        weight: torch.Tensor,  # [out, in]
+        bias: torch.Tensor | None = None,  # [out]
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor: ...  # [T, out] in out_dtype (default: x's dtype)
+
     def lora_shrink(
         self,
         x: torch.Tensor,  # [T, in]

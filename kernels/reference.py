@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
-from headrace.kernels.precision import compute_dtype
+from headrace.kernels.precision import compute_dtype, linear
 
 NAME = "reference"
 
@@ -20,6 +20,7 @@ __all__ = [
     "apply_rotary",
     "extend",
     "gather_kv",
+    "linear",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

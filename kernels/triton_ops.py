@@ -1,5 +1,6 @@
 """The Triton backend: a `KernelSet` with the reference module's functions and signatures."""
 
+from headrace.kernels.precision import linear  # cuBLAS: torch's own
 from headrace.kernels.triton_attention import paged_attention
 from headrace.kernels.triton_cache import write_kv_cache
 from headrace.kernels.triton_lora import lora_expand, lora_shrink
@@ -11,6 +12,7 @@ NAME = "triton"
 __all__ = [
     "NAME",
     "apply_rotary",
+    "linear",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

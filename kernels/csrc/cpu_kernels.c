@@ -825,6 +825,143 @@ void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, 
     }
 }
 
+/* ---- skinny linear ------------------------------------------------------------------------ */
+
+/* A tile: this many rows of x against this many weight rows, 24 accumulators of 16 lanes plus
+   the tile's 4 weight vectors and one x vector in 32 vector registers. */
+#define SKINNY_ROWS 6
+#define SKINNY_COLS 4
+
+/* The sum of an accumulator's 16 lanes in the order `sum4` adds them: lanes i and i + 8, then
+   neighbours, then pairs of pairs, then the two halves. */
+static inline float lane_total(v16 a) {
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = a[i] + a[i + 8];
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+/* lane_total of 4 accumulators at once, into y[0..4) (+ bias[0..4) unless NULL). */
+static inline void store_totals(v16 a, v16 b, v16 c, v16 d, const float *bias, float *y) {
+#ifdef __AVX512F__
+    __m256 half[4];
+    const v16 acc[4] = {a, b, c, d};
+    for (int i = 0; i < 4; i++) {
+        half[i] = _mm256_add_ps(_mm512_castps512_ps256((__m512)acc[i]),
+                                _mm512_extractf32x8_ps((__m512)acc[i], 1));
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]),
+                                    _mm256_hadd_ps(half[2], half[3]));
+    __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    if (bias != NULL) sums = _mm_add_ps(sums, _mm_loadu_ps(bias));
+    _mm_storeu_ps(y, sums);
+#else
+    const v16 acc[4] = {a, b, c, d};
+    for (int i = 0; i < 4; i++) y[i] = lane_total(acc[i]) + (bias != NULL ? bias[i] : 0.0f);
+#endif
+}
+
+/* A whole tile: rows [0, 6) of x against weight rows [0, 4) of w, y [6, 4] (+ bias). While
+   it computes, it prefetches prefetch_rows rows of the weights that come next (`next`): the
+   weights stream from memory once, so their reads must overlap the arithmetic. */
+static inline void skinny_full_tile(const float *x, int64_t x_stride, const float *w, int64_t K,
+                                    const float *bias, float *y, int64_t y_stride,
+                                    const float *next, int prefetch_rows) {
+    v16 acc[SKINNY_ROWS][SKINNY_COLS];
+    for (int m = 0; m < SKINNY_ROWS; m++)
+        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
+    for (int64_t k = 0; k < K; k += LANES) { /* K % 16 == 0 (the caller's test) */
+        v16 wv[SKINNY_COLS];
+        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = *(const v16u *)(w + c * K + k);
+        for (int c = 0; c < prefetch_rows; c++) __builtin_prefetch(next + c * K + k);
+        for (int m = 0; m < SKINNY_ROWS; m++) {
+            const v16 xv = *(const v16u *)(x + m * x_stride + k);
+            for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] += xv * wv[c];
+        }
+    }
+    for (int m = 0; m < SKINNY_ROWS; m++)
+        store_totals(acc[m][0], acc[m][1], acc[m][2], acc[m][3], bias, y + m * y_stride);
+}
+
+/* Any tile at the edges (rows <= 6, cols <= 4, any K): each output the same sum, in the same
+   order, as a whole tile gives it (missing lanes add zeros). Prefetches as the whole tile. */
+static void skinny_edge_tile(const float *x, int64_t x_stride, int rows, const float *w,
+                             int64_t K, int cols, const float *bias, float *y, int64_t y_stride,
+                             const float *next, int prefetch_rows) {
+    v16 acc[SKINNY_ROWS][SKINNY_COLS];
+    for (int m = 0; m < SKINNY_ROWS; m++)
+        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
+    for (int64_t k = 0; k < K; k += LANES) {
+        const int64_t width = K - k < LANES ? K - k : LANES;
+        for (int c = 0; c < prefetch_rows; c++) __builtin_prefetch(next + c * K + k);
+        v16 wv[SKINNY_COLS];
+        for (int c = 0; c < SKINNY_COLS; c++) {
+            wv[c] = splat(0.0f);
+            if (c >= cols) continue;
+            if (width == LANES) {
+                wv[c] = *(const v16u *)(w + c * K + k);
+            } else {
+                for (int64_t i = 0; i < width; i++) wv[c][i] = w[c * K + k + i];
+            }
+        }
+        for (int m = 0; m < rows; m++) {
+            v16 xv = splat(0.0f);
+            if (width == LANES) {
+                xv = *(const v16u *)(x + m * x_stride + k);
+            } else {
+                for (int64_t i = 0; i < width; i++) xv[i] = x[m * x_stride + k + i];
+            }
+            for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] += xv * wv[c];
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        for (int c = 0; c < cols; c++) {
+            y[m * y_stride + c] = lane_total(acc[m][c]) + (bias != NULL ? bias[c] : 0.0f);
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]), float32, for the few rows of a decode step:
+   each weight is read from memory once; its tile of 4 rows meets every row of x from cache.
+   Every output is lane sums over k mod 16, then one fixed reduction: a row's result does not
+   depend on the batch's other rows. Rows of x and y may be strided; w is contiguous. */
+void headrace_skinny_linear(const float *x, int64_t x_stride, int64_t M, const float *w,
+                            int64_t N, int64_t K, const float *bias, float *y, int64_t y_stride) {
+    const int64_t num_tiles = (N + SKINNY_COLS - 1) / SKINNY_COLS;
+    const int64_t full_blocks = K % LANES == 0 ? M / SKINNY_ROWS : 0;
+    /* Each whole block of rows prefetches its share of the next tile's 4 weight rows. */
+    const int64_t share = full_blocks >= SKINNY_COLS ? 1
+                          : full_blocks > 0          ? (SKINNY_COLS + full_blocks - 1) / full_blocks
+                                                     : 0;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 15))
+    for (int64_t t = 0; t < num_tiles; t++) {
+        const int64_t n0 = t * SKINNY_COLS;
+        const int cols = N - n0 < SKINNY_COLS ? (int)(N - n0) : SKINNY_COLS;
+        const float *tile_bias = bias != NULL ? bias + n0 : NULL;
+        int64_t m0 = 0;
+        if (cols == SKINNY_COLS) {
+            const int64_t next_rows = N - n0 - SKINNY_COLS < SKINNY_COLS ? N - n0 - SKINNY_COLS
+                                                                           : SKINNY_COLS;
+            for (int64_t b = 0; b < full_blocks; b++, m0 += SKINNY_ROWS) {
+                const int64_t first = b * share;
+                const int64_t rows = first >= next_rows          ? 0
+                                     : first + share > next_rows ? next_rows - first
+                                                                 : share;
+                skinny_full_tile(x + m0 * x_stride, x_stride, w + n0 * K, K, tile_bias,
+                                 y + m0 * y_stride + n0, y_stride, w + (n0 + SKINNY_COLS + first) * K,
+                                 (int)rows);
+            }
+        }
+        for (; m0 < M; m0 += SKINNY_ROWS) {
+            const int rows = M - m0 < SKINNY_ROWS ? (int)(M - m0) : SKINNY_ROWS;
+            const int64_t next_rows = N - n0 - cols < SKINNY_COLS ? N - n0 - cols : SKINNY_COLS;
+            /* with no whole block, the first edge block prefetches the next tile alone */
+            const int prefetch_rows = full_blocks == 0 && m0 == 0 ? (int)next_rows : 0;
+            skinny_edge_tile(x + m0 * x_stride, x_stride, rows, w + n0 * K, K, cols, tile_bias,
+                             y + m0 * y_stride + n0, y_stride, w + (n0 + cols) * K, prefetch_rows);
+        }
+    }
+}
+
 /* ---- token bitmasks ----------------------------------------------------------------------- */
 
 /* x[rows[i], t] = -inf wherever bit t % 32 of word t / 32 of bitmask row i is 0 (the tokens an

@@ -179,3 +179,57 @@ def test_apply_token_bitmask_equals_xgrammar(vocab):
     cpu_ops.apply_token_bitmask(x, bitmask, rows)
     assert torch.equal(x, want)
     assert torch.isinf(x[5, :32]).all() and not torch.isinf(x[[1, 3, 4]]).any()
+
+
+# --- the skinny linear -----------------------------------------------------------------------
+
+# Rows around the 6-row tile and the torch hand-over, outputs around the 4-row weight tile,
+# inner sizes that are and are not multiples of the 16-lane vector.
+LINEAR_SHAPES = [(1, 7, 16), (5, 4, 37), (6, 33, 64), (13, 9, 100), (48, 40, 576)]
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_a_float64_matmul(rows, out_features, in_features, with_bias):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    wide_x = torch.randn(rows, in_features + 3, generator=gen)
+    x = wide_x[:, 2 : 2 + in_features]  # rows strided, as a slice of a fused projection
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    got = cpu_ops.linear(x, weight, bias)
+    want = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+def test_linear_rows_do_not_depend_on_the_rest_of_the_batch():
+    """Every output is summed in one fixed order, in whole tiles and at the edges alike: a row
+    alone gives the same bits as in a batch (torch's GEMM picks its kernel by batch size)."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 96, generator=gen)
+    x = torch.randn(cpu_ops.SKINNY_MAX_ROWS, 96, generator=gen)
+    batched = cpu_ops.linear(x, weight)
+    for row in (0, 5, 6, 13, cpu_ops.SKINNY_MAX_ROWS - 1):
+        assert torch.equal(cpu_ops.linear(x[row : row + 1], weight)[0], batched[row])
+        assert torch.equal(cpu_ops.linear(x[row : row + 7], weight)[0], batched[row])
+
+
+def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
+    calls: list[int] = []
+    library = cpu_ops._library()
+
+    class Counting:
+        def __getattr__(self, name):
+            if name == "headrace_skinny_linear":
+                calls.append(1)
+            return getattr(library, name)
+
+    monkeypatch.setattr(cpu_ops, "_library", Counting)
+    weight = torch.randn(8, 32)
+    cpu_ops.linear(torch.randn(cpu_ops.SKINNY_MAX_ROWS, 32), weight)
+    assert len(calls) == 1
+    big = torch.randn(cpu_ops.SKINNY_MAX_ROWS + 1, 32)
+    torch.testing.assert_close(cpu_ops.linear(big, weight), big @ weight.T)
+    half = cpu_ops.linear(torch.randn(3, 32, dtype=torch.bfloat16), weight.bfloat16())
+    assert half.dtype == torch.bfloat16
+    assert len(calls) == 1

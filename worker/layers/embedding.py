@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from headrace.kernels import KernelSet
 from headrace.kernels.argmax import RunningArgmax
 from headrace.kernels.precision import linear
 from headrace.worker.distributed.parallel import ParallelConfig, all_gather, all_reduce
+from headrace.worker.layers.linear import matmul_of
 from headrace.worker.layers.weights import (
     LoadedTensor,
     ShardId,
@@ -75,6 +77,19 @@ GREEDY_MIN_COLUMNS = 512
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states to logits over the true vocabulary; its weight may be the embedding's."""
 
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        parallel: ParallelConfig,
+        dtype: torch.dtype | None = None,
+        kernels: KernelSet | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, parallel=parallel, dtype=dtype)
+        #: The greedy head's matmul (the backend's: on a CPU, the C kernel for few rows).
+        self.matmul = matmul_of(kernels)
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
         self.weight = embedding.weight
@@ -99,5 +114,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         running = RunningArgmax(num_rows, hidden.device)
         for start in range(0, self.num_embeddings, columns):
             end = min(start + columns, self.num_embeddings)
-            running.update(linear(hidden, self.weight[start:end], out_dtype=torch.float32), start)
+            logits = self.matmul(hidden, self.weight[start:end], None, torch.float32)
+            running.update(logits, start)
         return running.index

@@ -8,6 +8,9 @@
 
 So an attention or MLP block costs one all-reduce, at its row-parallel output.
 
+Each layer multiplies with its `KernelSet`'s `linear` (the CPU backend's C kernel for a
+decode step's few rows), or torch's where it has none.
+
 A layer may carry a `LinearDelta` (LoRA adapters, `headrace.worker.lora`): it adds its rows'
 deltas to this rank's output, before a row-parallel layer's all-reduce, which sums the partial
 deltas of the ranks' input slices as it sums the base layer's.
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from headrace.kernels import KernelSet
 from headrace.kernels.precision import linear
 from headrace.worker.distributed.parallel import ParallelConfig, all_reduce, divide
 from headrace.worker.layers.weights import (
@@ -38,6 +42,23 @@ class LinearDelta(Protocol):
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y plus the delta of input x ([T, in per rank] -> [T, out per rank])."""
         ...
+
+
+class Matmul(Protocol):
+    """A layer's matmul (`KernelSet.linear`)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, in]
+        weight: torch.Tensor,  # [out, in]
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor: ...  # [T, out]
+
+
+def matmul_of(kernels: KernelSet | None) -> Matmul:
+    """The backend's matmul; torch's (`precision.linear`) without a backend."""
+    return linear if kernels is None else kernels.linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +89,11 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         parallel: ParallelConfig,
         dtype: torch.dtype | None = None,
+        kernels: KernelSet | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.matmul = matmul_of(kernels)
         self.input_size = input_size
         self.output_size = output_size
         size = parallel.tensor_parallel_size
@@ -90,7 +113,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias = new_parameter(shape[:1], dtype, self.weight_loader, self.shard_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)  # [T, output_size_per_rank]
+        y = self.matmul(x, self.weight, self.bias)  # [T, output_size_per_rank]
         return y if self.lora is None else self.lora.add_to(x, y)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
@@ -129,10 +152,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         bias: bool,
         parallel: ParallelConfig,
         dtype: torch.dtype | None = None,
+        kernels: KernelSet | None = None,
     ) -> None:
         self.output_sizes = output_sizes
         self.shard_ids = tuple(range(len(output_sizes)))
-        super().__init__(input_size, sum(output_sizes), bias=bias, parallel=parallel, dtype=dtype)
+        super().__init__(
+            input_size, sum(output_sizes), bias=bias, parallel=parallel, dtype=dtype,
+            kernels=kernels,
+        )  # fmt: skip
 
     def _row_shard(self, shard_id: ShardId) -> RowShard:
         assert isinstance(shard_id, int), f"unexpected shard {shard_id!r}"
@@ -163,10 +190,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         bias: bool,
         parallel: ParallelConfig,
         dtype: torch.dtype | None = None,
+        kernels: KernelSet | None = None,
     ) -> None:
         nn.Module.__init__(self)
         size = parallel.tensor_parallel_size
         self.parallel = parallel
+        self.matmul = matmul_of(kernels)
         self.input_size = hidden_size
         self.head_dim = head_dim
         self.num_heads = num_heads
@@ -220,9 +249,11 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         parallel: ParallelConfig,
         dtype: torch.dtype | None = None,
+        kernels: KernelSet | None = None,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.matmul = matmul_of(kernels)
         self.input_size = input_size
         self.input_size_per_rank = divide(input_size, parallel.tensor_parallel_size, "input size")
         shape = (output_size, self.input_size_per_rank)
@@ -234,7 +265,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size_per_rank]
         bias = self.bias if self.parallel.tensor_parallel_rank == 0 else None
-        y = linear(x, self.weight, bias)  # [T, output_size]: this rank's partial sum
+        y = self.matmul(x, self.weight, bias)  # [T, output_size]: this rank's partial sum
         if self.lora is not None:
             y = self.lora.add_to(x, y)
         return all_reduce(y, self.parallel)

@@ -52,6 +52,7 @@ class LlamaAttention(nn.Module):
             bias=config.qkv_bias,
             parallel=parallel,
             dtype=dtype,
+            kernels=kernels,
         )
         self.o_proj = RowParallelLinear(
             config.num_heads * head_dim,
@@ -59,6 +60,7 @@ class LlamaAttention(nn.Module):
             bias=config.o_proj_bias,
             parallel=parallel,
             dtype=dtype,
+            kernels=kernels,
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -90,15 +92,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, kernels: KernelSet
+    ) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=config.mlp_bias, parallel=parallel, dtype=dtype
-        )
+            config.hidden_size, [size, size], bias=config.mlp_bias, parallel=parallel,
+            dtype=dtype, kernels=kernels,
+        )  # fmt: skip
         self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias=config.mlp_bias, parallel=parallel, dtype=dtype
-        )
+            size, config.hidden_size, bias=config.mlp_bias, parallel=parallel, dtype=dtype,
+            kernels=kernels,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate per rank]
@@ -115,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, parallel, dtype, kernels)
-        self.mlp = LlamaMLP(config, parallel, dtype)
+        self.mlp = LlamaMLP(config, parallel, dtype, kernels)
         self.input_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
         )
@@ -222,8 +228,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: ParallelLMHead | None = None
         if parallel.is_last_stage:
             self.lm_head = ParallelLMHead(
-                config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
-            )
+                config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype,
+                kernels=kernels,
+            )  # fmt: skip
         if config.tie_word_embeddings and self.lm_head and self.model.embed_tokens:
             self.lm_head.tie_to(self.model.embed_tokens)
         # The interface the model runner sizes the KV cache and the sampler by (per rank).
