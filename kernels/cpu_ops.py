@@ -3,7 +3,9 @@
 Decode and prefill attention read K/V block by block from the paged cache in place, with an
 online softmax per row (``kernels/csrc/cpu_kernels.c``): the torch reference instead gathers
 every sequence's whole context into a padded batch each layer, which dominated decode on CPU.
-RMSNorm and rotary are the reference functions (torch's CPU ops are already fused enough).
+`linear` multiplies a decode step's few rows in C (each weight read from memory once, every
+output summed in a fixed order); more rows go to torch's GEMM. RMSNorm and rotary are the
+reference functions (torch's CPU ops are already fused enough).
 `available()` says whether the library could be built; `select_kernels` falls back to the
 reference otherwise.
 """

@@ -1,7 +1,8 @@
 """The C kernels of the CPU backend equal the torch references: attention read from the paged
 cache in place (decodes, prefills, mixed; GQA; block sizes that do and do not divide the key
 tile; fp32 / bf16 / fp16; strided queries), the KV-cache write bit for bit, and argmax with
-ties and NaN as numpy breaks them. Also: the build is cached, and a machine without a
+ties and NaN as numpy breaks them, and the skinny linear against a float64 matmul, bit for bit
+the same for a row alone as in a batch. Also: the build is cached, and a machine without a
 compiler falls back to the reference kernels.
 
 Tolerances: fp32 agrees to float rounding (1e-5); bf16 / fp16 attention is compared with the
