@@ -78,7 +78,7 @@ class EngineConfig:
     #: on a 2-core CPU, where host and "device" share the cores, it cost 5-33% of tok/s in
     #: seven paired runs of the tiny bench. On CUDA the batch's host-to-device copies still
     #: wait for the running step (one stream); hiding them too needs pinned buffers and a
-    #: copy stream.
+    #: copy stream. Not with LoRA yet (building a step may refill an adapter's device slot).
     overlap_steps: bool = False
     #: Longest text prompt in UTF-8 bytes; None: as long as could fit the context (the
     #: context times the longest token's bytes). Longer prompts are refused untokenized.
@@ -127,6 +127,12 @@ class EngineConfig:
             raise InvalidArgumentError(
                 "overlap_steps",
                 "is for one rank; with several, submitted steps already run on the other ranks",
+            )
+        if self.overlap_steps and (self.enable_lora or self.lora_modules):
+            raise InvalidArgumentError(
+                "overlap_steps",
+                "cannot be combined with LoRA yet: building a step may refill an adapter slot "
+                "the step on the device thread still reads",
             )
         if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
             raise InvalidArgumentError(

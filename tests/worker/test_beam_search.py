@@ -169,6 +169,21 @@ def test_beams_equal_transformers_on_two_pipeline_stages(oracle):
         llm.close()
 
 
+def test_beams_equal_transformers_with_overlapped_steps(oracle):
+    """Forks and copy-on-write while the device thread runs the other step in flight."""
+    llm = LLM(
+        str(oracle.path), dtype="float32", overlap_steps=True, block_size=4, num_kv_blocks=60,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    keys = [(c, p) for c in (0, 2, 4) for p in range(len(oracle.prompts))]
+    configs = [oracle.config(*CASES[c]) for c, _ in keys]
+    results = llm.generate([oracle.prompts[p] for _, p in keys], configs)
+    assert_equals_oracle(oracle, results, keys)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm.engine)
+    llm.close()
+
+
 def test_forked_beams_copy_shared_blocks_before_writing(oracle):
     """Block size 4 puts most forks mid-block: each child's first write copies the block."""
     engine = Engine(EngineConfig(str(oracle.path), dtype="float32", block_size=4))

@@ -105,7 +105,8 @@ def test_a_fault_on_the_device_thread_fails_that_steps_requests_only():
     engine.close()
 
 
-def test_overlap_steps_is_refused_with_several_ranks():
+@pytest.mark.parametrize("other", [dict(tensor_parallel_size=2), dict(enable_lora=True)])
+def test_overlap_steps_is_refused_with_several_ranks_or_lora(other):
     with pytest.raises(InvalidArgumentError) as info:
-        EngineConfig("unused", overlap_steps=True, tensor_parallel_size=2)
+        EngineConfig("unused", overlap_steps=True, **other)
     assert info.value.field == "overlap_steps"
