@@ -3,9 +3,10 @@
 The oracle's sequences and `sequences_scores` must be headrace's beams and beam scores, for
 several widths, length penalties, early-stopping modes and processors, in every batch
 composition (beams beside plain requests, preemption, block size 1, a sequence cap below the
-beams), on a pipeline of two stages, and with every KV block back in the pool afterwards. A few
-frequent tokens are made stop tokens (transformers: extra EOS ids) so that beams finish early
-and the finished-hypothesis and early-stopping paths run, not only the length limit.
+beams), with steps in flight (two pipeline stages; overlapped steps), and with every KV block
+back in the pool afterwards. A few frequent tokens are made stop tokens (transformers: extra
+EOS ids) so that beams finish early and the finished-hypothesis and early-stopping paths run,
+not only the length limit.
 """
 
 from __future__ import annotations
@@ -152,11 +153,15 @@ def test_beams_equal_transformers_in_every_composition(oracle, composition):
     assert_all_blocks_free(llm.engine)
 
 
-def test_beams_equal_transformers_on_two_pipeline_stages(oracle):
-    """Forks and copy-on-write with steps in flight and plans sent to another rank."""
+@pytest.mark.parametrize(
+    "steps_in_flight", [dict(pipeline_parallel_size=2), dict(overlap_steps=True)], ids=str
+)
+def test_beams_equal_transformers_with_steps_in_flight(oracle, steps_in_flight):
+    """Forks and copy-on-write while another step is in flight: on a second pipeline stage
+    (plans sent to another rank), or on the device thread (overlapped steps)."""
     llm = LLM(
-        str(oracle.path), dtype="float32", pipeline_parallel_size=2, block_size=4,
-        num_kv_blocks=60, max_num_batched_tokens=16,
+        str(oracle.path), dtype="float32", block_size=4, num_kv_blocks=60,
+        max_num_batched_tokens=16, **steps_in_flight,
     )  # fmt: skip
     try:
         keys = [(c, p) for c in (0, 2, 4) for p in range(len(oracle.prompts))]
@@ -167,21 +172,6 @@ def test_beams_equal_transformers_on_two_pipeline_stages(oracle):
         assert_all_blocks_free(llm.engine)
     finally:
         llm.close()
-
-
-def test_beams_equal_transformers_with_overlapped_steps(oracle):
-    """Forks and copy-on-write while the device thread runs the other step in flight."""
-    llm = LLM(
-        str(oracle.path), dtype="float32", overlap_steps=True, block_size=4, num_kv_blocks=60,
-        max_num_batched_tokens=16,
-    )  # fmt: skip
-    keys = [(c, p) for c in (0, 2, 4) for p in range(len(oracle.prompts))]
-    configs = [oracle.config(*CASES[c]) for c, _ in keys]
-    results = llm.generate([oracle.prompts[p] for _, p in keys], configs)
-    assert_equals_oracle(oracle, results, keys)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert_all_blocks_free(llm.engine)
-    llm.close()
 
 
 def test_forked_beams_copy_shared_blocks_before_writing(oracle):
