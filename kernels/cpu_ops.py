@@ -171,10 +171,11 @@ def linear(
 ) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
     """x Wᵀ + b: a float32 matmul of at most `SKINNY_MAX_ROWS` rows in the C kernel (each
     output's sum in a fixed order, whatever the other rows), else torch's (`precision.linear`)."""
-    rows = x.shape[0] if x.dim() == 2 else SKINNY_MAX_ROWS + 1
     plain = compute_dtype(weight.dtype, weight.device) == torch.float32 == weight.dtype == x.dtype
-    if not (plain and 0 < rows <= SKINNY_MAX_ROWS and weight.is_contiguous()):
+    few_rows = x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
+    if not (plain and few_rows and weight.is_contiguous()):
         return torch_linear(x, weight, bias, out_dtype)
+    rows = x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:

@@ -624,6 +624,7 @@ typedef struct {
    scores change about k (1 + ln(N / k)) times in a scan, each a log of a log. */
 static int race_capacity(float floor) {
     if (floor <= 0.0f) return 1; /* no top-p: the winner is the draw */
+    /* floor**8 >= 1e-4 from here on (and floor may round to 1, whose log is 0) */
     if (floor >= 0.5f) return MAX_CANDIDATES;
     const int k = (int)ceil(log(ALL_REJECTED_RATE) / log((double)floor));
     return k < MAX_CANDIDATES ? k : MAX_CANDIDATES;
@@ -832,8 +833,8 @@ void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, 
 #define SKINNY_ROWS 6
 #define SKINNY_COLS 4
 
-/* The sum of an accumulator's 16 lanes in the order `sum4` adds them: lanes i and i + 8, then
-   neighbours, then pairs of pairs, then the two halves. */
+/* The sum of an accumulator's 16 lanes in the order `store_totals` adds them: lanes i and
+   i + 8, then neighbours, then pairs of pairs, then the two halves. */
 static inline float lane_total(v16 a) {
     float t[8];
     for (int i = 0; i < 8; i++) t[i] = a[i] + a[i + 8];
@@ -937,27 +938,26 @@ void headrace_skinny_linear(const float *x, int64_t x_stride, int64_t M, const f
         const int64_t n0 = t * SKINNY_COLS;
         const int cols = N - n0 < SKINNY_COLS ? (int)(N - n0) : SKINNY_COLS;
         const float *tile_bias = bias != NULL ? bias + n0 : NULL;
+        /* the weight rows of the next tile, which this tile's blocks prefetch (<= 0: none) */
+        const float *next = w + (n0 + cols) * K;
+        const int64_t next_rows = N - n0 - cols < SKINNY_COLS ? N - n0 - cols : SKINNY_COLS;
         int64_t m0 = 0;
         if (cols == SKINNY_COLS) {
-            const int64_t next_rows = N - n0 - SKINNY_COLS < SKINNY_COLS ? N - n0 - SKINNY_COLS
-                                                                           : SKINNY_COLS;
             for (int64_t b = 0; b < full_blocks; b++, m0 += SKINNY_ROWS) {
                 const int64_t first = b * share;
                 const int64_t rows = first >= next_rows          ? 0
                                      : first + share > next_rows ? next_rows - first
                                                                  : share;
                 skinny_full_tile(x + m0 * x_stride, x_stride, w + n0 * K, K, tile_bias,
-                                 y + m0 * y_stride + n0, y_stride, w + (n0 + SKINNY_COLS + first) * K,
-                                 (int)rows);
+                                 y + m0 * y_stride + n0, y_stride, next + first * K, (int)rows);
             }
         }
         for (; m0 < M; m0 += SKINNY_ROWS) {
             const int rows = M - m0 < SKINNY_ROWS ? (int)(M - m0) : SKINNY_ROWS;
-            const int64_t next_rows = N - n0 - cols < SKINNY_COLS ? N - n0 - cols : SKINNY_COLS;
             /* with no whole block, the first edge block prefetches the next tile alone */
             const int prefetch_rows = full_blocks == 0 && m0 == 0 ? (int)next_rows : 0;
             skinny_edge_tile(x + m0 * x_stride, x_stride, rows, w + n0 * K, K, cols, tile_bias,
-                             y + m0 * y_stride + n0, y_stride, w + (n0 + cols) * K, prefetch_rows);
+                             y + m0 * y_stride + n0, y_stride, next, prefetch_rows);
         }
     }
 }
