@@ -25,7 +25,7 @@ class SequenceStatus(IntEnum):
 
     NEW = 0  # made, not given to the scheduler yet (samples 1..n-1 wait for sample 0)
     WAITING = 1  # queued, or preempted and waiting to be recomputed
-    HELD = 2  # paused while waiting (its reader fell behind): out of the queue until resumed
+    HELD = 2  # held while waiting (its reader fell behind): out of the queue until released
     RUNNING = 3
     FINISHED = 4
 

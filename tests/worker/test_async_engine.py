@@ -126,14 +126,14 @@ def test_a_paused_request_generates_nothing_and_resumes_exactly(engine, offline)
         tokens: list[int] = []
         stream = engine.generate("r", PROMPT, greedy(max_tokens=40))
         tokens.extend((await anext(stream)).samples[0].token_ids)
-        engine.pause(["r"])
+        engine.hold(["r"])
         await asyncio.sleep(0.3)  # let the pause land; a step or two may still come
         (seq,) = engine.engine.scheduler.running
         before = seq.num_tokens
         await asyncio.sleep(0.5)
         assert seq.num_tokens == before  # nothing generated while paused
         assert not engine.engine.has_runnable_work()  # and the engine thread idles
-        engine.resume(["r"])
+        engine.release(["r"])
         async for output in stream:
             tokens.extend(output.samples[0].token_ids)
         return tokens
@@ -147,7 +147,7 @@ def test_an_idle_paused_engine_does_not_spin(engine):
     async def main():
         stream = engine.generate("r", PROMPT, greedy(max_tokens=100))
         await anext(stream)
-        engine.pause(["r"])
+        engine.hold(["r"])
         await asyncio.sleep(0.3)
         start = time.process_time()  # every thread's CPU time, the engine's included
         await asyncio.sleep(1.0)

@@ -282,7 +282,7 @@ def test_a_reader_pause_and_a_keep_pause_never_release_each_other(engine: AsyncE
     async def main():
         request = asyncio.create_task(run(engine, "r", PROMPTS[1]))
         await started(engine, "r")
-        engine.pause(["r"])  # the reader fell behind
+        engine.hold(["r"])  # the reader fell behind
         await engine.pause_generation(PauseMode.KEEP)
         await engine.resume_generation()
         await asyncio.sleep(0.3)
@@ -291,7 +291,7 @@ def test_a_reader_pause_and_a_keep_pause_never_release_each_other(engine: AsyncE
         await asyncio.sleep(0.3)
         assert seq.num_output_tokens == held_at  # still held for its reader
         await engine.pause_generation(PauseMode.KEEP)
-        engine.resume(["r"])  # the reader caught up; generation is still paused
+        engine.release(["r"])  # the reader caught up; generation is still paused
         await asyncio.sleep(0.3)
         assert seq.num_output_tokens == held_at
         await engine.resume_generation()

@@ -1,7 +1,7 @@
 """`AsyncEngine`: the streaming API for servers.
 
 The engine's step loop runs on a thread of its own, so model work never blocks the event
-loop. Callers talk to it through a command queue (add, abort, pause, resume) and get results
+loop. Callers talk to it through a command queue (add, abort, hold, release) and get results
 back through `OutputStream`s: after each step, every stream receives ONE list holding the
 outputs of all its requests that progressed in that step, so a server multiplexing many
 requests on one connection sends one message per step.
@@ -82,8 +82,8 @@ class _Abort:
 @dataclass(slots=True)
 class _Hold:
     request_ids: list[str]
-    #: True: pause them; False: let them go on.
-    paused: bool
+    #: True: hold them; False: release them.
+    held: bool
 
 
 @dataclass(slots=True)
@@ -175,12 +175,12 @@ class AsyncEngine:
         """Stop a request within one step; with ``error`` it ends failed, else cancelled."""
         self._commands.put(_Abort(request_id, error))
 
-    def pause(self, request_ids: list[str]) -> None:
-        """Generate nothing for these requests until `resume`; unknown ids are ignored."""
-        self._commands.put(_Hold(request_ids, paused=True))
+    def hold(self, request_ids: list[str]) -> None:
+        """Generate nothing for these requests until `release`; unknown ids are ignored."""
+        self._commands.put(_Hold(request_ids, held=True))
 
-    def resume(self, request_ids: list[str]) -> None:
-        self._commands.put(_Hold(request_ids, paused=False))
+    def release(self, request_ids: list[str]) -> None:
+        self._commands.put(_Hold(request_ids, held=False))
 
     # --- generation control (any thread; await the result) ----------------------------------
 
@@ -312,7 +312,7 @@ class AsyncEngine:
         elif isinstance(command, _Abort):
             self._abort(command)
         elif isinstance(command, _Hold):
-            hold = self.engine.pause_request if command.paused else self.engine.resume_request
+            hold = self.engine.hold_request if command.held else self.engine.release_request
             for request_id in command.request_ids:
                 hold(request_id)
         elif isinstance(command, _Control):

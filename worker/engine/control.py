@@ -3,7 +3,7 @@
 Design note. Four things decide what the engine may run, and this class owns them all:
 
 - a pause (`PauseMode`): with WAIT, requests admitted before the pause run on and new ones
-  are held back (`held`, never given to the scheduler) until `resume`; with KEEP nothing is
+  are deferred (`_deferred`, never given to the scheduler) until `resume`; with KEEP nothing is
   scheduled at all, so every request keeps its KV blocks and continues on resume; ABORT
   ends every request (the engine does that) and then holds new ones like WAIT;
 - sleep: the KV cache (and optionally the weights) released on every rank; nothing runs and
@@ -13,7 +13,7 @@ Design note. Four things decide what the engine may run, and this class owns the
   (nothing scheduled, new requests refused) until an update succeeds, so it never serves
   half-updated weights.
 
-The flow-control pause of one request (`Scheduler.pause`, its reader fell behind) is a
+The flow-control hold of one request (`Scheduler.hold`, its reader fell behind) is a
 different mechanism on purpose: a KEEP pause never touches per-request state, so neither
 kind can release the other.
 
@@ -66,7 +66,7 @@ class GenerationControl:
         #: Why the weights are not whole (an update failed after copying began), or None.
         self.incomplete: str | None = None
         #: Requests that arrived during a pause: request id -> the sequence to schedule.
-        self.held: dict[str, Sequence] = {}
+        self._deferred: dict[str, Sequence] = {}
         #: The group rank of this worker's rank 0 in a trainer's weights group (0: none).
         self.rank_offset = 0
 
@@ -104,7 +104,16 @@ class GenerationControl:
         if self.pause_mode is None:
             scheduler.add(seq)
         else:
-            self.held[request_id] = seq
+            self._deferred[request_id] = seq
+
+    def withdraw(self, request_id: str) -> None:
+        """Forget a deferred request (it was aborted before the pause ended)."""
+        self._deferred.pop(request_id, None)
+
+    @property
+    def num_deferred(self) -> int:
+        """Requests waiting for the pause to end."""
+        return len(self._deferred)
 
     # --- pause ---------------------------------------------------------------------------
 
@@ -116,9 +125,9 @@ class GenerationControl:
         if self.pause_mode is None:
             return
         self.pause_mode = None
-        for seq in self.held.values():
+        for seq in self._deferred.values():
             scheduler.add(seq)
-        self.held.clear()
+        self._deferred.clear()
         logger.info("generation resumed")
 
     # --- weights -------------------------------------------------------------------------

@@ -144,7 +144,7 @@ class Engine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
-        self.control.held.pop(request_id, None)
+        self.control.withdraw(request_id)
         output = RequestOutput(request_id, weight_version=self.control.weight_version)
         if error is not None:
             request.seqs[0].error = error
@@ -166,17 +166,17 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
 
-    def pause_request(self, request_id: str) -> None:
-        """Generate nothing for the request until `resume_request` (its reader fell behind);
+    def hold_request(self, request_id: str) -> None:
+        """Generate nothing for the request until `release_request` (its reader fell behind);
         unknown ids are ignored."""
         request = self._requests.get(request_id)
         for seq in request.seqs if request is not None else ():
-            self.scheduler.pause(seq)
+            self.scheduler.hold(seq)
 
-    def resume_request(self, request_id: str) -> None:
+    def release_request(self, request_id: str) -> None:
         request = self._requests.get(request_id)
         for seq in request.seqs if request is not None else ():
-            self.scheduler.resume(seq)
+            self.scheduler.release(seq)
 
     def prompt_token_ids(self, request_id: str) -> list[int]:
         return self._requests[request_id].prompt_token_ids
@@ -186,7 +186,7 @@ class Engine:
         return bool(self._requests) or bool(self._in_flight)
 
     def has_runnable_work(self) -> bool:
-        """Whether `step()` would do anything: paused requests alone leave nothing to run."""
+        """Whether `step()` would do anything: held requests alone leave nothing to run."""
         runnable = self.control.may_schedule and self.scheduler.has_runnable_work()
         return bool(self._in_flight) or runnable
 
@@ -238,7 +238,7 @@ class Engine:
     @property
     def is_drained(self) -> bool:
         """No request is left but those a pause holds back."""
-        return not self._in_flight and len(self._requests) == len(self.control.held)
+        return not self._in_flight and len(self._requests) == self.control.num_deferred
 
     def _abort_all(self) -> list[RequestOutput]:
         outputs = [self.abort_request(request_id) for request_id in list(self._requests)]

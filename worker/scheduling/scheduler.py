@@ -26,8 +26,8 @@ With LoRA, a step holds at most `max_loras` distinct adapters (the base model is
 running sequence whose adapter does not fit waits for a later step, and a waiting one at the
 head of the queue stops admission until it fits, so nothing behind it overtakes it.
 
-A paused sequence (its reader fell behind, see `pause`) is not scheduled: a running one keeps
-its blocks but may be preempted, a waiting one is HELD out of the queue until `resume`.
+A held sequence (its reader fell behind, see `hold`) is not scheduled: a running one keeps
+its blocks but may be preempted, a waiting one is HELD out of the queue until `release`.
 
 Beam search forks running sequences (`fork`): the child joins the running set with the
 parent's blocks shared. Forks may take the running set past `max_num_seqs` for a while, and a
@@ -114,16 +114,16 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], int, Sequence]] = []
         self.num_waiting = 0
         self.num_preemptions = 0
-        #: Seq ids of paused sequences (running ones keep their place in `running`).
-        self._paused: set[int] = set()
-        #: Paused sequences out of the waiting queue, by seq id.
-        self._held: dict[int, Sequence] = {}
+        #: Seq ids of held sequences (running ones keep their place in `running`).
+        self._held_ids: set[int] = set()
+        #: Held sequences out of the waiting queue, by seq id.
+        self._parked: dict[int, Sequence] = {}
 
     # --- queue management ----------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        if seq.seq_id in self._paused:
-            self._hold(seq)
+        if seq.seq_id in self._held_ids:
+            self._park(seq)
             return
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self._waiting, (_order(seq), seq.seq_id, seq))
@@ -137,8 +137,8 @@ class Scheduler:
             self.num_waiting -= 1  # its heap entry is dropped lazily
         elif seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        self._held.pop(seq.seq_id, None)
-        self._paused.discard(seq.seq_id)
+        self._parked.pop(seq.seq_id, None)
+        self._held_ids.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
@@ -154,32 +154,32 @@ class Scheduler:
             bisect.insort(self.running, child, key=_order)
         else:
             self.add(child)
-        if parent.seq_id in self._paused:
-            self.pause(child)
+        if parent.seq_id in self._held_ids:
+            self.hold(child)
 
-    def pause(self, seq: Sequence) -> None:
-        """Stop scheduling ``seq`` until `resume` (a running one keeps its blocks)."""
-        if seq.is_finished or seq.seq_id in self._paused:
+    def hold(self, seq: Sequence) -> None:
+        """Stop scheduling ``seq`` until `release` (a running one keeps its blocks)."""
+        if seq.is_finished or seq.seq_id in self._held_ids:
             return
-        self._paused.add(seq.seq_id)
+        self._held_ids.add(seq.seq_id)
         if seq.status == SequenceStatus.WAITING:
             self.num_waiting -= 1  # its heap entry is dropped lazily
-            self._hold(seq)
+            self._park(seq)
 
-    def resume(self, seq: Sequence) -> None:
-        if seq.seq_id not in self._paused:
+    def release(self, seq: Sequence) -> None:
+        if seq.seq_id not in self._held_ids:
             return
-        self._paused.discard(seq.seq_id)
-        if self._held.pop(seq.seq_id, None) is not None:
+        self._held_ids.discard(seq.seq_id)
+        if self._parked.pop(seq.seq_id, None) is not None:
             self.add(seq)
 
-    def _hold(self, seq: Sequence) -> None:
+    def _park(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.HELD
-        self._held[seq.seq_id] = seq
+        self._parked[seq.seq_id] = seq
 
     def has_runnable_work(self) -> bool:
-        """Whether a step could schedule anything: a waiting or an unpaused running one."""
-        return self.num_waiting > 0 or any(s.seq_id not in self._paused for s in self.running)
+        """Whether a step could schedule anything: a waiting or an unheld running one."""
+        return self.num_waiting > 0 or any(s.seq_id not in self._held_ids for s in self.running)
 
     def _peek_waiting(self) -> Sequence | None:
         while self._waiting and self._waiting[0][2].status != SequenceStatus.WAITING:
@@ -216,7 +216,7 @@ class Scheduler:
         while i < len(self.running) and not plan.is_full:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
-            skip = seq.seq_id in plan.busy or seq.seq_id in self._paused
+            skip = seq.seq_id in plan.busy or seq.seq_id in self._held_ids
             if num_new == 0 or skip or not plan.fits_adapter(seq):
                 i += 1
                 continue

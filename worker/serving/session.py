@@ -156,7 +156,7 @@ class WorkerSession:
     def _hold(self, live: _Live) -> None:
         if live.hold_timer is not None:
             return
-        self.service.engine.pause([live.engine_id])
+        self.service.engine.hold([live.engine_id])
         timeout_s = self.service.flow.slow_reader_timeout_s
         error = ResourceExhaustedError(
             f"the client read none of this request's output for {timeout_s:g} s"
@@ -171,7 +171,7 @@ class WorkerSession:
             return
         live.hold_timer.cancel()
         live.hold_timer = None
-        self.service.engine.resume([live.engine_id])
+        self.service.engine.release([live.engine_id])
 
     # --- responses ----------------------------------------------------------------------
 
