@@ -1,8 +1,9 @@
 """The tree is the architecture: these checks keep it so.
 
-Which package may import which (ARCHITECTURE.md's table), the worker's top kept to a few
-modules, and modules and functions short enough to read (Triton kernels excepted: a kernel is
-one launch and reads best whole).
+Which package may import which (ARCHITECTURE.md's table), and the worker's top kept to a few
+modules. Module and function length are left to habit and review, not to a number: a cap
+invited squeezing (code moved where it did not belong, docstrings cut) rather than splitting
+by meaning.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protos", "sdk", "router", "worker", "kernels")
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 60
 
 #: Module-level imports each package (or worker sub-package) must never make. Lower parts
 #: never import higher ones; the router and the SDK never load torch.
@@ -112,30 +111,3 @@ def test_no_package_imports_what_it_sits_below(folder: str) -> None:
 def test_the_worker_top_holds_only_a_few_modules() -> None:
     top = sorted(path.name for path in (ROOT / "worker").glob("*.py"))
     assert len(top) <= 4, top
-
-
-def test_modules_outside_kernels_stay_readable() -> None:
-    long = [
-        f"{path.relative_to(ROOT)}: {num_lines} lines"
-        for folder in ("protos", "sdk", "router", "worker")
-        for path in python_files(folder)
-        if (num_lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
-    ]
-    assert not long, "\n".join(long)
-
-
-def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    return any("jit" in ast.unparse(decorator) for decorator in node.decorator_list)
-
-
-def test_functions_stay_short() -> None:
-    long = []
-    for folder in (*PACKAGES, "tests"):
-        for path in python_files(folder):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    continue
-                num_lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if num_lines > MAX_FUNCTION_LINES and not _is_triton_kernel(node):
-                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
-    assert not long, "\n".join(long)

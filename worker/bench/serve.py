@@ -168,9 +168,12 @@ def run(args: argparse.Namespace) -> Summary:
         burst = None
         if args.priority_burst:
             burst = make_workload(
-                info.vocab_size, args.priority_burst, args.prompt_lens, args.output_lens,
+                info.vocab_size,
+                args.priority_burst,
+                args.prompt_lens,
+                args.output_lens,
                 args.seed + 1,
-            )  # fmt: skip
+            )
         report, burst_report = asyncio.run(run_load(args.target, workload, args, burst=burst))
     print(report.describe())
     summary: Summary = {"bench": "serve", "target": args.target, "model": info.name}

@@ -118,8 +118,10 @@ def _http_summary(rounds: dict[str, list[Report]], best: dict[str, Report]) -> S
     ratio = best[HTTP].tokens_per_s / best[ROUTED].tokens_per_s
     grpc = quantile([t for r in rounds[ROUTED] for t in r.ttft_s], 0.5)
     http = quantile([t for r in rounds[HTTP] for t in r.ttft_s], 0.5)
-    print(f"HTTP / router gRPC: {ratio:.2f}x; TTFT p50: gRPC {grpc * 1e3:.1f} ms, "
-          f"HTTP {http * 1e3:.1f} ms")  # fmt: skip
+    print(
+        f"HTTP / router gRPC: {ratio:.2f}x; TTFT p50: gRPC {grpc * 1e3:.1f} ms, "
+        f"HTTP {http * 1e3:.1f} ms"
+    )
     return {
         "ratio_http_grpc": round(ratio, 3),
         "http_added_ttft_p50_ms": round((http - grpc) * 1e3, 3),

@@ -116,9 +116,12 @@ class PlanEncoder:
         num_tokens = 0 if reset or sent is None else sent.num_tokens
         num_blocks = 0 if reset or sent is None else sent.num_blocks
         update = SeqUpdate(
-            seq.seq_id, seq.token_ids[num_tokens:], seq.block_ids[num_blocks:], reset,
+            seq.seq_id,
+            seq.token_ids[num_tokens:],
+            seq.block_ids[num_blocks:],
+            reset,
             seq.adapter if reset else None,
-        )  # fmt: skip
+        )
         last_block = seq.block_ids[-1] if seq.block_ids else -1
         self._sent[seq.seq_id] = _Sent(
             seq, seq.num_tokens, len(seq.block_ids), seq.num_preemptions, last_block

@@ -51,8 +51,13 @@ class TrainerGroup:
         try:
             joined = pool.submit(
                 client.init_weights_group,
-                host, port, world_size, 1, backend, group_timeout=timeout_s,
-            )  # fmt: skip
+                host,
+                port,
+                world_size,
+                1,
+                backend,
+                group_timeout=timeout_s,
+            )
             group = pool.submit(WeightGroup.join, host, port, world_size, 0, backend, timeout_s)
             pending: list[concurrent.futures.Future[Any]] = [joined, group]
             concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_EXCEPTION)

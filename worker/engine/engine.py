@@ -56,9 +56,14 @@ class Engine:
         self.kernels = select_kernels(config.attention_backend, self.device)
         spec = self.spec
         self.executor = start_executor(
-            config, spec.path, spec.dtype, self.device, self.kernels, spec.max_model_len,
+            config,
+            spec.path,
+            spec.dtype,
+            self.device,
+            self.kernels,
+            spec.max_model_len,
             spec.hf_config,
-        )  # fmt: skip
+        )
         self.runner = self.executor.runner
         self.vocab_size = self.runner.model.vocab_size
         self.block_manager = BlockManager(
@@ -82,10 +87,16 @@ class Engine:
         self.adapters = Adapters(self.executor, self._requests, self._in_flight)  # LoRA
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d "
-            "tp=%d pp=%d", self.spec.path, self.spec.dtype, self.device, self.kernels.NAME,
-            self.block_manager.num_blocks, config.block_size, config.tensor_parallel_size,
+            "tp=%d pp=%d",
+            self.spec.path,
+            self.spec.dtype,
+            self.device,
+            self.kernels.NAME,
+            self.block_manager.num_blocks,
+            config.block_size,
+            config.tensor_parallel_size,
             config.pipeline_parallel_size,
-        )  # fmt: skip
+        )
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

@@ -157,9 +157,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         self.shard_ids = tuple(range(len(output_sizes)))
         super().__init__(
-            input_size, sum(output_sizes), bias=bias, parallel=parallel, dtype=dtype,
+            input_size,
+            sum(output_sizes),
+            bias=bias,
+            parallel=parallel,
+            dtype=dtype,
             kernels=kernels,
-        )  # fmt: skip
+        )
 
     def _row_shard(self, shard_id: ShardId) -> RowShard:
         assert isinstance(shard_id, int), f"unexpected shard {shard_id!r}"

@@ -98,13 +98,21 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [size, size], bias=config.mlp_bias, parallel=parallel,
-            dtype=dtype, kernels=kernels,
-        )  # fmt: skip
-        self.down_proj = RowParallelLinear(
-            size, config.hidden_size, bias=config.mlp_bias, parallel=parallel, dtype=dtype,
+            config.hidden_size,
+            [size, size],
+            bias=config.mlp_bias,
+            parallel=parallel,
+            dtype=dtype,
             kernels=kernels,
-        )  # fmt: skip
+        )
+        self.down_proj = RowParallelLinear(
+            size,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            parallel=parallel,
+            dtype=dtype,
+            kernels=kernels,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate per rank]
@@ -228,9 +236,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: ParallelLMHead | None = None
         if parallel.is_last_stage:
             self.lm_head = ParallelLMHead(
-                config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype,
+                config.vocab_size,
+                config.hidden_size,
+                parallel=parallel,
+                dtype=dtype,
                 kernels=kernels,
-            )  # fmt: skip
+            )
         if config.tie_word_embeddings and self.lm_head and self.model.embed_tokens:
             self.lm_head.tie_to(self.model.embed_tokens)
         # The interface the model runner sizes the KV cache and the sampler by (per rank).

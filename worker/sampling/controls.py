@@ -83,9 +83,10 @@ class LogitControls:
                     "num_resumed_tokens", "the resumed tokens do not satisfy the constraint"
                 )
             controls.append(
-                RowControls(shared.bias_ids, shared.bias_values, shared.allowed_ids,
-                            shared.bad_words, state)
-            )  # fmt: skip
+                RowControls(
+                    shared.bias_ids, shared.bias_values, shared.allowed_ids, shared.bad_words, state
+                )
+            )
         return controls
 
     def _shared(self, config: GenerationConfig) -> RowControls:

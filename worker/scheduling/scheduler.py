@@ -201,9 +201,13 @@ class Scheduler:
         num_decode_seqs = sum(1 for c in chunks if c.num_new_tokens == 1)
         num_batched_tokens = self.config.max_num_batched_tokens - plan.budget
         return SchedulerOutput(
-            chunks, num_decode_seqs, num_batched_tokens, plan.preempted, plan.out_of_blocks,
+            chunks,
+            num_decode_seqs,
+            num_batched_tokens,
+            plan.preempted,
+            plan.out_of_blocks,
             self.block_manager.take_copies(),
-        )  # fmt: skip
+        )
 
     def _chunk_size(self, num_uncomputed: int, budget: int) -> int:
         """Tokens to run this step out of num_uncomputed, or 0 to wait for a bigger budget."""
