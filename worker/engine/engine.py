@@ -35,7 +35,7 @@ from headrace.worker.engine.outputs import EngineLoad, RequestOutput
 from headrace.worker.execution.executor import InFlightStep, start_executor
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.sampling.sampler import Sampler
-from headrace.worker.sampling.stops import finish_reason
+from headrace.worker.scheduling.stops import finish_reason
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
