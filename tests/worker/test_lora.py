@@ -165,10 +165,10 @@ def test_unload_in_use_is_refused(case):
     engine.add_request("r", prompts[0], greedy(), adapter="a")
     engine.step()
     with pytest.raises(FailedPreconditionError, match="in use by 1"):
-        engine.adapters.unload("a")
+        engine.unload_lora_adapter("a")
     while engine.has_unfinished_requests():
         engine.step()
-    engine.adapters.unload("a")
+    engine.unload_lora_adapter("a")
     assert [a.name for a in engine.adapters.list()] == ["b"]
 
 

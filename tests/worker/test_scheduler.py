@@ -1,6 +1,6 @@
 from headrace.worker.config import EngineConfig
 from headrace.worker.scheduling.block_manager import BlockManager
-from headrace.worker.scheduling.output import SchedulerOutput
+from headrace.worker.scheduling.output import SampledToken, SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import FinishReason, SequenceStatus
 
@@ -21,16 +21,15 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=True))
+    block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    return Scheduler(config, block_manager, max_model_len=100_000)
 
 
 def run_step(scheduler: Scheduler) -> SchedulerOutput:
     """Schedule, pretend the model ran, and give each sampling chunk one new token."""
     step = scheduler.schedule()
-    scheduler.update_after_step(step)
-    for chunk in step.chunks:
-        if chunk.samples:
-            chunk.seq.token_ids.append(7)
+    sampled = [SampledToken(c.seq, 7, None, "", False) for c in step.chunks if c.samples]
+    scheduler.update_from_output(step, sampled)
     return step
 
 

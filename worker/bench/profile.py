@@ -9,9 +9,10 @@ nothing wrapped, otherwise) and adds up the wall time each phase takes in decode
 - LM head: the logits of the rows that sample, or, when every row is plain greedy, the
   greedy head (logits a vocabulary slice at a time with a running argmax);
 - sample: the sampler (penalties, warpers, draws, logprobs); absent with the greedy head;
-- update: the scheduler's bookkeeping after the step (computed tokens, prefix-cache blocks);
-- detokenize + stops: appending each token, incremental detokenizing, stop checks;
-- output: the step's `RequestOutput`s;
+- detokenize: incremental detokenizing of each sampled token (stop strings included);
+- update: `Scheduler.update_from_output` (computed tokens, prefix-cache blocks, appending
+  each token, stop checks, finishing);
+- output: the step's deltas and `RequestOutput`s;
 - other: the rest of the step (the engine's own loop).
 """
 
@@ -29,8 +30,8 @@ PHASES = (
     "forward",
     "LM head",
     "sample",
+    "detokenize",
     "update",
-    "detokenize + stops",
     "output",
 )
 
@@ -54,9 +55,10 @@ class StepProfile:
             (model, "compute_logits", "LM head"),
             (model, "compute_greedy", "LM head"),
             (engine, "sampler", "sample"),
-            (engine.scheduler, "update_after_step", "update"),
-            (engine, "_append_token", "detokenize + stops"),
-            (engine, "_collect", "output"),
+            (engine, "_detokenize", "detokenize"),
+            (engine.scheduler, "update_from_output", "update"),
+            (engine, "_report_tokens", "output"),
+            (engine, "_report", "output"),
         ):
             self._wrap(owner, name, phase)
 

@@ -13,9 +13,7 @@ adapters nor two loads of one name ever share KV.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sized
 from pathlib import Path
-from typing import Protocol
 
 from headrace.sdk.errors import (
     FailedPreconditionError,
@@ -28,22 +26,12 @@ from headrace.worker.execution.executor import Executor
 from headrace.worker.lora.manager import AdapterInfo, LoraManager
 
 
-class _Request(Protocol):
-    @property
-    def is_finished(self) -> bool: ...
-
-    @property
-    def adapter(self) -> str | None: ...
-
-
 class Adapters:
-    def __init__(
-        self, executor: Executor, requests: Mapping[str, _Request], in_flight: Sized
-    ) -> None:
+    """The adapters of one engine; loads and unloads run between steps (the engine settles
+    its steps in flight first)."""
+
+    def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        #: The engine's live requests and steps in flight (read, never written, here).
-        self._requests = requests
-        self._in_flight = in_flight
         self._load_ids = itertools.count(1)
         manager = executor.runner.lora
         #: Loaded adapters by name (replaced, never mutated, so any thread may read it).
@@ -83,15 +71,15 @@ class Adapters:
         self.loaded = {**self.loaded, name: (next(self._load_ids), info)}
         return info
 
-    def unload(self, name: str) -> None:
-        """Forget the adapter on every rank; refused while unfinished requests use it."""
+    def unload(self, name: str, num_users: int) -> None:
+        """Forget the adapter on every rank; refused while ``num_users`` (the engine's
+        unfinished requests that use it) is not 0."""
         self._manager()
         if name not in self.loaded:
             raise NotFoundError(f"LoRA adapter {name!r} is not loaded on this worker")
-        users = sum(1 for r in self._requests.values() if r.adapter == name and not r.is_finished)
-        if users:
+        if num_users:
             raise FailedPreconditionError(
-                f"LoRA adapter {name!r} is in use by {users} unfinished request(s); "
+                f"LoRA adapter {name!r} is in use by {num_users} unfinished request(s); "
                 "unload it once they finish"
             )
         self._run(UnloadLora(name))
@@ -104,8 +92,6 @@ class Adapters:
         return manager
 
     def _run(self, command: LoadLora | UnloadLora) -> None:
-        if self._in_flight:
-            raise InternalError("adapter calls need the steps in flight settled first")
         try:
             self.executor.control(command)
         except RankCommandError as exc:

@@ -213,12 +213,12 @@ class AsyncEngine:
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         def load(engine: Engine) -> None:
-            engine.adapters.load(name, path)
+            engine.load_lora_adapter(name, path)
 
         await self._control(load)
 
     async def unload_lora_adapter(self, name: str) -> None:
-        await self._control(lambda e: e.adapters.unload(name))
+        await self._control(lambda e: e.unload_lora_adapter(name))
 
     async def _control(
         self, call: Callable[[Engine], list[RequestOutput] | None], until_drained: bool = False

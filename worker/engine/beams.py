@@ -14,15 +14,13 @@ from __future__ import annotations
 import collections.abc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
+from headrace.sdk.errors import HeadraceError
 from headrace.sdk.outputs import FinishReason, SampleDelta
 from headrace.worker.engine.intake import EngineRequest
-from headrace.worker.execution.batch import StepResult
 from headrace.worker.sampling.detokenizer import Detokenizer
-from headrace.worker.sampling.ops import select_rows
-from headrace.worker.sampling.sampler import Sampler, SamplerOutput, apply_history
+from headrace.worker.sampling.sampler import apply_history
 from headrace.worker.scheduling.output import ScheduledChunk
 from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import Sequence
@@ -32,38 +30,6 @@ def beam_logprobs(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]
     """[B, V] next-token logprobs of beam rows: log-softmax of the raw logits, then the
     penalties and bans (transformers applies its processors to the logprobs)."""
     return apply_history(torch.log_softmax(logits.float(), dim=-1), seqs)
-
-
-@dataclass(slots=True)
-class StepPicks:
-    """A collected step's picks: the sampled tokens of ``chunks`` (in order), and the beam
-    rows' logprobs for their searches."""
-
-    chunks: list[ScheduledChunk]
-    output: SamplerOutput | None
-    beams: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
-
-
-def pick(result: StepResult, sampler: Sampler) -> StepPicks:
-    """Sample the step's rows, but for beam rows: their logprobs (`beam_logprobs`)."""
-    chunks = result.sample_chunks
-    if (tokens := result.sample_token_ids) is not None:  # the model's greedy head's
-        return StepPicks(chunks, SamplerOutput(tokens, [None] * len(tokens)))
-    if (logits := result.sample_logits) is None:
-        return StepPicks([], None)
-    beam_rows = [i for i, chunk in enumerate(chunks) if chunk.seq.config.is_beam_search]
-    if not beam_rows:
-        return StepPicks(chunks, sampler(logits, [c.seq for c in chunks]))
-    beam_chunks = [chunks[i] for i in beam_rows]
-    logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
-    beam_row_set = set(beam_rows)
-    rows = [i for i in range(len(chunks)) if i not in beam_row_set]
-    picks = StepPicks(
-        [chunks[i] for i in rows], None, list(zip(beam_chunks, logprobs, strict=True))
-    )
-    if rows:
-        picks.output = sampler(select_rows(logits, rows), [c.seq for c in picks.chunks])
-    return picks
 
 
 class BeamRequests:
@@ -108,11 +74,13 @@ class BeamRequests:
         request.seqs = children
         return None
 
-    def end(self, request: EngineRequest, reason: FinishReason) -> list[SampleDelta]:
+    def end(
+        self, request: EngineRequest, reason: FinishReason, error: HeadraceError | None = None
+    ) -> list[SampleDelta]:
         """Abort or fail the search: every live beam ends, and each of the n samples with a
         final empty delta (none was reported before)."""
         for seq in request.seqs:
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, error)
         assert request.beams is not None
         if request.beams.done:
             return []

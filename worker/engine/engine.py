@@ -1,14 +1,16 @@
 """`Engine`: the synchronous core. Add requests, abort them, and step.
 
-Each `step()` schedules, runs the model once, samples, detokenizes, checks stops, and returns
-one `RequestOutput` per request that made progress: the step's new tokens and text for each of
-its samples (deltas, for streaming), and on the last one the finish reasons and usage.
+Each `step()` reads as the loop it is: schedule, run the model, sample (and detokenize), then
+one update, `Scheduler.update_from_output`, that owns what follows: appending the tokens, the
+stop checks, status, errors, finishing and freeing blocks. The engine then reports one
+`RequestOutput` per request that made progress: the step's new tokens and text for each of its
+samples (deltas, for streaming), and on the last one the finish reasons and usage.
 
 The engine is single-threaded; `AsyncEngine` runs it on a thread of its own for servers, and
 `LLM` drives it to completion for offline batches. Who writes what: the scheduler alone sets
-a sequence's status and finish reason (`Scheduler.finish`); the engine appends sampled tokens
-and reports. Between steps it takes control calls (pause, new weights, sleep), whose state
-`GenerationControl` owns; every output carries the weight version that produced it.
+a sequence's status, finish reason and error; the engine reads them to report. Between steps
+it takes control calls (pause, new weights, sleep), whose state `GenerationControl` owns;
+every output carries the weight version that produced it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import torch
 from headrace.kernels import select_kernels
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
@@ -27,25 +32,35 @@ from headrace.sdk.weights import PauseMode
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.adapters import Adapters
-from headrace.worker.engine.beams import BeamRequests, pick
+from headrace.worker.engine.beams import BeamRequests, beam_logprobs
 from headrace.worker.engine.control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
+from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import InFlightStep, start_executor
+from headrace.worker.lora.manager import AdapterInfo
 from headrace.worker.sampling.detokenizer import Detokenizer
+from headrace.worker.sampling.ops import select_rows
 from headrace.worker.sampling.sampler import Sampler
-from headrace.worker.scheduling.stops import finish_reason
 from headrace.worker.scheduling.block_manager import BlockManager
-from headrace.worker.scheduling.output import SchedulerOutput
+from headrace.worker.scheduling.output import SampledToken, ScheduledChunk, SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
-from headrace.worker.sequence import Sequence
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 #: One step's outputs as they are gathered, by request id.
 Outputs = dict[str, RequestOutput]
+
+
+@dataclass(slots=True)
+class StepPicks:
+    """What a collected step drew: a token for each live sampling row, and the beam rows'
+    logprobs for their searches."""
+
+    sampled: list[SampledToken] = field(default_factory=list)
+    beams: list[tuple[ScheduledChunk, torch.Tensor]] = field(default_factory=list)
 
 
 class Engine:
@@ -69,7 +84,7 @@ class Engine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, self.spec.max_model_len)
         self.control = GenerationControl(
             self.spec, self.executor, self.block_manager, config.weight_version
         )
@@ -84,7 +99,7 @@ class Engine:
         self.last_step: SchedulerOutput | None = None
         #: Submitted steps not yet collected, oldest first (at most one per pipeline stage).
         self._in_flight: deque[InFlightStep] = deque()
-        self.adapters = Adapters(self.executor, self._requests, self._in_flight)  # LoRA
+        self.adapters = Adapters(self.executor)  # LoRA
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d "
             "tp=%d pp=%d",
@@ -142,7 +157,9 @@ class Engine:
         config = config or GenerationConfig()  # num_resumed_tokens: see RequestIntake.build
         request = self.intake.build(request_id, prompt, config, priority, lora, num_resumed_tokens)
         self._requests[request_id] = request
-        self.control.admit(request_id, request.seqs[0], self.scheduler)
+        leader, *followers = request.seqs
+        self.scheduler.follow(leader, followers)
+        self.control.admit(request_id, leader, self.scheduler)
 
     def abort_request(
         self, request_id: str, error: HeadraceError | None = None
@@ -157,24 +174,25 @@ class Engine:
             return None
         self.control.withdraw(request_id)
         output = RequestOutput(request_id, weight_version=self.control.weight_version)
-        if error is not None:
-            request.seqs[0].error = error
-        self._finish_all(
-            request, FinishReason.ABORT if error is None else FinishReason.ERROR, output
-        )
+        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
+        self._finish_all(request, reason, output, error)
         self._finalize(request, output)
         return output
 
     def _finish_all(
-        self, request: EngineRequest, reason: FinishReason, output: RequestOutput
+        self,
+        request: EngineRequest,
+        reason: FinishReason,
+        output: RequestOutput,
+        error: HeadraceError | None = None,
     ) -> None:
         """End every unfinished sample of a request, each with a final empty delta."""
         if request.beams is not None:
-            output.samples.extend(self.beam_requests.end(request, reason))
+            output.samples.extend(self.beam_requests.end(request, reason, error))
             return
         for seq in request.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish(seq, reason, error)
                 output.samples.append(SampleDelta(seq.sample_index, [], "", [], reason))
 
     def hold_request(self, request_id: str) -> None:
@@ -208,11 +226,11 @@ class Engine:
     # --- generation control (between steps: `settle` first) ----------------------------
 
     def settle(self) -> list[RequestOutput]:
-        """Collect every step in flight and submit none; the outputs of those steps."""
+        """Finish every step in flight and submit none; the outputs of those steps."""
         outputs: Outputs = {}
         while self._in_flight:
-            self._collect_oldest(outputs)
-        return self._collect(outputs)
+            self._finish_oldest_step(outputs)
+        return self._report(outputs)
 
     def pause_generation(self, mode: PauseMode) -> list[RequestOutput]:
         """Pause (see `GenerationControl`); ABORT returns every request's last output."""
@@ -246,6 +264,20 @@ class Engine:
     def wake_up(self) -> None:
         self.control.wake_up()
 
+    def load_lora_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Load a LoRA adapter on every rank (see `Adapters.load`)."""
+        self._require_settled()
+        return self.adapters.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget a LoRA adapter on every rank; refused while unfinished requests use it."""
+        self._require_settled()
+        users = [r for r in self._requests.values() if r.adapter == name and not r.is_finished]
+        self.adapters.unload(name, num_users=len(users))
+
+    def lora_adapters(self) -> list[AdapterInfo]:
+        return self.adapters.list()
+
     @property
     def is_drained(self) -> bool:
         """No request is left but those a pause holds back."""
@@ -265,42 +297,36 @@ class Engine:
         """Run one engine step; returns the outputs of every request that progressed.
 
         With pipeline stages, a call first submits steps until one per stage is in flight
-        (each over sequences no other in-flight step holds), then collects the oldest, so
+        (each over sequences no other in-flight step holds), then finishes the oldest, so
         stage 0 computes step k + 1 while later stages finish step k.
         """
         outputs: Outputs = {}
-        self._submit_steps(outputs)
+        self._schedule_and_submit(outputs)
         if self._in_flight:
-            self._collect_oldest(outputs)
-        return self._collect(outputs)
+            self._finish_oldest_step(outputs)
+        return self._report(outputs)
 
-    def _collect_oldest(self, outputs: Outputs) -> None:
-        """Collect the oldest step in flight: sample, append, check stops."""
+    def _finish_oldest_step(self, outputs: Outputs) -> None:
+        """Collect the oldest step in flight, sample, and apply it: the scheduler updates the
+        sequences (tokens, stops, status, blocks); the outputs report what it did."""
         in_flight = self._in_flight.popleft()
         step = self.last_step = in_flight.step
         try:
             result = self.executor.collect(in_flight)
-            picks = pick(result, self.sampler)
+            picks = self._sample(result)
         except Exception as exc:  # a fault in the step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
             return
-        self.scheduler.update_after_step(step)
         for span in result.prompt_spans:
             span.record()
-        if picks.output is not None:
-            for chunk, token_id, logprob in zip(
-                picks.chunks, picks.output.token_ids, picks.output.logprobs, strict=True
-            ):
-                if not chunk.seq.is_finished:  # else aborted while its step was in flight
-                    self._append_token(chunk.seq, token_id, logprob, outputs)
-        for chunk, logprobs in picks.beams:
-            request = self._requests.get(chunk.seq.request_id)
-            ended = None if request is None else self.beam_requests.report(request, chunk, logprobs)
-            if ended is not None:  # the search ended: its samples, whole
-                _output_of(outputs, chunk.seq.request_id).samples.extend(ended)
+        self.scheduler.update_from_output(step, picks.sampled)
+        self._report_tokens(picks.sampled, outputs)
+        self._advance_beams(picks.beams, outputs)
 
-    def _submit_steps(self, outputs: Outputs) -> None:
+    # --- schedule and submit ----------------------------------------------------------------
+
+    def _schedule_and_submit(self, outputs: Outputs) -> None:
         """Schedule and submit steps until one per pipeline stage is in flight."""
         depth = self.config.steps_in_flight
         while len(self._in_flight) < depth and self.control.may_schedule:
@@ -309,15 +335,7 @@ class Engine:
             num_seqs = len(self.scheduler.running) + self.scheduler.num_waiting
             max_seqs = None if depth == 1 else max(1, -(-num_seqs // depth))
             step = self.scheduler.schedule(busy, max_seqs)
-            for seq in step.out_of_blocks:
-                request = self._requests[seq.request_id]
-                if request.beams is not None:  # the search ends where it stands
-                    deltas = self.beam_requests.finish_now(request)
-                    _output_of(outputs, seq.request_id).samples.extend(deltas)
-                    continue
-                text = self.detokenizer.finish(seq.detok_state)
-                delta = SampleDelta(seq.sample_index, [], text, [], FinishReason.LENGTH)
-                _output_of(outputs, seq.request_id).samples.append(delta)
+            self._report_out_of_blocks(step, outputs)
             if not step.chunks:
                 return
             self._mark_scheduled(step)
@@ -327,6 +345,18 @@ class Engine:
                 logger.exception("engine step failed")
                 self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
 
+    def _report_out_of_blocks(self, step: SchedulerOutput, outputs: Outputs) -> None:
+        """The last delta of each sequence that outgrew the KV pool (the scheduler ended it)."""
+        for seq in step.out_of_blocks:
+            request = self._requests[seq.request_id]
+            if request.beams is not None:  # the search ends where it stands
+                deltas = self.beam_requests.finish_now(request)
+                _output_of(outputs, seq.request_id).samples.extend(deltas)
+                continue
+            text = self.detokenizer.finish(seq.detok_state)
+            delta = SampleDelta(seq.sample_index, [], text, [], FinishReason.LENGTH)
+            _output_of(outputs, seq.request_id).samples.append(delta)
+
     def _mark_scheduled(self, step: SchedulerOutput) -> None:
         now = time.monotonic()
         for chunk in step.chunks:
@@ -335,33 +365,80 @@ class Engine:
                 if times.first_scheduled_s is None:
                     times.first_scheduled_s = now
 
-    def _append_token(
-        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, outputs: Outputs
-    ) -> None:
-        request = self._requests[seq.request_id]
-        if request.times.first_token_s is None:
-            request.times.first_token_s = time.monotonic()
-        if seq.num_output_tokens == 0 and request.pending_siblings:
-            # The prompt's full blocks are now in the prefix cache: siblings reuse them.
-            for sibling in request.pending_siblings:
-                self.scheduler.add(sibling)
-            request.pending_siblings = []
-        seq.token_ids.append(token_id)
-        delta = SampleDelta(seq.sample_index, [token_id], "")
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-            delta.logprobs.append(logprob)
-        text = self.detokenizer.add_tokens(seq.detok_state, [token_id])
-        delta.text = text.text
-        reason = finish_reason(seq, token_id, text.stop_string is not None, self.max_model_len)
-        if reason is not None:
-            if text.stop_string is None:
-                delta.text += self.detokenizer.finish(seq.detok_state)
-            delta.finish_reason = reason
-            self.scheduler.finish(seq, reason)
-        _output_of(outputs, seq.request_id).samples.append(delta)
+    # --- sample -------------------------------------------------------------------------
 
-    def _collect(self, outputs: Outputs) -> list[RequestOutput]:
+    def _sample(self, result: StepResult) -> StepPicks:
+        """Draw a token for each live sampling row and detokenize it; beam rows yield their
+        logprobs instead (`beam_logprobs`). Rows of sequences aborted while the step ran
+        draw (the batch is whole) but are dropped."""
+        chunks = result.sample_chunks
+        if (token_ids := result.sample_token_ids) is not None:  # the model's greedy head's
+            return StepPicks(self._detokenize(chunks, token_ids, [None] * len(token_ids)))
+        if (logits := result.sample_logits) is None:
+            return StepPicks()
+        beam_rows = [i for i, chunk in enumerate(chunks) if chunk.seq.config.is_beam_search]
+        if not beam_rows:
+            drawn = self.sampler(logits, [c.seq for c in chunks])
+            return StepPicks(self._detokenize(chunks, drawn.token_ids, drawn.logprobs))
+        beam_chunks = [chunks[i] for i in beam_rows]
+        logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
+        picks = StepPicks(beams=list(zip(beam_chunks, logprobs, strict=True)))
+        rows = sorted(set(range(len(chunks))) - set(beam_rows))
+        if rows:
+            sampled_chunks = [chunks[i] for i in rows]
+            drawn = self.sampler(select_rows(logits, rows), [c.seq for c in sampled_chunks])
+            picks.sampled = self._detokenize(sampled_chunks, drawn.token_ids, drawn.logprobs)
+        return picks
+
+    def _detokenize(
+        self,
+        chunks: list[ScheduledChunk],
+        token_ids: list[int],
+        logprobs: list[TokenLogprob | None],
+    ) -> list[SampledToken]:
+        sampled = []
+        for chunk, token_id, logprob in zip(chunks, token_ids, logprobs, strict=True):
+            seq = chunk.seq
+            if seq.is_finished:  # aborted while its step was in flight
+                continue
+            text = self.detokenizer.add_tokens(seq.detok_state, [token_id])
+            hit_stop = text.stop_string is not None
+            sampled.append(SampledToken(seq, token_id, logprob, text.text, hit_stop))
+        return sampled
+
+    # --- report -------------------------------------------------------------------------
+
+    def _report_tokens(self, sampled: list[SampledToken], outputs: Outputs) -> None:
+        """Each sampled token as its sample's delta; the last one of a sample that ended now
+        carries the finish reason (and the detokenizer's held-back text, unless a stop string
+        ended it)."""
+        now = time.monotonic()
+        for token in sampled:
+            seq = token.seq
+            delta = SampleDelta(seq.sample_index, [token.token_id], token.text)
+            if token.logprob is not None:
+                delta.logprobs.append(token.logprob)
+            if seq.is_finished:
+                if not token.hit_stop_string:
+                    delta.text += self.detokenizer.finish(seq.detok_state)
+                delta.finish_reason = seq.finish_reason
+            _output_of(outputs, seq.request_id).samples.append(delta)
+            times = self._requests[seq.request_id].times
+            if times.first_token_s is None:
+                times.first_token_s = now
+
+    def _advance_beams(
+        self, beams: list[tuple[ScheduledChunk, torch.Tensor]], outputs: Outputs
+    ) -> None:
+        for chunk, logprobs in beams:
+            request = self._requests.get(chunk.seq.request_id)
+            ended = None if request is None else self.beam_requests.report(request, chunk, logprobs)
+            if ended is not None:  # the search ended: its samples, whole
+                _output_of(outputs, chunk.seq.request_id).samples.extend(ended)
+
+    def _report(self, outputs: Outputs) -> list[RequestOutput]:
+        """The step's outputs, completed: weight version, the prompt's token ids and logprobs
+        the first time they are ready, and usage on a request's last output."""
         for request_id, output in outputs.items():
             output.weight_version = self.control.weight_version
             request = self._requests[request_id]
@@ -390,10 +467,9 @@ class Engine:
     def _fail_step(self, step: SchedulerOutput, error: HeadraceError, outputs: Outputs) -> None:
         for chunk in step.chunks:
             request = self._requests.get(chunk.seq.request_id)
-            if request is None:
-                continue
-            request.seqs[0].error = error
-            self._finish_all(request, FinishReason.ERROR, _output_of(outputs, request.request_id))
+            if request is not None:
+                output = _output_of(outputs, request.request_id)
+                self._finish_all(request, FinishReason.ERROR, output, error)
 
 
 def _output_of(outputs: Outputs, request_id: str) -> RequestOutput:

@@ -38,9 +38,9 @@ class EngineRequest:
     request_id: str
     config: GenerationConfig
     prompt_token_ids: list[int]
+    #: Its samples (a beam search: its live beams). Samples 1..n-1 follow sample 0: they are
+    #: queued once it has computed the shared prompt (`Scheduler.follow`).
     seqs: list[Sequence]
-    #: Samples 1..n-1 wait here until sample 0 has computed the shared prompt.
-    pending_siblings: list[Sequence]
     times: RequestTimes
     #: The LoRA adapter the request runs with (None: the base model).
     adapter: str | None = None
@@ -235,7 +235,7 @@ class RequestIntake:
             for i in range(1 if config.is_beam_search else config.n)
         ]
         times = RequestTimes(arrival_s=time.monotonic())
-        return EngineRequest(request_id, config, prompt_token_ids, seqs, seqs[1:], times)
+        return EngineRequest(request_id, config, prompt_token_ids, seqs, times)
 
 
 def sample_seed(seed: int | None, sample_index: int) -> int | None:

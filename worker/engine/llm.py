@@ -132,13 +132,13 @@ class LLM:
 
     def load_lora_adapter(self, name: str, path: str | Path) -> AdapterInfo:
         """Load a PEFT LoRA adapter under ``name`` (requests then name it)."""
-        return self.engine.adapters.load(name, path)
+        return self.engine.load_lora_adapter(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
-        self.engine.adapters.unload(name)
+        self.engine.unload_lora_adapter(name)
 
     def list_lora_adapters(self) -> list[AdapterInfo]:
-        return self.engine.adapters.list()
+        return self.engine.lora_adapters()
 
     # --- generation control ------------------------------------------------------------
 

@@ -1,13 +1,16 @@
-"""The scheduler -> model runner contract: what one engine step runs.
+"""The scheduler's contracts: what one engine step runs, and what it sampled.
 
 Both sides import this module and never each other: the scheduler fills a `SchedulerOutput`,
-the runner (and the ranks' step plans) read it. Plain data, no tensors.
+the runner (and the ranks' step plans) read it; after the step, the engine hands the
+scheduler one `SampledToken` per sampling row (`Scheduler.update_from_output`). Plain data, no
+tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headrace.sdk.outputs import TokenLogprob
 from headrace.worker.sequence import Sequence
 
 
@@ -39,3 +42,17 @@ class SchedulerOutput:
     #: (source, destination) KV block copies to run before the forward pass: the
     #: copy-on-write of blocks that forked beams share (see `BlockManager.fork`).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """The token a step drew for one live sequence, and what the detokenizer made of it."""
+
+    seq: Sequence
+    token_id: int
+    #: Its logprob (and top alternatives), when the sequence's config asks for logprobs.
+    logprob: TokenLogprob | None
+    #: The text the token adds to the output (cut before a stop string it completed).
+    text: str
+    #: The token completed a stop string.
+    hit_stop_string: bool

@@ -15,8 +15,14 @@ prompt never stalls running decodes.
    and when the running set is at `max_num_seqs`, so a high-priority arrival starts in the
    next step rather than after some running sequence finishes.
 
-The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, then calls
-`update_after_step` so computed-token counts and the prefix cache move forward.
+The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, samples, then
+calls `update_from_output`, the one place a step's results change sequences: computed-token
+counts and the prefix cache move forward, sampled tokens are appended, the stop checks run,
+and sequences that stopped are finished and their blocks freed. A sequence's status, finish
+reason and error are written here and nowhere else.
+
+Samples 1..n-1 of a request follow sample 0 (`follow`): they are queued once it has drawn its
+first token, when the shared prompt's full blocks are in the prefix cache for them to reuse.
 
 With pipeline parallelism several steps are in flight at once (one per stage). Sequences
 of a step still in flight are `busy`: the next step neither schedules nor preempts them,
@@ -43,9 +49,11 @@ import heapq
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from headrace.sdk.errors import HeadraceError
 from headrace.worker.config import EngineConfig
 from headrace.worker.scheduling.block_manager import BlockManager
-from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
+from headrace.worker.scheduling.output import SampledToken, ScheduledChunk, SchedulerOutput
+from headrace.worker.scheduling.stops import check_stop
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -105,9 +113,13 @@ def _order(seq: Sequence) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        #: The model's context: a sequence that reaches it ends (LENGTH).
+        self.max_model_len = max_model_len
         #: Sorted by _order; the tail is the first to be preempted.
         self.running: list[Sequence] = []
         #: Heap of (order key, seq_id, seq); aborted entries are skipped lazily.
@@ -118,6 +130,8 @@ class Scheduler:
         self._held_ids: set[int] = set()
         #: Held sequences out of the waiting queue, by seq id.
         self._parked: dict[int, Sequence] = {}
+        #: Sequences queued once a leader (by seq id) draws its first token (see `follow`).
+        self._followers: dict[int, list[Sequence]] = {}
 
     # --- queue management ----------------------------------------------------------------
 
@@ -129,10 +143,20 @@ class Scheduler:
         heapq.heappush(self._waiting, (_order(seq), seq.seq_id, seq))
         self.num_waiting += 1
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence wherever it is and free its blocks."""
+    def follow(self, leader: Sequence, followers: list[Sequence]) -> None:
+        """Queue ``followers`` once ``leader`` has drawn its first token (its prompt's full
+        blocks are then cached for them). A leader that ends before never queues them: a
+        request's samples end together then (an abort or a failed step ends each one)."""
+        if followers:
+            self._followers[leader.seq_id] = followers
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, error: HeadraceError | None = None
+    ) -> None:
+        """End a sequence wherever it is and free its blocks; ``error``: why it failed."""
         if seq.is_finished:
             return
+        self._followers.pop(seq.seq_id, None)
         if seq.status == SequenceStatus.WAITING:
             self.num_waiting -= 1  # its heap entry is dropped lazily
         elif seq.status == SequenceStatus.RUNNING:
@@ -141,6 +165,7 @@ class Scheduler:
         self._held_ids.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.error = error
         self.block_manager.free(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -321,14 +346,32 @@ class Scheduler:
 
     # --- after the step ------------------------------------------------------------------
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """Count the chunks' tokens as computed and register blocks they filled."""
-        block_size = self.block_manager.block_size
-        for chunk in output.chunks:
-            seq = chunk.seq
-            if seq.is_finished:
-                continue  # aborted while its step was in flight; its blocks are freed
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = before + chunk.num_new_tokens
-            if seq.num_computed_tokens // block_size != before // block_size:
-                self.block_manager.commit_full_blocks(seq)
+    def update_from_output(self, step: SchedulerOutput, sampled: list[SampledToken]) -> None:
+        """Apply a step's results: its chunks' tokens count as computed (full blocks enter the
+        prefix cache), each live sequence's sampled token is appended, and the sequences the
+        stop checks end are finished, their blocks freed."""
+        for chunk in step.chunks:
+            if not chunk.seq.is_finished:  # else aborted while its step was in flight
+                self._advance_computed(chunk)
+        for token in sampled:
+            assert not token.seq.is_finished, "the engine samples live sequences only"
+            self._append(token)
+
+    def _advance_computed(self, chunk: ScheduledChunk) -> None:
+        seq, block_size = chunk.seq, self.block_manager.block_size
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = before + chunk.num_new_tokens
+        if seq.num_computed_tokens // block_size != before // block_size:
+            self.block_manager.commit_full_blocks(seq)
+
+    def _append(self, token: SampledToken) -> None:
+        seq = token.seq
+        if seq.num_output_tokens == 0:  # the prompt is computed and cached: followers start
+            for follower in self._followers.pop(seq.seq_id, ()):
+                self.add(follower)
+        seq.token_ids.append(token.token_id)
+        if token.logprob is not None:
+            seq.logprobs.append(token.logprob)
+        stop = check_stop(seq, token.token_id, token.hit_stop_string, self.max_model_len)
+        if stop is not None:
+            self.finish(seq, stop.reason, stop.error)

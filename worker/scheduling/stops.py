@@ -1,16 +1,30 @@
-"""Whether a sample ends with the token it just drew, and why (the stop checks)."""
+"""Whether a sample ends with the token it just drew, and why (the stop checks).
+
+A question only: `check_stop` reads a sequence and answers; the scheduler, which owns a
+sequence's status, acts on the answer (`Scheduler.update_from_output`).
+"""
 
 from __future__ import annotations
 
-from headrace.sdk.errors import InvalidArgumentError
+from dataclasses import dataclass
+
+from headrace.sdk.errors import HeadraceError, InvalidArgumentError
 from headrace.sdk.outputs import FinishReason
 from headrace.worker.sequence import Sequence
 
 
-def finish_reason(
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Why a sample ends now; a stop for an error carries the error its request fails with."""
+
+    reason: FinishReason
+    error: HeadraceError | None = None
+
+
+def check_stop(
     seq: Sequence, token_id: int, hit_stop_string: bool, max_model_len: int
-) -> FinishReason | None:
-    """The reason ``seq`` (token_id already appended) finishes now, or None to go on.
+) -> Stop | None:
+    """Why ``seq`` (token_id already appended) ends now, or None to go on.
 
     A stop string always ends it; a stop token id (EOS included unless ignore_eos) only once
     min_tokens are out; so does a whole output constraint; then the length limits: max_tokens,
@@ -19,15 +33,15 @@ def finish_reason(
     """
     grammar = seq.controls.grammar if seq.controls is not None else None
     if grammar is not None and grammar.rejected_token is not None:
-        seq.error = InvalidArgumentError(
+        error = InvalidArgumentError(
             "config", "no token satisfies both the constraint and the logit controls"
         )
-        return FinishReason.ERROR
+        return Stop(FinishReason.ERROR, error)
     if hit_stop_string or (grammar is not None and grammar.is_terminated):
-        return FinishReason.STOP
+        return Stop(FinishReason.STOP)
     num_output = seq.num_output_tokens
     if token_id in seq.stop_token_ids and num_output >= seq.config.min_tokens:
-        return FinishReason.STOP
+        return Stop(FinishReason.STOP)
     if num_output >= seq.config.max_tokens or seq.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
+        return Stop(FinishReason.LENGTH)
     return None
