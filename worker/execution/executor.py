@@ -126,9 +126,15 @@ def start_executor(
     loaded = load_model(model_path, dtype, device, kernels=kernels)
     lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
-    runner = ModelRunner(loaded.model, device, dtype, config.block_size, num_blocks)
-    runner.lora = lora
-    runner.num_logits_buffers = config.steps_in_flight  # no step's logits outlive the ring
+    runner = ModelRunner(
+        loaded.model,
+        device,
+        dtype,
+        config.block_size,
+        num_blocks,
+        lora=lora,
+        num_logits_buffers=config.steps_in_flight,  # no step's logits outlive the ring
+    )
     if kernels.NAME != "triton" or device.type == "cuda":  # not Triton's CPU interpreter (tests)
         runner.warm_up(max_model_len, config.max_num_batched_tokens)
     device_thread = None
