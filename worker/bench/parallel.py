@@ -156,7 +156,7 @@ def _measure(engine: Engine, shape: ParallelShape, settings: RunSettings) -> Con
     for _ in range(settings.num_warmup_steps):
         _record(engine.step(), tokens)
     result = ConfigResult(shape, ttft_s=list(first_token_s.values()))
-    comm_timer = engine.executor.parallel.comm_timer
+    comm_timer = engine.runner.parallel.comm_timer
     for _ in range(settings.num_decode_steps):
         comm_start, step_start = comm_timer.seconds, time.perf_counter()
         outputs = engine.step()

@@ -3,8 +3,8 @@ across them.
 
 `start_distributed` first checks that the model splits as asked (before any process starts,
 so a bad size is one clear error), then starts the other ranks and builds rank 0's own shard.
-`DistributedExecutor` sends each step's plan to every rank, runs rank 0's stage, and later
-collects the logits the last stage sends back.
+`DistributedExecutor` (an `Executor`, see `execution.interface`) sends each step's plan to
+every rank, runs rank 0's stage, and later collects the logits the last stage sends back.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from headrace.worker.distributed.rank_control import RankCommand, RankControl, f
 from headrace.worker.distributed.ranks import RankGroup, Shard, build_shard
 from headrace.worker.distributed.step_plan import PlanEncoder
 from headrace.worker.execution.batch import PreparedBatch, StepResult, merge_results
+from headrace.worker.execution.interface import Executor, InFlightStep
 from headrace.worker.models.config import ModelConfig
 from headrace.worker.scheduling.output import SchedulerOutput
 
@@ -94,18 +95,20 @@ def check_model_splits(config: EngineConfig, hf_config: Any, device: torch.devic
             )
 
 
-class DistributedExecutor:
+class DistributedExecutor(Executor):
     """Rank 0's side of a step: plan, send, run stage 0, collect the logits."""
 
     def __init__(self, shard: Shard, ranks: RankGroup, num_micro_batches: int) -> None:
         self.shard = shard
+        self.runner = shard.runner
         self.ranks = ranks
         self.num_micro_batches = num_micro_batches
         self.encoder = PlanEncoder()
         self.stage = StageRunner(shard.runner, shard.parallel)
+        #: Rank 0's own side of control commands (the other ranks run theirs in `ranks`).
         self.rank_control = RankControl(shard.runner, shard.parallel, shard.plan_group)
 
-    def submit(self, step: SchedulerOutput) -> PendingStep:
+    def submit(self, step: SchedulerOutput) -> InFlightStep[PendingStep]:
         """Send the plan and run rank 0's stage; later stages run on while rank 0 goes on."""
         chunks = step.chunks
         parts = split_micro_batches([c.num_new_tokens for c in chunks], self.num_micro_batches)
@@ -120,9 +123,10 @@ class DistributedExecutor:
             logits = self.stage.run([batch.inputs for batch in batches], rows, sends)
         except Exception as exc:  # the ranks are out of step now; nothing can be retried
             self.ranks.fail(f"step failed on rank 0: {exc!r}")
-        return PendingStep(batches, logits, sends)
+        return InFlightStep(step, PendingStep(batches, logits, sends))
 
-    def collect(self, pending: PendingStep) -> StepResult:
+    def collect(self, in_flight: InFlightStep[PendingStep]) -> StepResult:
+        pending = in_flight.pending
         batches, logits = pending.batches, pending.logits
         try:
             if logits is None:
@@ -133,8 +137,7 @@ class DistributedExecutor:
         return merge_results([b.result(lg) for b, lg in zip(batches, logits, strict=True)])
 
     def control(self, command: RankCommand) -> None:
-        """Run a control command on every rank (no step may be in flight); raises
-        `RankCommandError` naming the ranks where it failed."""
+        """Send the command to the other ranks, then run it here and learn their outcomes."""
         sends = PendingSends(self.shard.parallel)
         try:
             send_plan(for_other_ranks(command), sends, self.shard.plan_group)
@@ -146,11 +149,12 @@ class DistributedExecutor:
             sends.wait()
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` just before a rank failure ends the process."""
         self.ranks.on_failure.append(callback)
 
     def close(self) -> None:
-        """Tell every rank to stop, wait for them, and leave the process group."""
+        """Leave any weights group, tell every rank to stop, wait for them, and leave the
+        process group."""
+        self.rank_control.close()
         try:
             sends = PendingSends(self.shard.parallel)
             send_plan(None, sends, self.shard.plan_group)

@@ -106,8 +106,9 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
     agreed = torch.tensor([local_blocks])
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=plan_group)
     num_blocks = int(agreed.item())
-    runner = ModelRunner(loaded.model, device, setup.dtype, config.block_size, num_blocks, parallel)
-    runner.lora = lora
+    runner = ModelRunner(
+        loaded.model, device, setup.dtype, config.block_size, num_blocks, parallel, lora=lora
+    )
     if device.type == "cuda":
         runner.warm_up_kernels(setup.max_model_len)
     logger.info(

@@ -40,6 +40,9 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         parallel: ParallelConfig | None = None,
+        *,
+        lora: LoraManager | None = None,
+        num_logits_buffers: int = 0,
     ) -> None:
         self.model = model
         self.parallel = parallel or ParallelConfig()
@@ -53,12 +56,13 @@ class ModelRunner:
         #: The weights were moved to host memory by `release_memory`.
         self.weights_offloaded = False
         #: The model's LoRA adapters and slots, when LoRA is enabled.
-        self.lora: LoraManager | None = None
-        #: On a CPU, `execute` writes logits into a ring of this many reused buffers (the
-        #: executor sets it to the steps that can be in flight; 0: a new tensor each step).
-        #: Logits of 256 rows of a 49k vocabulary (50 MB) are past glibc's mmap threshold:
-        #: a new tensor's fresh pages cost more than the LM head's matmul (8.6 ms vs 6.9).
-        self.num_logits_buffers = 0
+        self.lora = lora
+        #: On a CPU, `execute` writes logits into a ring of this many reused buffers (as many
+        #: as steps can be in flight, so none is overwritten before its step is collected; 0:
+        #: a new tensor each step). Logits of 256 rows of a 49k vocabulary (50 MB) are past
+        #: glibc's mmap threshold: a new tensor's fresh pages cost more than the LM head's
+        #: matmul (8.6 ms vs 6.9).
+        self.num_logits_buffers = num_logits_buffers
         self._logits_buffers: list[torch.Tensor] = []
         self._num_executed = 0
 
@@ -188,7 +192,7 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs, carry: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of the forward pass (its pipeline stage)."""
         if self.lora is not None:
-            self.lora.batch.indices = inputs.lora_indices
+            self.lora.set_batch_indices(inputs.lora_indices)
         return self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, carry
         )

@@ -23,7 +23,8 @@ from headrace.worker.layers.weights import ShardId
 
 @dataclass(slots=True)
 class LoraBatch:
-    """The current forward pass's rows → slots, shared by every layer of one model."""
+    """The current forward pass's rows → slots, shared by every layer of one model (the
+    model's `LoraManager` sets it before each pass; the layers only read it)."""
 
     indices: LoraIndices | None = None
 

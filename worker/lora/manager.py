@@ -57,14 +57,15 @@ class LoraManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self.batch = LoraBatch()
+        #: What every adapted layer reads during a forward pass; `set_batch_indices` writes it.
+        self._batch = LoraBatch()
         self.packed_modules = packed_modules
         self.layers: dict[str, LinearLora] = {}
         for name, module in model.named_modules():
             if name.rpartition(".")[2] in ADAPTED_MODULES and isinstance(
                 module, ColumnParallelLinear | RowParallelLinear
             ):
-                lora = LinearLora(module, self.batch, kernels, max_loras, max_lora_rank)
+                lora = LinearLora(module, self._batch, kernels, max_loras, max_lora_rank)
                 module.lora = lora
                 self.layers[name] = lora
         if not self.layers:
@@ -147,6 +148,11 @@ class LoraManager:
             slot = -1 if adapter is None else slots[adapter]
             row_slots.extend([slot] * num_new_tokens)
         return LoraIndices.build(row_slots, self.max_loras, device, self.dtype)
+
+    def set_batch_indices(self, indices: LoraIndices | None) -> None:
+        """The slot of each row of the forward pass about to run (from `indices_for`; None:
+        no adapter), which every adapted layer reads."""
+        self._batch.indices = indices
 
     def activate(self, names: Iterable[str]) -> dict[str, int]:
         """A device slot for each of ``names`` (at most max_loras of them)."""
