@@ -22,7 +22,7 @@ from headrace.sdk.errors import (
     NotFoundError,
 )
 from headrace.worker.distributed.rank_control import LoadLora, RankCommandError, UnloadLora
-from headrace.worker.execution.executor import Executor
+from headrace.worker.execution.interface import Executor
 from headrace.worker.lora.manager import AdapterInfo, LoraManager
 
 
@@ -33,7 +33,7 @@ class Adapters:
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self._load_ids = itertools.count(1)
-        manager = executor.runner.lora
+        manager = executor.lora
         #: Loaded adapters by name (replaced, never mutated, so any thread may read it).
         self.loaded: dict[str, tuple[int, AdapterInfo]] = {}
         if manager is not None:  # the adapters of --lora, loaded with the model
@@ -41,7 +41,7 @@ class Adapters:
 
     @property
     def enabled(self) -> bool:
-        return self.executor.runner.lora is not None
+        return self.executor.lora is not None
 
     def resolve(self, name: str | None) -> tuple[str, int] | None:
         """(name, load number) of the adapter a request names; None for the base model."""
@@ -86,7 +86,7 @@ class Adapters:
         self.loaded = {n: entry for n, entry in self.loaded.items() if n != name}
 
     def _manager(self) -> LoraManager:
-        manager = self.executor.runner.lora
+        manager = self.executor.lora
         if manager is None:
             raise FailedPreconditionError("LoRA is not enabled on this worker (--enable-lora)")
         return manager

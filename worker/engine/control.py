@@ -37,7 +37,7 @@ from headrace.worker.distributed.rank_control import (
 )
 from headrace.worker.distributed.weight_sync import FromGroup, WeightGroupSpec, WeightSource
 from headrace.worker.engine.model_spec import ModelSpec
-from headrace.worker.execution.executor import Executor
+from headrace.worker.execution.interface import Executor
 from headrace.worker.models.weight_check import WeightChecker
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.scheduler import Scheduler

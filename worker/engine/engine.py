@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from headrace.kernels import select_kernels
@@ -38,7 +39,8 @@ from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
 from headrace.worker.execution.batch import StepResult
-from headrace.worker.execution.executor import InFlightStep, start_executor
+from headrace.worker.execution.executor import start_executor
+from headrace.worker.execution.interface import InFlightStep
 from headrace.worker.lora.manager import AdapterInfo
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.sampling.ops import select_rows
@@ -98,7 +100,7 @@ class Engine:
         #: The plan of the step whose outputs the last `step()` returned (benchmarks, metrics).
         self.last_step: SchedulerOutput | None = None
         #: Submitted steps not yet collected, oldest first (at most one per pipeline stage).
-        self._in_flight: deque[InFlightStep] = deque()
+        self._in_flight: deque[InFlightStep[Any]] = deque()
         self.adapters = Adapters(self.executor)  # LoRA
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d "
