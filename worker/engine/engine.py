@@ -34,7 +34,7 @@ from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.adapters import Adapters
 from headrace.worker.engine.beams import BeamRequests, beam_logprobs
-from headrace.worker.engine.control import GenerationControl
+from headrace.worker.engine.generation_control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput

@@ -12,7 +12,7 @@ from headrace.sdk.weights import GenerationState
 from headrace.worker.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from headrace.worker.engine.control import GenerationControl
+    from headrace.worker.engine.generation_control import GenerationControl
     from headrace.worker.scheduling.block_manager import BlockManager
     from headrace.worker.scheduling.scheduler import Scheduler
 

@@ -22,10 +22,10 @@ from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
 from headrace.worker.execution.host_memory import freeze_startup_heap
-from headrace.worker.serving.control import WorkerControlService
 from headrace.worker.serving.generation_control import GenerationControlService
 from headrace.worker.serving.metrics import WorkerMetrics
 from headrace.worker.serving.service import GenerationService, ServingState, model_info
+from headrace.worker.serving.worker_control import WorkerControlService
 
 logger = logging.getLogger(__name__)
 
