@@ -25,7 +25,7 @@ from headrace.sdk.prompts import Chat, Prompt
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import RequestTimes
 from headrace.worker.sampling.beam_search import BeamSearch, beams_to_keep
-from headrace.worker.sampling.controls import LogitControls
+from headrace.worker.sampling.controls import LogitControls, RowControls
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.sequence import Sequence
@@ -113,15 +113,9 @@ class RequestIntake:
         resumed = prompt_token_ids[len(prompt_token_ids) - num_resumed_tokens :]
         num_seqs = 1 if config.is_beam_search else config.n  # beams fork as they go
         controls = self.controls.for_samples(config, num_seqs, resumed)
-        request = self._new_request(request_id, prompt_token_ids, config, priority)
+        request = self._new_request(request_id, prompt_token_ids, config, priority, controls, lora)
         if config.is_beam_search:
             request.beams = self._beam_search(request)
-        for seq, seq_controls in zip(request.seqs, controls, strict=True):
-            seq.controls = seq_controls
-        if lora is not None:
-            request.adapter = lora[0]
-            for seq in request.seqs:
-                seq.adapter, seq.lora_id = lora
         return request
 
     def new_seq_id(self) -> int:
@@ -211,12 +205,19 @@ class RequestIntake:
             )
 
     def _new_request(
-        self, request_id: str, prompt_token_ids: list[int], config: GenerationConfig, priority: int
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        config: GenerationConfig,
+        priority: int,
+        controls: list[RowControls | None],
+        lora: tuple[str, int] | None,
     ) -> EngineRequest:
         stop_ids = frozenset(config.stop_token_ids)
         if not config.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
         arrival = next(self._arrivals)
+        adapter, lora_id = lora if lora is not None else (None, 0)
         seqs = [
             Sequence(
                 seq_id=next(self._seq_ids),
@@ -231,11 +232,14 @@ class RequestIntake:
                 stop_token_ids=stop_ids,
                 wants_prompt_logprobs=(i == 0 and config.prompt_logprobs is not None),
                 detok_state=self.detokenizer.new_state(prompt_token_ids, config),
+                controls=seq_controls,
+                adapter=adapter,
+                lora_id=lora_id,
             )
-            for i in range(1 if config.is_beam_search else config.n)
+            for i, seq_controls in enumerate(controls)
         ]
         times = RequestTimes(arrival_s=time.monotonic())
-        return EngineRequest(request_id, config, prompt_token_ids, seqs, times)
+        return EngineRequest(request_id, config, prompt_token_ids, seqs, times, adapter)
 
 
 def sample_seed(seed: int | None, sample_index: int) -> int | None:

@@ -75,7 +75,17 @@ class RowShard:
     full_rows: int
 
 
-class ColumnParallelLinear(nn.Module):
+class _Adaptable(nn.Module):
+    """A linear layer a `LinearDelta` may be attached to once the model is built (LoRA)."""
+
+    #: Added to this rank's output when set (LoRA adapters); None runs the base layer alone.
+    lora: LinearDelta | None = None
+
+    def attach_delta(self, delta: LinearDelta) -> None:
+        self.lora = delta
+
+
+class ColumnParallelLinear(_Adaptable):
     """y = x Wᵀ + b with W's output rows split across ranks; y stays split."""
 
     #: The checkpoint tensors this layer's parameters are assembled from.
@@ -98,9 +108,6 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         size = parallel.tensor_parallel_size
         self._init_parameters(divide(output_size, size, "output size"), bias, dtype)
-
-    #: Added to the output when set (LoRA adapters); None runs the base layer alone.
-    lora: LinearDelta | None = None
 
     def _init_parameters(
         self, output_size_per_rank: int, bias: bool, dtype: torch.dtype | None
@@ -239,11 +246,8 @@ def kv_heads_per_rank(num_kv_heads: int, parallel: ParallelConfig) -> int:
     return 1
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Adaptable):
     """y = x Wᵀ + b with W's input columns split across ranks; x arrives split, y is whole."""
-
-    #: Added to this rank's partial output before the all-reduce when set (LoRA adapters).
-    lora: LinearDelta | None = None
 
     def __init__(
         self,

@@ -66,7 +66,7 @@ class LoraManager:
                 module, ColumnParallelLinear | RowParallelLinear
             ):
                 lora = LinearLora(module, self._batch, kernels, max_loras, max_lora_rank)
-                module.lora = lora
+                module.attach_delta(lora)
                 self.layers[name] = lora
         if not self.layers:
             raise ValueError(f"the model has none of {ADAPTED_MODULES} to adapt")
