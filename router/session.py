@@ -98,10 +98,10 @@ class RouterSession:
         self.flow.release_for_client(request_ids)
 
     def _hold(self, request_id: str) -> None:
-        self.router.hold(self.requests[request_id], True)
+        self.router.hold(self.requests[request_id])
 
     def _release(self, request_id: str) -> None:
-        self.router.hold(self.requests[request_id], False)
+        self.router.release(self.requests[request_id])
 
     def _expire(self, request_id: str, error: HeadraceError) -> None:
         self.router.fail(self.requests[request_id], error)
