@@ -143,9 +143,10 @@ class WorkerLink:
 
     def has_room(self, request: RoutedRequest) -> bool:
         """Whether ``request`` may go here now: generating (not paused), under the in-flight
-        cap, KV room by the estimates, serving the weights of its tokens so far (failover).
-        Over the cap (up to twice it) a request still goes where something of lower priority
-        is in flight: the worker serves it first (preempting at its own sequence cap)."""
+        cap, KV room by the estimates, and serving the weights its tokens so far came from
+        (after a failover). Over the cap (up to twice it) a request still goes where
+        something of lower priority is in flight: the worker serves it first (preempting at
+        its own sequence cap), so holding it back here would only delay it."""
         if not self.accepting:
             return False
         cap = self.config.max_inflight_per_worker
