@@ -118,10 +118,17 @@ def add_up_command(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="deprecated: --num-workers",
     )
-    add("--model", default=None, help="a local HF checkpoint folder or known name (default: "
-        "the default model, prepared once)")  # fmt: skip
-    add("--dtype", default="auto", help="the workers' dtype: auto, float32/fp32, bfloat16/bf16 "
-        "or float16/fp16")  # fmt: skip
+    add(
+        "--model",
+        default=None,
+        help="a local HF checkpoint folder or known name "
+        "(default: the default model, prepared once)",
+    )
+    add(
+        "--dtype",
+        default="auto",
+        help="the workers' dtype: auto, float32/fp32, bfloat16/bf16 or float16/fp16",
+    )
     add("--worker-args", default="", help='more flags for each worker, e.g. "--max-num-seqs 64"')
     add_router_options(up)
     up.set_defaults(handler=_up)

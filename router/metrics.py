@@ -59,17 +59,23 @@ class _RouterCollector(Collector):
         )
         links = list(router.pool.links.values())
         yield _per_worker(
-            "worker_up", "1 if the worker is in rotation (healthy, not draining).",
-            links, lambda link: float(link.accepting),
-        )  # fmt: skip
+            "worker_up",
+            "1 if the worker is in rotation (healthy, not draining).",
+            links,
+            lambda link: float(link.accepting),
+        )
         yield _per_worker(
-            "worker_requests_in_flight", "Requests the router has on the worker.",
-            links, lambda link: float(link.num_inflight),
-        )  # fmt: skip
+            "worker_requests_in_flight",
+            "Requests the router has on the worker.",
+            links,
+            lambda link: float(link.num_inflight),
+        )
         yield _per_worker(
-            "worker_free_kv_blocks", "Free KV-cache blocks by the worker's last report.",
-            links, lambda link: float(link.free_kv_blocks),
-        )  # fmt: skip
+            "worker_free_kv_blocks",
+            "Free KV-cache blocks by the worker's last report.",
+            links,
+            lambda link: float(link.free_kv_blocks),
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -31,7 +31,7 @@ from headrace.router.policy import make_policy
 from headrace.router.queue import PriorityQueue
 from headrace.router.request import RoutedRequest
 from headrace.router.workers import WorkerLink, WorkerPool
-from headrace.sdk import serving, status, streams, tracing, wire
+from headrace.sdk import serving, status, tracing, wire
 from headrace.sdk.errors import (
     HeadraceError,
     ResourceExhaustedError,
@@ -115,7 +115,7 @@ class Router:
             affinity_key=self._affinity_key(parsed.prompt, parsed.adapter),
             telemetry=telemetry,
         )
-        request.timer = streams.start_timeout(parsed.timeout_s, lambda e: self.fail(request, e))
+        request.start_timeout(lambda error: self.fail(request, error))
         self.active.started()
         self.queue.push(request, parsed.priority, request.arrival_s, num_tokens)
         self._dispatch()
@@ -142,8 +142,8 @@ class Router:
                 return
             self.queue.pop()
             link = self.policy.choose(request, candidates)
-            self._record_dispatch(request, link)
             link.send(request)
+            self._record_dispatch(request, link)
 
     def _version_served(self, request: RoutedRequest) -> bool:
         """Some worker in rotation serves the weights the request must resume on."""
@@ -160,8 +160,9 @@ class Router:
 
     def _record_dispatch(self, request: RoutedRequest, link: WorkerLink) -> None:
         span = request.telemetry.span
-        if not request.first_dispatch_s:
-            request.first_dispatch_s = time.monotonic()
+        # Its first dispatch ends its wait in the queue (a request goes back to the queue
+        # only to fail over).
+        if not request.num_failovers:
             request.telemetry.queued(
                 request.arrival_s, request.first_dispatch_s, self.metrics.requests
             )
@@ -180,11 +181,9 @@ class Router:
             request = link.inflight.get(chunk.request_id)
             if request is None:
                 continue  # cancelled or timed out here already
-            if request.required_version and chunk.weight_version:
-                if chunk.weight_version != request.required_version:  # updated since its report
-                    self.fail(request, self._version_gone(request))
-                    continue
-                request.required_version = ""  # resumed on the same weights
+            if request.is_from_other_weights(chunk):
+                self.fail(request, self._version_gone(request))
+                continue
             request.telemetry.clock.tokens(now_s, len(chunk.token_ids), self.metrics.requests)
             out = request.to_client(chunk)
             if out.finished:
@@ -229,8 +228,7 @@ class Router:
         if request.streamed_token_ids and request.remaining_tokens <= 0:
             self._finish_locally(request, pb.FINISH_REASON_LENGTH)
             return
-        request.required_version = request.weight_version if request.streamed_token_ids else ""
-        request.num_failovers += 1
+        request.fail_over()
         self.metrics.failovers.inc()
         request.telemetry.span.add_event("failover", {"headrace.worker": link.target})
         logger.info("resuming request %s elsewhere", request.client_id)
@@ -244,7 +242,7 @@ class Router:
         """The client cancelled: stop it wherever it is; its last chunk says CANCELLED."""
         if request.done or request.cancelled:
             return
-        request.cancelled = True
+        request.mark_cancelled()
         if self.queue.remove(request):
             self._finish_locally(request, pb.FINISH_REASON_CANCELLED)
         elif request.worker is not None:
@@ -285,9 +283,7 @@ class Router:
     def _end(self, request: RoutedRequest, last: pb.Chunk | None) -> None:
         """The request is over; ``last`` is its last chunk to the client (None: the client
         is gone)."""
-        request.done = True
-        if request.timer is not None:
-            request.timer.cancel()
+        request.end()
         self._record_end(request, last)
         self.active.ended()
 
@@ -331,12 +327,17 @@ class Router:
             await asyncio.sleep(0.5)
             self._fail_queued_if_no_worker()
 
-    def hold(self, request: RoutedRequest, paused: bool) -> None:
-        """Pause (or resume) a request for its slow reader, on its worker now and on any
-        worker it fails over to."""
-        request.held = paused
+    def hold(self, request: RoutedRequest) -> None:
+        """Hold a request for its slow reader, on its worker now and on any worker it fails
+        over to (until `release`)."""
+        request.hold()
         if request.worker is not None:
-            request.worker.hold(request, paused)
+            request.worker.hold(request)
+
+    def release(self, request: RoutedRequest) -> None:
+        request.release()
+        if request.worker is not None:
+            request.worker.release(request)
 
     async def model_info(self) -> pb.ModelInfo:
         for link in self.pool.accepting():

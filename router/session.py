@@ -2,16 +2,15 @@
 
 Like the worker's session: requests are admitted (or refused in-band), a request reusing the
 id of one in flight is refused in the response's `duplicates` without touching that one, and
-closing the stream abandons whatever still runs. The session is its outbox's flow-control
-hooks: when a client stops reading and responses pile up, its requests are paused on their
-workers (a `Pause` on the worker stream, so the worker stops generating for them rather
-than the router buffering without bound), and a request held past the slow-reader timeout
-fails with RESOURCE_EXHAUSTED.
+closing the stream abandons whatever still runs. Its `FlowControl` (see
+`headrace.sdk.streams`) holds requests when the client stops reading and responses pile up,
+or when the client says `Pause`: a held request is held on its worker (a `Pause` on the
+worker stream, so the worker stops generating for it rather than the router buffering
+without bound), and one held past the slow-reader timeout fails with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,8 +18,8 @@ from typing import TYPE_CHECKING
 from headrace.protos import generation_pb2 as pb
 from headrace.router.request import RoutedRequest
 from headrace.sdk import auth, status
-from headrace.sdk.errors import HeadraceError, InvalidArgumentError, ResourceExhaustedError
-from headrace.sdk.streams import FlowLimits, ResponseQueue
+from headrace.sdk.errors import HeadraceError, InvalidArgumentError
+from headrace.sdk.streams import FlowControl, FlowLimits, ResponseQueue
 
 if TYPE_CHECKING:
     from headrace.router.router import Router
@@ -31,24 +30,22 @@ class RouterSession:
     """The requests of one client stream (one `Generate` RPC, or one `GenerateOne`)."""
 
     router: Router
-    flow: FlowLimits
+    limits: FlowLimits
     #: The call's metadata (W3C trace context for requests that carry none).
     metadata: Sequence[tuple[str, str | bytes]]
     requests: dict[str, RoutedRequest] = field(default_factory=dict)
     #: Refusals of requests that reused an id in flight, sent with the next response.
     duplicates: list[pb.DuplicateRequest] = field(default_factory=list)
-    #: Requests the client paused itself.
-    paused_by_client: set[str] = field(default_factory=set)
-    #: A timer per held request: it fails the request when the slow-reader timeout passes.
-    hold_timers: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     input_done: bool = False
     fault: HeadraceError | None = None
+    flow: FlowControl = field(init=False)
     outbox: ResponseQueue[list[pb.Chunk]] = field(init=False)
     #: The call's API key, when it has per-request limits (see `headrace.sdk.auth`).
     caller: auth.Caller | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.outbox = ResponseQueue(self.flow, self)
+        self.flow = FlowControl(self.limits, self._hold, self._release, self._expire)
+        self.outbox = ResponseQueue(self.limits, self.flow)
         self.caller = auth.current_caller()
 
     def submit(self, wire_request: pb.Request) -> None:
@@ -69,8 +66,7 @@ class RouterSession:
             self.outbox.put([status.error_chunk(request_id, error)])
             return
         self.requests[request.client_id] = request
-        if self.outbox.holding:
-            self._hold(request)
+        self.flow.add(request.client_id)
 
     def _admit(self, wire_request: pb.Request) -> RoutedRequest:
         """The caller's key, then the router, admit the request (or raise the refusal)."""
@@ -93,48 +89,22 @@ class RouterSession:
     def wake(self) -> None:
         self.outbox.put([])
 
-    # --- flow control -------------------------------------------------------------------
+    # --- flow control (the session's side of its FlowControl) ---------------------------
 
-    def pause(self, request_ids: list[str]) -> None:
-        for request in self._known(request_ids):
-            self.paused_by_client.add(request.client_id)
-            self._hold(request)
+    def hold(self, request_ids: list[str]) -> None:
+        self.flow.hold_for_client(request_ids)
 
-    def resume(self, request_ids: list[str]) -> None:
-        for request in self._known(request_ids):
-            self.paused_by_client.discard(request.client_id)
-            if not self.outbox.holding:
-                self._release(request)
+    def release(self, request_ids: list[str]) -> None:
+        self.flow.release_for_client(request_ids)
 
-    def hold_all(self) -> None:
-        for request in self.requests.values():
-            self._hold(request)
+    def _hold(self, request_id: str) -> None:
+        self.router.hold(self.requests[request_id])
 
-    def release_all(self) -> None:
-        for request in self.requests.values():
-            if request.client_id not in self.paused_by_client:
-                self._release(request)
+    def _release(self, request_id: str) -> None:
+        self.router.release(self.requests[request_id])
 
-    def _known(self, request_ids: list[str]) -> list[RoutedRequest]:
-        return [self.requests[i] for i in request_ids if i in self.requests]
-
-    def _hold(self, request: RoutedRequest) -> None:
-        if request.client_id in self.hold_timers:
-            return
-        self.router.hold(request, True)
-        timeout_s = self.flow.slow_reader_timeout_s
-        error = ResourceExhaustedError(
-            f"the client read none of this request's output for {timeout_s:g} s"
-        )
-        self.hold_timers[request.client_id] = asyncio.get_running_loop().call_later(
-            timeout_s, self.router.fail, request, error
-        )
-
-    def _release(self, request: RoutedRequest) -> None:
-        timer = self.hold_timers.pop(request.client_id, None)
-        if timer is not None:
-            timer.cancel()
-            self.router.hold(request, False)
+    def _expire(self, request_id: str, error: HeadraceError) -> None:
+        self.router.fail(self.requests[request_id], error)
 
     # --- responses ----------------------------------------------------------------------
 
@@ -164,17 +134,12 @@ class RouterSession:
     def _forget(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None and self.caller is not None:
             self.caller.done()
-        self.paused_by_client.discard(request_id)
-        timer = self.hold_timers.pop(request_id, None)
-        if timer is not None:
-            timer.cancel()
+        self.flow.remove(request_id)
 
     def close(self) -> None:
         for request in self.requests.values():
             self.router.abandon(request)
             if self.caller is not None:
                 self.caller.done()
-        for timer in self.hold_timers.values():
-            timer.cancel()
+        self.flow.close()
         self.requests.clear()
-        self.hold_timers.clear()

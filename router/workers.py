@@ -143,9 +143,10 @@ class WorkerLink:
 
     def has_room(self, request: RoutedRequest) -> bool:
         """Whether ``request`` may go here now: generating (not paused), under the in-flight
-        cap, KV room by the estimates, serving the weights of its tokens so far (failover).
-        Over the cap (up to twice it) a request still goes where something of lower priority
-        is in flight: the worker serves it first (preempting at its own sequence cap)."""
+        cap, KV room by the estimates, and serving the weights its tokens so far came from
+        (after a failover). Over the cap (up to twice it) a request still goes where
+        something of lower priority is in flight: the worker serves it first (preempting at
+        its own sequence cap), so holding it back here would only delay it."""
         if not self.accepting:
             return False
         cap = self.config.max_inflight_per_worker
@@ -178,33 +179,33 @@ class WorkerLink:
 
     def send(self, request: RoutedRequest) -> None:
         assert self._outgoing is not None and self.healthy
-        request.wire_id = f"{next(self._wire_ids)}"
-        request.worker = self
-        self.inflight[request.wire_id] = request
+        wire_id = f"{next(self._wire_ids)}"
+        request.dispatched_to(self, wire_id)
+        self.inflight[wire_id] = request
         self._sent_tokens += request.num_tokens_estimate
         self._sent_blocks += self._blocks_for(request)
-        self._outgoing.put_nowait(pb.GenerateRequest(request=request.for_worker(request.wire_id)))
+        self._outgoing.put_nowait(pb.GenerateRequest(request=request.for_worker(wire_id)))
         if request.held:
-            self.hold(request, True)
+            self.hold(request)
 
-    def hold(self, request: RoutedRequest, paused: bool) -> None:
-        """Pause (or resume) the request on the worker: its client reads too slowly."""
-        if self._outgoing is None or request.wire_id not in self.inflight:
-            return
-        ids = [request.wire_id]
-        message = (
-            pb.GenerateRequest(pause=pb.Pause(request_ids=ids))
-            if paused
-            else pb.GenerateRequest(resume=pb.Resume(request_ids=ids))
-        )
-        self._outgoing.put_nowait(message)
+    def hold(self, request: RoutedRequest) -> None:
+        """Hold the request on the worker (a `Pause`): its client reads too slowly."""
+        pause = pb.Pause(request_ids=[request.wire_id])
+        self._tell(request, pb.GenerateRequest(pause=pause))
+
+    def release(self, request: RoutedRequest) -> None:
+        """Let the worker go on with a held request (a `Resume`)."""
+        resume = pb.Resume(request_ids=[request.wire_id])
+        self._tell(request, pb.GenerateRequest(resume=resume))
 
     def cancel(self, request: RoutedRequest) -> None:
         """Ask the worker to stop a request (its last chunk still comes back)."""
+        self._tell(request, pb.GenerateRequest(cancel=pb.Cancel(request_id=request.wire_id)))
+
+    def _tell(self, request: RoutedRequest, message: pb.GenerateRequest) -> None:
+        """Send a message about a request, if it runs on this link's open stream."""
         if self._outgoing is not None and request.wire_id in self.inflight:
-            self._outgoing.put_nowait(
-                pb.GenerateRequest(cancel=pb.Cancel(request_id=request.wire_id))
-            )
+            self._outgoing.put_nowait(message)
 
     def forget(self, request: RoutedRequest) -> None:
         """Stop routing the request's chunks (cancel it first if it may still run)."""
@@ -309,7 +310,7 @@ class WorkerLink:
         orphans = list(self.inflight.values())
         self.inflight.clear()
         for request in orphans:
-            request.worker = None
+            request.left_worker()
         self.events.on_down(self, orphans)
         self.events.on_change()
 

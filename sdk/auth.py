@@ -213,8 +213,12 @@ class Caller:
         if error is not None:
             logger.info(
                 "refused %s from key %r at %s: %s: %s",
-                self.method, self.key.name, self.peer, error.grpc_code, error,
-            )  # fmt: skip
+                self.method,
+                self.key.name,
+                self.peer,
+                error.grpc_code,
+                error,
+            )
             return error
         self.limits.acquire(self.key)
         return None

@@ -194,20 +194,19 @@ class AsyncClient(AsyncControlCalls):
     ) -> AsyncIterator[StreamChunk]:
         """Yield the request's chunks as they arrive; the last has ``finished`` set.
 
-        ``prompt`` is text or token ids; ``timeout`` (seconds) fails the request with
-        `DeadlineExceededError` on the server; ``adapter`` names a loaded LoRA adapter (empty:
-        the base model). Leaving the loop early cancels the request.
+        ``prompt`` is text, token ids or a `Chat`; ``config`` says how to generate (None:
+        `GenerationConfig`'s defaults). ``priority``: higher runs sooner (an API key with a
+        ceiling refuses more with `PermissionDeniedError`); ``timeout`` (seconds) fails the
+        request with `DeadlineExceededError` on the server; ``adapter`` names a loaded LoRA
+        adapter (empty: the base model). Leaving the loop early cancels the request.
         A failed request raises its typed error (`InvalidArgumentError`, ...).
         """
-        request_id = str(next(self._request_numbers))
-        config = config or GenerationConfig()
-        request = wire.request_to_wire(request_id, prompt, config, priority, timeout, self.model)
-        request.adapter = adapter
+        request = self._request(prompt, config, priority, timeout, adapter)
         # Not the current span: an async generator must not leave its context behind.
         span = tracing.tracer().start_span(
             "headrace.generate",
             kind=trace.SpanKind.CLIENT,
-            attributes={tracing.REQUEST_ID: request_id},
+            attributes={tracing.REQUEST_ID: request.request_id},
         )
         request.trace_context.update(tracing.carrier(span))
         mux = self._multiplexer()
@@ -229,8 +228,24 @@ class AsyncClient(AsyncControlCalls):
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
             raise
         finally:
-            mux.close(request_id, cancel=not finished)
+            mux.close(request.request_id, cancel=not finished)
             span.end()
+
+    def _request(
+        self,
+        prompt: Prompt,
+        config: GenerationConfig | None,
+        priority: int,
+        timeout: float | None,
+        adapter: str,
+    ) -> pb.Request:
+        """The wire request of one call: the one place a call's keywords become fields (the
+        other calls, and `Client`'s, pass theirs down to `stream`)."""
+        request_id = str(next(self._request_numbers))
+        config = config or GenerationConfig()
+        request = wire.request_to_wire(request_id, prompt, config, priority, timeout, self.model)
+        request.adapter = adapter
+        return request
 
     async def generate(
         self,
@@ -241,11 +256,12 @@ class AsyncClient(AsyncControlCalls):
         timeout: float | None = None,
         adapter: str = "",
     ) -> GenerationResult:
-        """Run one request to the end; the result has every sample's tokens and text."""
+        """Run one request to the end; the result has every sample's tokens and text.
+        Arguments as for `stream`."""
         config = config or GenerationConfig()
         result: GenerationResult | None = None
-        options: dict[str, Any] = {"priority": priority, "timeout": timeout, "adapter": adapter}
-        async for chunk in self.stream(prompt, config, **options):
+        chunks = self.stream(prompt, config, priority=priority, timeout=timeout, adapter=adapter)
+        async for chunk in chunks:
             if result is None:
                 result = GenerationResult.empty(
                     chunk.request_id, config.n, with_logprobs=config.logprobs is not None
@@ -255,17 +271,33 @@ class AsyncClient(AsyncControlCalls):
         return result
 
     async def chat(
-        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+        self,
+        messages: Messages,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        adapter: str = "",
     ) -> GenerationResult:
         """Answer a conversation (``{"role", "content"}`` dicts or `ChatMessage`s), rendered
-        by the server with the model's chat template; options as for `generate`."""
-        return await self.generate(Chat.of(messages), config, **options)
+        by the server with the model's chat template; other arguments as for `stream`."""
+        prompt = Chat.of(messages)
+        return await self.generate(
+            prompt, config, priority=priority, timeout=timeout, adapter=adapter
+        )
 
     def stream_chat(
-        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+        self,
+        messages: Messages,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        adapter: str = "",
     ) -> AsyncIterator[StreamChunk]:
         """`stream` for a conversation (see `chat`)."""
-        return self.stream(Chat.of(messages), config, **options)
+        prompt = Chat.of(messages)
+        return self.stream(prompt, config, priority=priority, timeout=timeout, adapter=adapter)
 
     async def model_info(self, timeout: float | None = 30.0) -> pb.ModelInfo:
         try:
@@ -324,22 +356,46 @@ class Client(ControlCalls):
         self._loop.close()
 
     def generate(
-        self, prompt: Prompt, config: GenerationConfig | None = None, **options: Any
+        self,
+        prompt: Prompt,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        adapter: str = "",
     ) -> GenerationResult:
-        """See `AsyncClient.generate` (options: priority, timeout, adapter)."""
-        return self._run(self._async.generate(prompt, config, **options))
+        """See `AsyncClient.generate`."""
+        return self._run(
+            self._async.generate(
+                prompt, config, priority=priority, timeout=timeout, adapter=adapter
+            )
+        )
 
     def chat(
-        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+        self,
+        messages: Messages,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        adapter: str = "",
     ) -> GenerationResult:
         """See `AsyncClient.chat`."""
-        return self.generate(Chat.of(messages), config, **options)
+        prompt = Chat.of(messages)
+        return self.generate(prompt, config, priority=priority, timeout=timeout, adapter=adapter)
 
     def stream_chat(
-        self, messages: Messages, config: GenerationConfig | None = None, **options: Any
+        self,
+        messages: Messages,
+        config: GenerationConfig | None = None,
+        *,
+        priority: int = 0,
+        timeout: float | None = None,
+        adapter: str = "",
     ) -> Iterator[StreamChunk]:
         """See `AsyncClient.stream_chat`."""
-        return self.stream(Chat.of(messages), config, **options)
+        prompt = Chat.of(messages)
+        return self.stream(prompt, config, priority=priority, timeout=timeout, adapter=adapter)
 
     def stream(
         self,
@@ -354,9 +410,11 @@ class Client(ControlCalls):
         items: queue.SimpleQueue[StreamChunk | BaseException | None] = queue.SimpleQueue()
 
         async def pump() -> None:
+            chunks = self._async.stream(
+                prompt, config, priority=priority, timeout=timeout, adapter=adapter
+            )
             try:
-                options: dict[str, Any] = {"priority": priority, "timeout": timeout}
-                async for chunk in self._async.stream(prompt, config, adapter=adapter, **options):
+                async for chunk in chunks:
                     items.put(chunk)
             except Exception as error:
                 items.put(error)

@@ -208,8 +208,10 @@ def _stream(args: argparse.Namespace, config: GenerationConfig) -> int:
         whole = GenerationResult.empty("", config.n, with_logprobs=False)
     with Client(args.target, **client_options(args)) as client:
         prompt = _prompt(args, client)
-        options: dict[str, Any] = {"priority": args.priority, "timeout": args.timeout}
-        for chunk in client.stream(prompt, config, adapter=args.adapter, **options):
+        chunks = client.stream(
+            prompt, config, priority=args.priority, timeout=args.timeout, adapter=args.adapter
+        )
+        for chunk in chunks:
             num_tokens += len(chunk.token_ids)
             last = chunk
             if whole is not None:

@@ -8,11 +8,14 @@ that. Leaving the call for any reason closes the session, which stops its reques
 
 Flow control (design note). A client that stops reading must not make the server buffer
 without bound or keep generating for it. Each session sends through a `ResponseQueue`: once
-`FlowLimits.max_backlog` responses wait unsent, the queue asks its session to hold the
-stream's requests (no tokens generated for them; the worker's KV blocks may be preempted),
-and releases them when the backlog is down to half. A request held for longer than
-`FlowLimits.slow_reader_timeout_s` is ended with RESOURCE_EXHAUSTED. Clients may also
-`Pause` and `Resume` requests themselves (the router does, for its own slow clients).
+`FlowLimits.max_backlog` responses wait unsent, the queue asks the session's `FlowControl`
+to hold the stream's requests (no tokens generated for them; the worker's KV blocks may be
+preempted), and to release them when the backlog is down to half. A request held for longer
+than `FlowLimits.slow_reader_timeout_s` is ended with RESOURCE_EXHAUSTED. Clients may also
+hold and release requests themselves with the `Pause` and `Resume` messages (the router
+does, for its own slow clients); a request the client holds stays held through a backlog's
+release. One `FlowControl` serves router and worker sessions alike: each says how to hold,
+release and fail one of its requests (on its worker link, or in its engine).
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ import grpc.aio
 from grpc._cython import cygrpc
 from headrace.protos import generation_pb2 as pb
 from headrace.sdk import status, wire
-from headrace.sdk.errors import DeadlineExceededError, HeadraceError, InvalidArgumentError
+from headrace.sdk.errors import (
+    DeadlineExceededError,
+    HeadraceError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +81,11 @@ class StreamSession(Protocol):
     def cancel(self, request_id: str) -> None:
         """The client's Cancel; unknown ids are ignored."""
 
-    def pause(self, request_ids: list[str]) -> None:
-        """The client's Pause: hold these requests; unknown ids are ignored."""
+    def hold(self, request_ids: list[str]) -> None:
+        """The client's `Pause`: hold these requests; unknown ids are ignored."""
 
-    def resume(self, request_ids: list[str]) -> None:
-        """The client's Resume; unknown ids are ignored."""
+    def release(self, request_ids: list[str]) -> None:
+        """The client's `Resume`: release these requests; unknown ids are ignored."""
 
     def wake(self) -> None:
         """Make `responses` look at the session's state again."""
@@ -91,7 +99,7 @@ class StreamSession(Protocol):
 
 
 class FlowHooks(Protocol):
-    """What a `ResponseQueue` asks of its session."""
+    """What a `ResponseQueue` asks of its session's flow control."""
 
     def hold_all(self) -> None:
         """The backlog is too long: hold every request of the stream."""
@@ -135,6 +143,107 @@ class ResponseQueue(Generic[T]):
 
     def empty(self) -> bool:
         return self._queue.empty()
+
+
+class FlowControl:
+    """Which requests of one stream are held, and why (see the design note); its
+    `ResponseQueue`'s hooks. Used on the event loop only.
+
+    The session supplies what differs between router and worker, each called with the
+    client's request id: ``hold`` and ``release`` one request (on its worker link, or in its
+    engine), and ``expire`` it with the slow reader's error. It tells the flow control which
+    requests the stream has: `add` each one admitted, `remove` each one finished.
+    """
+
+    def __init__(
+        self,
+        limits: FlowLimits,
+        hold: Callable[[str], object],
+        release: Callable[[str], object],
+        expire: Callable[[str, ResourceExhaustedError], object],
+    ) -> None:
+        self._slow_reader_timeout_s = limits.slow_reader_timeout_s
+        self._hold, self._release, self._expire = hold, release, expire
+        #: The stream's requests (admitted and not finished), in admission order.
+        self._request_ids: dict[str, None] = {}
+        #: The held requests, each with the timer that expires it at the slow-reader timeout.
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        #: Requests the client held (`Pause`): a backlog's release leaves them held.
+        self._held_by_client: set[str] = set()
+        #: The queue's backlog is too long (`hold_all`, not yet `release_all`).
+        self._backlogged = False
+
+    def add(self, request_id: str) -> None:
+        """A request admitted; held at once if the client is behind already."""
+        self._request_ids[request_id] = None
+        if self._backlogged:
+            self._hold_one(request_id)
+
+    def remove(self, request_id: str) -> None:
+        """A request finished (nothing to release)."""
+        self._request_ids.pop(request_id, None)
+        self._held_by_client.discard(request_id)
+        timer = self._timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def close(self) -> None:
+        """The stream is gone: no timer fires any more."""
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        self._request_ids.clear()
+        self._held_by_client.clear()
+
+    # --- the client's Pause and Resume ------------------------------------------------------
+
+    def hold_for_client(self, request_ids: list[str]) -> None:
+        for request_id in self._known(request_ids):
+            self._held_by_client.add(request_id)
+            self._hold_one(request_id)
+
+    def release_for_client(self, request_ids: list[str]) -> None:
+        """Released unless the backlog still holds the stream."""
+        for request_id in self._known(request_ids):
+            self._held_by_client.discard(request_id)
+            if not self._backlogged:
+                self._release_one(request_id)
+
+    def _known(self, request_ids: list[str]) -> list[str]:
+        return [request_id for request_id in request_ids if request_id in self._request_ids]
+
+    # --- the backlog (FlowHooks) ------------------------------------------------------------
+
+    def hold_all(self) -> None:
+        self._backlogged = True
+        for request_id in list(self._request_ids):
+            self._hold_one(request_id)
+
+    def release_all(self) -> None:
+        self._backlogged = False
+        for request_id in list(self._request_ids):
+            if request_id not in self._held_by_client:
+                self._release_one(request_id)
+
+    # --- one request --------------------------------------------------------------------
+
+    def _hold_one(self, request_id: str) -> None:
+        if request_id in self._timers:
+            return
+        self._hold(request_id)
+        timeout_s = self._slow_reader_timeout_s
+        error = ResourceExhaustedError(
+            f"the client read none of this request's output for {timeout_s:g} s"
+        )
+        self._timers[request_id] = asyncio.get_running_loop().call_later(
+            timeout_s, self._expire, request_id, error
+        )
+
+    def _release_one(self, request_id: str) -> None:
+        timer = self._timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+            self._release(request_id)
 
 
 def start_timeout(
@@ -205,9 +314,9 @@ def _apply(session: StreamSession, message: pb.GenerateRequest) -> None:
     elif kind == "cancel":
         session.cancel(message.cancel.request_id)
     elif kind == "pause":
-        session.pause(list(message.pause.request_ids))
+        session.hold(list(message.pause.request_ids))
     elif kind == "resume":
-        session.resume(list(message.resume.request_ids))
+        session.release(list(message.resume.request_ids))
 
 
 async def serve_one(

@@ -86,9 +86,14 @@ class RequestMetrics:
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             family = Histogram(
-                name, doc, names, namespace=NAMESPACE, subsystem=subsystem,
-                registry=registry, buckets=buckets,
-            )  # fmt: skip
+                name,
+                doc,
+                names,
+                namespace=NAMESPACE,
+                subsystem=subsystem,
+                registry=registry,
+                buckets=buckets,
+            )
             return family.labels(**labels) if labels else family
 
         def counter(name: str, doc: str) -> Counter:

@@ -138,8 +138,13 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
     top = fields.get("top_logprobs")
     if top is not None and not logprobs:
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
-    params = {"logprobs": "top_logprobs", "chat": "messages", "chat.messages": "messages",
-              "prompt": "messages", "prompt_token_ids": "messages"}  # fmt: skip
+    params = {
+        "logprobs": "top_logprobs",
+        "chat": "messages",
+        "chat.messages": "messages",
+        "prompt": "messages",
+        "prompt_token_ids": "messages",
+    }
     options = {"logprobs": (top if top is not None else 0) if logprobs else None}
     max_name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     options["max_tokens"] = fields.get(max_name, default_max_tokens)

@@ -48,8 +48,11 @@ class FakeLink:
     def accepting(self) -> bool:
         return self.healthy and not self.leaving
 
-    def hold(self, request: RoutedRequest, paused: bool) -> None:
-        self.holds.append((request.wire_id, paused))
+    def hold(self, request: RoutedRequest) -> None:
+        self.holds.append((request.wire_id, True))
+
+    def release(self, request: RoutedRequest) -> None:
+        self.holds.append((request.wire_id, False))
 
     def has_room(self, request: RoutedRequest) -> bool:
         wanted = request.required_version
@@ -57,10 +60,10 @@ class FakeLink:
         return self.accepting and len(self.inflight) < self.room and same_weights
 
     def send(self, request: RoutedRequest) -> None:
-        request.wire_id = f"{self.target}-{next(self._wire_ids)}"
-        request.worker = self  # type: ignore[assignment]
-        self.inflight[request.wire_id] = request
-        self.sent.append(request.for_worker(request.wire_id))
+        wire_id = f"{self.target}-{next(self._wire_ids)}"
+        request.dispatched_to(self, wire_id)  # type: ignore[arg-type]
+        self.inflight[wire_id] = request
+        self.sent.append(request.for_worker(wire_id))
 
     def cancel(self, request: RoutedRequest) -> None:
         self.cancelled.append(request.wire_id)
@@ -74,7 +77,7 @@ class FakeLink:
         orphans = list(self.inflight.values())
         self.inflight.clear()
         for request in orphans:
-            request.worker = None
+            request.left_worker()
         return orphans
 
 
@@ -191,17 +194,17 @@ def test_a_prompt_no_worker_could_ever_take_is_refused_at_admission():
     assert len(router.queue) == 1
 
 
-def test_a_held_request_is_paused_on_the_worker_it_fails_over_to():
+def test_a_held_request_is_held_on_the_worker_it_fails_over_to():
     a, b = FakeLink("a:1"), FakeLink("b:2", room=0)
     router = make_router(a, b)
     request = router.admit(make_request("r"), Outbox())
-    router.hold(request, True)
+    router.hold(request)
     assert a.holds == [(request.wire_id, True)]
     router.on_response(a, chunk(a, 0, token_ids=[3], prompt_token_ids=PROMPT_IDS))
     b.room = 1
     router.on_down(a, a.lose())  # type: ignore[arg-type]
     assert request.held and b.sent  # resumed on b, which must not generate for it either
-    router.hold(request, False)
+    router.release(request)
     assert b.holds == [(request.wire_id, False)]
 
 

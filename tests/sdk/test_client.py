@@ -17,10 +17,12 @@ from headrace.sdk import AsyncClient, Client, GenerationConfig, UnavailableError
 
 class _Counting(generation_pb2_grpc.GenerationServicer):
     """Answers each request with `max_tokens` chunks of one token each (token = its index),
-    one every 5 ms, interleaving requests; records streams opened and cancels received."""
+    one every 5 ms, interleaving requests; records streams opened, requests and cancels
+    received."""
 
     def __init__(self) -> None:
         self.num_streams = 0
+        self.requests: list[pb.Request] = []
         self.cancelled: list[str] = []
 
     async def Generate(
@@ -34,6 +36,7 @@ class _Counting(generation_pb2_grpc.GenerationServicer):
             async for message in request_iterator:
                 if message.WhichOneof("kind") == "request":
                     request = message.request
+                    self.requests.append(request)
                     progress[request.request_id] = (0, request.config.max_tokens)
                 else:
                     self.cancelled.append(message.cancel.request_id)
@@ -171,3 +174,29 @@ def test_server_gone_is_unavailable_and_the_next_call_reconnects() -> None:
         assert servicer.num_streams == 2
 
     asyncio.run(run())
+
+
+def test_every_call_sends_its_priority_timeout_and_adapter() -> None:
+    servicer = _Counting()
+    loop = asyncio.new_event_loop()
+    server, target = loop.run_until_complete(_serve(servicer))
+    try:
+        thread = threading.Thread(target=loop.run_forever, daemon=True)
+        thread.start()
+        config = GenerationConfig(max_tokens=2)
+        options = {"priority": 3, "timeout": 5.0, "adapter": "sql"}
+        chat = [{"role": "user", "content": "hi"}]
+        with Client(target) as client:
+            client.generate("x", config, priority=3, timeout=5.0, adapter="sql")
+            client.chat(chat, config, priority=3, timeout=5.0, adapter="sql")
+            list(client.stream("x", config, priority=3, timeout=5.0, adapter="sql"))
+            list(client.stream_chat(chat, config, priority=3, timeout=5.0, adapter="sql"))
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    sent = [
+        {"priority": r.priority, "timeout": r.timeout.ToNanoseconds() / 1e9, "adapter": r.adapter}
+        for r in servicer.requests
+    ]
+    assert sent == [options] * 4
+    assert [r.WhichOneof("prompt") for r in servicer.requests] == ["text", "chat"] * 2

@@ -11,10 +11,10 @@ nothing a single request does can end the stream. Leaving the handler for any re
 client cancelled, disconnected, or the server is stopping) aborts whatever is still running
 on the stream, which frees its KV blocks within one engine step.
 
-Flow control: the session is its `OutputStream`'s hooks. When unsent responses pile up
-(the client stopped reading), every request of the stream is paused in the engine; a
-client's own `Pause` holds the requests it names. A request held longer than the slow-reader
-timeout ends with RESOURCE_EXHAUSTED.
+Flow control: the session's `FlowControl` (see `headrace.sdk.streams`) is its
+`OutputStream`'s hooks. When unsent responses pile up (the client stopped reading), every
+request of the stream is held in the engine; a client's own `Pause` holds the requests it
+names. A request held longer than the slow-reader timeout ends with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
 from headrace.sdk import auth, status, streams, tracing, wire
-from headrace.sdk.errors import HeadraceError, InvalidArgumentError, ResourceExhaustedError
+from headrace.sdk.errors import HeadraceError, InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, Usage
+from headrace.sdk.streams import FlowControl
 from headrace.sdk.telemetry import RequestTelemetry
 from headrace.worker.engine.async_engine import OutputStream
 from headrace.worker.engine.outputs import RequestOutput
@@ -47,10 +48,6 @@ class _Live:
     telemetry: RequestTelemetry
     #: What it streamed so far (for the log line of a request whose stream went away).
     usage: Usage = field(default_factory=Usage)
-    #: The client paused it (a `Pause` message).
-    paused_by_client: bool = False
-    #: Set while it is paused in the engine: fails it when the slow-reader timeout passes.
-    hold_timer: asyncio.TimerHandle | None = None
 
 
 @dataclass(slots=True)
@@ -68,12 +65,15 @@ class WorkerSession:
     duplicates: list[pb.DuplicateRequest] = field(default_factory=list)
     input_done: bool = False
     fault: HeadraceError | None = None
+    flow: FlowControl = field(init=False)
     stream: OutputStream = field(init=False)
     #: The call's API key, when it has per-request limits (see `headrace.sdk.auth`).
     caller: auth.Caller | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stream = OutputStream(limits=self.service.flow, hooks=self)
+        limits = self.service.flow
+        self.flow = FlowControl(limits, self._hold, self._release, self._expire)
+        self.stream = OutputStream(limits=limits, hooks=self.flow)
         self.caller = auth.current_caller()
 
     @property
@@ -101,11 +101,15 @@ class WorkerSession:
         self.live[parsed.request_id] = live
         self.service.state.started()
         engine.add_request(
-            engine_id, parsed.prompt, parsed.config, self.stream, parsed.priority,
-            parsed.adapter or None, parsed.num_resumed_tokens,
-        )  # fmt: skip
-        if self.stream.holding:  # the client is behind already
-            self._hold(live)
+            engine_id,
+            parsed.prompt,
+            parsed.config,
+            self.stream,
+            priority=parsed.priority,
+            adapter=parsed.adapter or None,
+            num_resumed_tokens=parsed.num_resumed_tokens,
+        )
+        self.flow.add(parsed.request_id)
 
     def _refuse_duplicate(self, request_id: str) -> None:
         error = InvalidArgumentError(
@@ -128,50 +132,22 @@ class WorkerSession:
     def wake(self) -> None:
         self.stream.put([])
 
-    # --- flow control -------------------------------------------------------------------
+    # --- flow control (the session's side of its FlowControl) ---------------------------
 
-    def pause(self, request_ids: list[str]) -> None:
-        for live in self._known(request_ids):
-            live.paused_by_client = True
-            self._hold(live)
+    def hold(self, request_ids: list[str]) -> None:
+        self.flow.hold_for_client(request_ids)
 
-    def resume(self, request_ids: list[str]) -> None:
-        for live in self._known(request_ids):
-            live.paused_by_client = False
-            if not self.stream.holding:
-                self._release(live)
+    def release(self, request_ids: list[str]) -> None:
+        self.flow.release_for_client(request_ids)
 
-    def hold_all(self) -> None:
-        for live in self.live.values():
-            self._hold(live)
+    def _hold(self, request_id: str) -> None:
+        self.service.engine.hold([self.live[request_id].engine_id])
 
-    def release_all(self) -> None:
-        for live in self.live.values():
-            if not live.paused_by_client:
-                self._release(live)
+    def _release(self, request_id: str) -> None:
+        self.service.engine.release([self.live[request_id].engine_id])
 
-    def _known(self, request_ids: list[str]) -> list[_Live]:
-        return [self.live[i] for i in request_ids if i in self.live]
-
-    def _hold(self, live: _Live) -> None:
-        if live.hold_timer is not None:
-            return
-        self.service.engine.hold([live.engine_id])
-        timeout_s = self.service.flow.slow_reader_timeout_s
-        error = ResourceExhaustedError(
-            f"the client read none of this request's output for {timeout_s:g} s"
-        )
-        abort = self.service.engine.abort
-        live.hold_timer = asyncio.get_running_loop().call_later(
-            timeout_s, abort, live.engine_id, error
-        )
-
-    def _release(self, live: _Live) -> None:
-        if live.hold_timer is None:
-            return
-        live.hold_timer.cancel()
-        live.hold_timer = None
-        self.service.engine.release([live.engine_id])
+    def _expire(self, request_id: str, error: HeadraceError) -> None:
+        self.service.engine.abort(self.live[request_id].engine_id, error)
 
     # --- responses ----------------------------------------------------------------------
 
@@ -233,9 +209,9 @@ class WorkerSession:
         live = self.live.pop(request_id, None)
         if live is None:
             return
-        for timer in (live.timer, live.hold_timer):
-            if timer is not None:
-                timer.cancel()
+        if live.timer is not None:
+            live.timer.cancel()
+        self.flow.remove(request_id)
         self.service.state.ended()
         if self.caller is not None:
             self.caller.done()
