@@ -36,17 +36,17 @@ class RouterSession:
     requests: dict[str, RoutedRequest] = field(default_factory=dict)
     #: Refusals of requests that reused an id in flight, sent with the next response.
     duplicates: list[pb.DuplicateRequest] = field(default_factory=list)
+    #: The call's API key, when it has per-request limits (see `headrace.sdk.auth`): the
+    #: gRPC call's own by default; the HTTP door passes the one its request carried.
+    caller: auth.Caller | None = field(default_factory=auth.current_caller)
     input_done: bool = False
     fault: HeadraceError | None = None
     flow: FlowControl = field(init=False)
     outbox: ResponseQueue[list[pb.Chunk]] = field(init=False)
-    #: The call's API key, when it has per-request limits (see `headrace.sdk.auth`).
-    caller: auth.Caller | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.flow = FlowControl(self.limits, self._hold, self._release, self._expire)
         self.outbox = ResponseQueue(self.limits, self.flow)
-        self.caller = auth.current_caller()
 
     def submit(self, wire_request: pb.Request) -> None:
         request_id = wire_request.request_id
@@ -85,6 +85,14 @@ class RouterSession:
         request = self.requests.get(request_id)
         if request is not None:
             self.router.cancel(request)
+
+    def end_input(self) -> None:
+        self.input_done = True
+        self.wake()
+
+    def fail(self, fault: HeadraceError) -> None:
+        self.fault = fault
+        self.wake()
 
     def wake(self) -> None:
         self.outbox.put([])

@@ -70,10 +70,16 @@ class FlowLimits:
 class StreamSession(Protocol):
     """The requests of one `Generate` (or `GenerateOne`) call, as a server tracks them."""
 
-    #: No more client messages will come (half-closed, or GenerateOne).
+    #: No more client messages will come (half-closed, or GenerateOne): see `end_input`.
     input_done: bool
-    #: Set when the stream itself must fail (an undecodable message).
+    #: Why the stream itself must fail (an undecodable message), else None: see `fail`.
     fault: HeadraceError | None
+
+    def end_input(self) -> None:
+        """No more client messages will come."""
+
+    def fail(self, fault: HeadraceError) -> None:
+        """The stream itself fails with ``fault`` once its responses are out."""
 
     def submit(self, request: pb.Request) -> None:
         """Admit a request, or answer it in-band with the error that refuses it."""
@@ -298,13 +304,12 @@ async def _read(
     try:
         async for message in messages:
             if isinstance(message, Undecodable):
-                session.fault = message.fault()
-                logger.warning("ending a Generate stream: %s", session.fault)
+                logger.warning("ending a Generate stream: %s", message.fault())
+                session.fail(message.fault())
                 return
             _apply(session, message)
     finally:
-        session.input_done = True
-        session.wake()
+        session.end_input()
 
 
 def _apply(session: StreamSession, message: pb.GenerateRequest) -> None:
@@ -327,7 +332,7 @@ async def serve_one(
     if isinstance(request, Undecodable):
         logger.warning("refusing a GenerateOne call: %s", request.fault())
         await status.abort(context, request.fault())
-    session.input_done = True
+    session.end_input()
     try:
         request = wire.with_request_id(request)
         session.submit(_bound_by_deadline(request, context.time_remaining()))

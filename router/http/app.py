@@ -136,8 +136,7 @@ class HttpDoor:
         """Submit the call's requests (one per prompt) on a session of its own."""
         info, adapter = await self.models.check(api.model)
         builder = ResponseBuilder(api, adapter or info.name)
-        session = RouterSession(self.router, self.flow, ())
-        session.caller = caller
+        session = RouterSession(self.router, self.flow, (), caller=caller)
         trace_context = tracing.carrier(record.span)
         for request_id, prompt in zip(builder.request_ids, api.prompts, strict=True):
             model = "" if adapter else api.model  # an adapter's name is not the worker's model
@@ -149,7 +148,7 @@ class HttpDoor:
             session.submit(request)
             if request_id not in session.requests:
                 break  # refused: the call fails with its error
-        session.input_done = True
+        session.end_input()
         return HttpCall(api, session, builder, record)
 
     def _caller(self, request: Request, route: str) -> auth.Caller | None:

@@ -31,8 +31,3 @@ class OutputStream:
 
     async def get(self) -> list[RequestOutput]:
         return await self._queue.get()
-
-    @property
-    def holding(self) -> bool:
-        """Its hooks were asked to hold the stream's requests (the reader fell behind)."""
-        return self._queue.holding

@@ -129,6 +129,14 @@ class WorkerSession:
         self.rejected.append(status.error_chunk(request_id, error))
         self.wake()
 
+    def end_input(self) -> None:
+        self.input_done = True
+        self.wake()
+
+    def fail(self, fault: HeadraceError) -> None:
+        self.fault = fault
+        self.wake()
+
     def wake(self) -> None:
         self.stream.put([])
 
