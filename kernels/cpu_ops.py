@@ -29,12 +29,12 @@ __all__ = [
     "apply_rotary",
     "apply_token_bitmask",
     "argmax_update",
+    "draw_tokens",
     "linear",
     "lora_expand",
     "lora_shrink",
     "paged_attention",
     "rms_norm",
-    "sample_rows",
     "write_kv_cache",
 ]
 
@@ -212,7 +212,7 @@ def argmax_update(
     )
 
 
-def sample_rows(
+def draw_tokens(
     logits: torch.Tensor,  # [S, V] float32 (top-k applied as -inf), rows with unit stride
     temperature: torch.Tensor,  # [S] float32, > 0
     top_p_floor: torch.Tensor,  # [S] float32: 1 - top_p (<= 0: no top-p)
@@ -228,7 +228,7 @@ def sample_rows(
     columns = [t.to(torch.float32).contiguous() for t in (temperature, top_p_floor, min_p)]
     keys = keys.to(torch.int64).contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _library().headrace_sample_rows(
+    _library().headrace_draw_tokens(
         _ptr(logits),
         logits.shape[0],
         logits.shape[1],

@@ -10,7 +10,7 @@
    - write_kv_cache: scatter new K/V rows into their cache slots.
    - argmax_update: each row's first maximum over column blocks that arrive in order (the
      greedy LM head's vocabulary slices), kept running.
-   - sample_rows: one seeded draw per row from softmax(logits / T), truncated by min-p and
+   - draw_tokens: one seeded draw per row from softmax(logits / T), truncated by min-p and
      top-p: a Gumbel-max race with counter-based noise, whose logs are taken only for the
      tokens that could still win, then the top-p test on the best few. About 1 ns per token
      on one core (AVX-512), 3.8 ms for 256 rows of a 49k vocabulary on two.
@@ -798,7 +798,7 @@ static int top_p_keeps(const SampleRow *row, float max_logit, int64_t j, float f
    the top-p set, a logit is +inf or T is huge (the caller then races the row whole, in
    torch). keys [rows, 2]. One pass over a row races; another weighs it for top-p's test of
    the winner, unless that is the most likely token (min-p's threshold takes one more, first). */
-void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
+void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
                           const float *temperature, const float *top_p_floor, const float *min_p,
                           const int64_t *keys, int64_t *out) {
 #pragma omp parallel for schedule(dynamic, 4) if (num_rows > 1)

@@ -17,7 +17,7 @@ the tiny test model, about one seeded draw in a thousand moved when a request wa
 on another worker. Gumbel-max moves only when the two best noisy scores tie within rounding.
 
 The cost of noise for every token (100 ms per step for 256 rows of a 49k vocabulary in
-torch on a 2-core CPU) is avoided on the CPU by the C kernel (`cpu_ops.sample_rows`): one pass
+torch on a 2-core CPU) is avoided on the CPU by the C kernel (`cpu_ops.draw_tokens`): one pass
 races, keeping the best few scores (1 without top-p; with it, enough that top-p rejects them
 all about once in 10^4 rows, up to 8), with a bound that needs only the integer hash for most
 tokens (a token beats the race's current threshold t only if 1 - u < exp(x / T - t), tested
@@ -83,7 +83,7 @@ def draw(
     """One token per row; see the module's design note."""
     if x.device.type != "cpu" or not cpu_ops.available():
         return draw_torch(x, temperature, top_p_floor, min_p, keys)
-    tokens = cpu_ops.sample_rows(x, temperature, top_p_floor, min_p, keys)
+    tokens = cpu_ops.draw_tokens(x, temperature, top_p_floor, min_p, keys)
     unsettled = (tokens < 0).nonzero().view(-1)
     if len(unsettled):
         rows = unsettled.tolist()
