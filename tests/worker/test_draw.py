@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 from headrace.kernels import cpu_ops
-from headrace.worker.sampling.draw import draw, draw_torch, seeded_key, seeded_keys
-from headrace.worker.sampling.warpers import top_p_removed
+from headrace.kernels.sampling import draw_torch, top_p_removed
+from headrace.worker.sampling.draw import draw, seeded_key, seeded_keys
 
 from tests.kernels import needs_c_compiler
 

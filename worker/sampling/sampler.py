@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+from headrace.kernels.sampling import argmax
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.outputs import TokenLogprob
 from headrace.worker.sampling.controls import advance_grammars, apply_controls
 from headrace.worker.sampling.draw import draw, seeded_keys
 from headrace.worker.sampling.logprobs import token_logprobs
-from headrace.worker.sampling.ops import argmax, column, select_rows
+from headrace.worker.sampling.ops import column, select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
 from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top_p, top_p_floor
 from headrace.worker.sequence import Sequence
