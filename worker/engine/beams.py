@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from headrace.kernels import KernelSet
 from headrace.sdk.outputs import FinishReason, SampleDelta
 from headrace.worker.engine.intake import EngineRequest
 from headrace.worker.execution.batch import StepResult
@@ -28,10 +29,12 @@ from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import Sequence
 
 
-def beam_logprobs(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
+def beam_logprobs(
+    logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence], kernels: KernelSet
+) -> torch.Tensor:
     """[B, V] next-token logprobs of beam rows: log-softmax of the raw logits, then the
     penalties and bans (transformers applies its processors to the logprobs)."""
-    return apply_history(torch.log_softmax(logits.float(), dim=-1), seqs)
+    return apply_history(torch.log_softmax(logits.float(), dim=-1), seqs, kernels)
 
 
 @dataclass(slots=True)
@@ -55,7 +58,8 @@ def pick(result: StepResult, sampler: Sampler) -> StepPicks:
     if not beam_rows:
         return StepPicks(chunks, sampler(logits, [c.seq for c in chunks]))
     beam_chunks = [chunks[i] for i in beam_rows]
-    logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
+    beam_seqs = [c.seq for c in beam_chunks]
+    logprobs = beam_logprobs(select_rows(logits, beam_rows), beam_seqs, sampler.kernels)
     beam_row_set = set(beam_rows)
     rows = [i for i in range(len(chunks)) if i not in beam_row_set]
     picks = StepPicks(

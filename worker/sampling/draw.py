@@ -1,12 +1,14 @@
-"""Seeded sampling by Gumbel-max, with noise made only where it can win.
+"""Seeded sampling keys: each sampling row's noise key, from which the kernel set's draw
+(`KernelSet.draw_tokens`; the algorithm's note is `headrace.kernels.sampling`'s) makes its
+Gumbel noise.
 
 Design note. A sampling row draws argmax(x / T + g) over the tokens top-k, top-p and min-p
-keep (HF's order: top-k, then top-p over what top-k kept, then min-p), with g standard
-Gumbel noise: the same distribution as sampling the truncated softmax(x / T). g[v] comes
-from a counter-based hash of (row key, token id v) in integer ops, so it needs no generator
-state: a seeded row's key comes from (sample_seed, position) alone, so its token depends only
-on those and on its logits, never on batch composition, row order, thread count or device.
--log(-log u) runs in float64 and is rounded once to float32.
+keep, with g standard Gumbel noise: the same distribution as sampling the truncated
+softmax(x / T). g[v] is a hash of (row key, token id v), so it needs no generator state: a
+seeded row's key comes from (sample_seed, position) alone, so its token depends only on
+those and on its logits, never on batch composition, row order, thread count or device, and
+a request resumed on another worker draws the same tokens. Rows without a seed take fresh
+keys from the sampler's generator.
 
 Why Gumbel-max and not an inverse CDF (one uniform per row against the cumulative
 probabilities, which needs no noise per token): logits differ in their last bits between
@@ -15,26 +17,12 @@ failover), and an inverse CDF turns that into a different token whenever the uni
 within that rounding of any of the CDF's steps, which sum the whole vocabulary: measured on
 the tiny test model, about one seeded draw in a thousand moved when a request was resumed
 on another worker. Gumbel-max moves only when the two best noisy scores tie within rounding.
-
-The cost of noise for every token (100 ms per step for 256 rows of a 49k vocabulary in
-torch on a 2-core CPU) is avoided on the CPU by the C kernel (`cpu_ops.draw_tokens`): one pass
-races, keeping the best few scores (1 without top-p; with it, enough that top-p rejects them
-all about once in 10^4 rows, up to 8), with a bound that needs only the integer hash for most
-tokens (a token beats the race's current threshold t only if 1 - u < exp(x / T - t), tested
-on a lower bound of log2(1 - u) read off the float bits of the hash); a second pass weighs the
-row (exp((x - max) / T)) for top-p's test of the winner, by the mass of the tokens no more
-likely, skipped when the winner is the most likely token. The draw is the first of the kept
-scores that top-p keeps. When it keeps none, or elsewhere than on a CPU, `draw_torch` masks by
-sorting and races every token. Both give the same tokens (the torch path is the reference the
-kernel is tested against), and the same as headrace's earlier sampler for the same seeds.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from headrace.kernels import cpu_ops
-from headrace.kernels.sampling import draw_torch
 
 _MASK32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
@@ -63,23 +51,3 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         return np.asarray(z ^ (z >> np.uint64(31)), dtype=np.uint64)
-
-
-def draw(
-    x: torch.Tensor,  # [S, V] float32 logits (history processing and top-k applied)
-    temperature: torch.Tensor,  # [S] float32
-    top_p_floor: torch.Tensor,  # [S] float32: 1 - top_p, rounded once from double (as HF)
-    min_p: torch.Tensor,  # [S] float32
-    keys: torch.Tensor,  # [S, 2] int64
-) -> torch.Tensor:  # [S] int64
-    """One token per row; see the module's design note."""
-    if x.device.type != "cpu" or not cpu_ops.available():
-        return draw_torch(x, temperature, top_p_floor, min_p, keys)
-    tokens = cpu_ops.draw_tokens(x, temperature, top_p_floor, min_p, keys)
-    unsettled = (tokens < 0).nonzero().view(-1)
-    if len(unsettled):
-        rows = unsettled.tolist()
-        tokens[unsettled] = draw_torch(
-            x[rows], temperature[rows], top_p_floor[rows], min_p[rows], keys[rows]
-        )
-    return tokens
