@@ -16,7 +16,9 @@ import torch
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import LoraIndices
 
-#: The values of EngineConfig.attention_backend / ``--attention-backend``.
+#: The values of EngineConfig.kernel_backend / ``--kernel-backend``: which kernel set runs
+#: the model and the sampler (attention, matmuls, norms, rotary, LoRA, the draw, the grammar
+#: masks, the greedy head's argmax).
 BACKEND_NAMES = ("auto", "triton", "cpu", "reference")
 
 
