@@ -1,6 +1,6 @@
 """Seeded sampling keys: each sampling row's noise key, from which the kernel set's draw
-(`KernelSet.draw_tokens`; the algorithm's note is `headrace.kernels.sampling`'s) makes its
-Gumbel noise.
+(`KernelSet.draw_tokens`; the algorithm, and why Gumbel-max: `headrace.kernels.sampling`)
+makes its Gumbel noise.
 
 Design note. A sampling row draws argmax(x / T + g) over the tokens top-k, top-p and min-p
 keep, with g standard Gumbel noise: the same distribution as sampling the truncated
@@ -9,14 +9,6 @@ seeded row's key comes from (sample_seed, position) alone, so its token depends 
 those and on its logits, never on batch composition, row order, thread count or device, and
 a request resumed on another worker draws the same tokens. Rows without a seed take fresh
 keys from the sampler's generator.
-
-Why Gumbel-max and not an inverse CDF (one uniform per row against the cumulative
-probabilities, which needs no noise per token): logits differ in their last bits between
-batch compositions (a matmul over other rows, a prefill recomputing a decode's KV after a
-failover), and an inverse CDF turns that into a different token whenever the uniform lands
-within that rounding of any of the CDF's steps, which sum the whole vocabulary: measured on
-the tiny test model, about one seeded draw in a thousand moved when a request was resumed
-on another worker. Gumbel-max moves only when the two best noisy scores tie within rounding.
 """
 
 from __future__ import annotations
