@@ -112,6 +112,10 @@ class EngineConfig:
                 DeprecationWarning,
                 stacklevel=3,  # the caller of EngineConfig(...)
             )
+            if self.kernel_backend not in ("auto", attention_backend):
+                raise InvalidArgumentError(
+                    "attention_backend", "is the old name of kernel_backend: give only that"
+                )
             self.kernel_backend = attention_backend
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidArgumentError(

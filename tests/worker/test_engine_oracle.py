@@ -266,6 +266,9 @@ def test_attention_backend_still_chooses_the_kernels_with_a_deprecation_warning(
     with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError) as info:
         EngineConfig("unused", attention_backend="flash")
     assert info.value.field == "kernel_backend"
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError) as info:
+        EngineConfig("unused", kernel_backend="cpu", attention_backend="reference")
+    assert info.value.field == "attention_backend"
     path, prompts, expected = oracle("llama")
     with pytest.warns(DeprecationWarning, match="use kernel_backend"):
         llm = LLM(str(path), dtype="float32", attention_backend="reference")

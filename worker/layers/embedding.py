@@ -89,7 +89,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, parallel=parallel, dtype=dtype)
         #: The greedy head's matmul (the backend's: on a CPU, the C kernel for few rows).
         self.matmul = matmul_of(kernels)
-        #: Whose running argmax the greedy head keeps (None: torch's).
+        #: The backend whose running argmax the greedy head keeps (None: torch's).
         self.kernels = kernels
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
