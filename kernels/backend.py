@@ -16,7 +16,9 @@ import torch
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import LoraIndices
 
-#: The values of EngineConfig.attention_backend / ``--attention-backend``.
+#: The values of EngineConfig.kernel_backend / ``--kernel-backend``: which kernel set runs
+#: the model and the sampler (attention, matmuls, norms, rotary, LoRA, the draw, the grammar
+#: masks, the greedy head's argmax).
 BACKEND_NAMES = ("auto", "triton", "cpu", "reference")
 
 
@@ -78,6 +80,30 @@ class KernelSet(Protocol):
         indices: LoraIndices,
         y: torch.Tensor,  # [T, Y]: y[:, offset:offset + out] += h B_s in place
         offset: int,
+    ) -> None: ...
+
+    def draw_tokens(
+        self,
+        logits: torch.Tensor,  # [S, V] float32 (top-k applied as -inf)
+        temperature: torch.Tensor,  # [S] float32, > 0
+        top_p_floor: torch.Tensor,  # [S] float32: 1 - top_p (<= 0: no top-p)
+        min_p: torch.Tensor,  # [S] float32
+        keys: torch.Tensor,  # [S, 2] int64: (odd multiplier, offset) of each row's noise
+    ) -> torch.Tensor: ...  # [S] int64: each row's seeded Gumbel-max draw
+
+    def apply_token_bitmask(
+        self,
+        x: torch.Tensor,  # [B, V] float32: -inf where a row's bitmask forbids, in place
+        bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32: bit t % 32 of word t / 32 = token t
+        rows: list[int],  # [R]: the row of x of each bitmask row
+    ) -> None: ...
+
+    def argmax_update(
+        self,
+        x: torch.Tensor,  # [N, C] float32: columns [offset, offset + C) of every row
+        offset: int,
+        best: torch.Tensor,  # [N] float32: each row's running maximum, in place
+        index: torch.Tensor,  # [N] int64: its first column, in place
     ) -> None: ...
 
 

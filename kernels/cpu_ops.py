@@ -1,11 +1,14 @@
-"""The CPU backend: a `KernelSet` whose attention and KV-cache write are C kernels.
+"""The CPU backend: a `KernelSet` of C kernels (``kernels/csrc/cpu_kernels.c``) where they pay.
 
 Decode and prefill attention read K/V block by block from the paged cache in place, with an
-online softmax per row (``kernels/csrc/cpu_kernels.c``): the torch reference instead gathers
-every sequence's whole context into a padded batch each layer, which dominated decode on CPU.
-`linear` multiplies a decode step's few rows in C (each weight read from memory once, every
-output summed in a fixed order); more rows go to torch's GEMM. RMSNorm and rotary are the
-reference functions (torch's CPU ops are already fused enough).
+online softmax per row: the torch reference instead gathers every sequence's whole context
+into a padded batch each layer, which dominated decode on CPU. `linear` multiplies a decode
+step's few rows in C (each weight read from memory once, every output summed in a fixed
+order); more rows go to torch's GEMM. The sampler's seeded draw (`draw_tokens`, noise made
+only for the tokens that can still win), its grammar bitmask and the greedy head's running
+argmax are C too. RMSNorm, rotary and LoRA are the reference functions (torch's CPU ops are
+already fused enough), and so is any call a C kernel does not take (another dtype or
+device, a draw its race leaves unsettled).
 `available()` says whether the library could be built; `select_kernels` falls back to the
 reference otherwise.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from headrace.kernels import native
+from headrace.kernels import native, reference
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype
@@ -29,12 +32,12 @@ __all__ = [
     "apply_rotary",
     "apply_token_bitmask",
     "argmax_update",
+    "draw_tokens",
     "linear",
     "lora_expand",
     "lora_shrink",
     "paged_attention",
     "rms_norm",
-    "sample_rows",
     "write_kv_cache",
 ]
 
@@ -203,8 +206,10 @@ def argmax_update(
 ) -> None:
     """A running argmax over column blocks in ascending order: after the last block, index
     holds each row's first maximum over all columns (as `argmax` of the whole rows)."""
-    assert x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu", x
-    assert best.is_contiguous() and index.is_contiguous()
+    in_kernel = x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu"
+    if not (in_kernel and best.is_contiguous() and index.is_contiguous()):
+        reference.argmax_update(x, offset, best, index)
+        return
     if x.stride(1) != 1:
         x = x.contiguous()
     _library().headrace_argmax_update(
@@ -212,23 +217,41 @@ def argmax_update(
     )
 
 
-def sample_rows(
-    logits: torch.Tensor,  # [S, V] float32 (top-k applied as -inf), rows with unit stride
+def draw_tokens(
+    logits: torch.Tensor,  # [S, V] float32 (top-k applied as -inf)
     temperature: torch.Tensor,  # [S] float32, > 0
     top_p_floor: torch.Tensor,  # [S] float32: 1 - top_p (<= 0: no top-p)
     min_p: torch.Tensor,  # [S] float32
     keys: torch.Tensor,  # [S, 2] int64: (odd multiplier, offset) of each row's noise
 ) -> torch.Tensor:  # [S] int64
     """One seeded draw per row: argmax of logits / T plus Gumbel noise over the tokens top-p
-    and min-p keep (see `headrace.worker.sampling.draw`); -1 for a row whose race's best
-    few tokens are all outside its top-p set."""
-    assert logits.dtype == torch.float32 and logits.device.type == "cpu", logits
+    and min-p keep (see `headrace.kernels.sampling`). A row whose race's best few tokens are
+    all outside its top-p set is drawn by the reference, as is any call off the CPU."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return reference.draw_tokens(logits, temperature, top_p_floor, min_p, keys)
+    tokens = _race(logits, temperature, top_p_floor, min_p, keys)
+    unsettled = (tokens < 0).nonzero().view(-1)
+    if len(unsettled):
+        rows = unsettled.tolist()
+        tokens[unsettled] = reference.draw_tokens(
+            logits[rows], temperature[rows], top_p_floor[rows], min_p[rows], keys[rows]
+        )
+    return tokens
+
+
+def _race(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p_floor: torch.Tensor,
+    min_p: torch.Tensor,
+    keys: torch.Tensor,
+) -> torch.Tensor:  # [S] int64; -1 for a row the kernel leaves unsettled
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     columns = [t.to(torch.float32).contiguous() for t in (temperature, top_p_floor, min_p)]
     keys = keys.to(torch.int64).contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _library().headrace_sample_rows(
+    _library().headrace_draw_tokens(
         _ptr(logits),
         logits.shape[0],
         logits.shape[1],
@@ -253,13 +276,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_token_bitmask(
-    x: torch.Tensor,  # [B, V] float32, rows with unit stride; edited in place
+    x: torch.Tensor,  # [B, V] float32, edited in place
     bitmask: torch.Tensor,  # [R, ceil(V / 32)] int32: bit t % 32 of word t / 32 = token t allowed
     rows: list[int],  # [R] the row of x of each bitmask row
 ) -> None:
-    """Set to -inf each token a row's bitmask forbids (one thread: memory-bound)."""
-    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1, x
+    """Set to -inf each token a row's bitmask forbids (one thread: memory-bound); rows not of
+    unit stride, or off the CPU, go to the reference."""
     assert bitmask.dtype == torch.int32 and bitmask.shape[0] == len(rows), bitmask.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
+        reference.apply_token_bitmask(x, bitmask, rows)
+        return
     bitmask = bitmask.contiguous()
     row_ids = torch.tensor(rows, dtype=torch.int64)
     _library().headrace_apply_token_bitmask(

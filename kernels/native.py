@@ -49,7 +49,7 @@ _SIGNATURES = {
     ),
     "headrace_write_kv_cache": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64] + [_INT] * 4, None),
     "headrace_argmax_update": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
-    "headrace_sample_rows": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], None),
+    "headrace_draw_tokens": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], None),
     "headrace_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),
     "headrace_skinny_linear": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64], None),
 }

@@ -1,23 +1,32 @@
-"""Plain-torch reference twins of the kernels: the CPU backend and the Triton kernels' oracle.
+"""Plain-torch reference twins of the kernels: the oracle of the Triton and C kernels, and the
+kernel set of a device neither serves (or of a CPU that cannot build the C kernels).
 
-This module is a `KernelSet` (see `headrace.kernels.backend`): the Triton backend,
-`headrace.kernels.triton_ops`, has the same functions with the same signatures.
+This module is a `KernelSet` (see `headrace.kernels.backend`): the Triton backend
+(`headrace.kernels.triton_ops`) and the CPU backend (`headrace.kernels.cpu_ops`) have the
+same functions with the same signatures, and take this module's where they have no kernel.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from headrace.kernels.argmax import argmax_update
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, linear
+from headrace.kernels.sampling import apply_token_bitmask, draw_tokens
 
 NAME = "reference"
 
-#: The batched LoRA references live with `LoraIndices` in `headrace.kernels.lora`.
+#: The batched LoRA references live with `LoraIndices` in `headrace.kernels.lora`, the
+#: sampler's (the draw, the grammar bitmask) in `headrace.kernels.sampling` and the greedy
+#: head's running argmax in `headrace.kernels.argmax`.
 __all__ = [
     "NAME",
     "apply_rotary",
+    "apply_token_bitmask",
+    "argmax_update",
+    "draw_tokens",
     "extend",
     "gather_kv",
     "linear",

@@ -1,6 +1,7 @@
 """The Triton backend: a `KernelSet` with the reference module's functions and signatures."""
 
 from headrace.kernels.precision import linear  # cuBLAS: torch's own
+from headrace.kernels.reference import apply_token_bitmask, argmax_update, draw_tokens  # torch's
 from headrace.kernels.triton_attention import paged_attention
 from headrace.kernels.triton_cache import write_kv_cache
 from headrace.kernels.triton_lora import lora_expand, lora_shrink
@@ -12,6 +13,9 @@ NAME = "triton"
 __all__ = [
     "NAME",
     "apply_rotary",
+    "apply_token_bitmask",
+    "argmax_update",
+    "draw_tokens",
     "linear",
     "lora_expand",
     "lora_shrink",

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from headrace.sdk import launch
-from headrace.sdk.cli_help import HelpFormatter
+from headrace.sdk.cli_help import DeprecatedAlias, HelpFormatter
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.generate import add_generate_command
 from headrace.sdk.security import add_server_security_arguments, server_security
@@ -39,6 +39,30 @@ USAGE = """headrace: serve LLMs over gRPC.
 Handler = Callable[[argparse.Namespace], int]
 # argparse's subparsers object; its class is private, so it is named once here.
 SubParsers = argparse._SubParsersAction
+
+
+#: The kernel sets ``--kernel-backend`` chooses: headrace.kernels.BACKEND_NAMES, spelled out
+#: because this module never loads torch (tests/sdk/test_cli.py pins the two equal).
+KERNEL_BACKENDS = ("auto", "triton", "cpu", "reference")
+
+
+def add_kernel_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kernel-backend`` (EngineConfig.kernel_backend), and its deprecated spelling
+    ``--attention-backend``."""
+    parser.add_argument(
+        "--kernel-backend",
+        default="auto",
+        choices=KERNEL_BACKENDS,
+        help="the kernels of the model and the sampler: auto = Triton on CUDA, C kernels built "
+        "on this machine on CPU (torch's if no C compiler), reference = plain torch",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        dest="kernel_backend",
+        choices=KERNEL_BACKENDS,
+        action=DeprecatedAlias,
+        replaced_by="--kernel-backend",
+    )
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,7 +165,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
-        attention_backend=args.attention_backend,
+        kernel_backend=args.kernel_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
@@ -209,13 +233,7 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
     add("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA: fraction for KV")
     add("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     add("--seed", type=int, default=0, help="seed for requests that set none")
-    add(
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "triton", "cpu", "reference"],
-        help="kernels (attention, KV write, RMSNorm, rotary): auto = Triton on CUDA, C kernels "
-        "built on this machine on CPU (torch's if no C compiler), reference = plain torch",
-    )
+    add_kernel_backend_argument(worker)
     add(
         "--tensor-parallel-size",
         "-tp",

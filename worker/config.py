@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 
 import torch
 from headrace.kernels.backend import (
@@ -58,9 +59,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Seed of the engine's generator for requests that set no seed of their own.
     seed: int = 0
-    #: Kernels for attention, KV-cache writes, RMSNorm and rotary: "auto" (Triton on CUDA,
-    #: the torch references elsewhere), "triton" or "reference".
-    attention_backend: str = "auto"
+    #: The kernel set every part of the model and the sampler runs (attention, KV-cache
+    #: writes, matmuls, RMSNorm, rotary, LoRA, the greedy head's argmax, the sampler's draw
+    #: and grammar masks): "auto" (Triton on CUDA; on a CPU the C kernels, or the torch
+    #: references where no C compiler builds them; the references elsewhere), "triton",
+    #: "cpu" or "reference".
+    kernel_backend: str = "auto"
     #: Ranks that split every layer's heads and MLP columns (one process each).
     tensor_parallel_size: int = 1
     #: Stages that split the layers into contiguous ranges (tensor_parallel_size ranks each).
@@ -97,8 +101,22 @@ class EngineConfig:
     #: Adapters kept in host memory, least recently used evicted (read again from disk when
     #: needed); None: 4 x max_loras.
     max_cpu_loras: int | None = None
+    #: Deprecated spelling of kernel_backend (it chooses more than attention): still taken,
+    #: with a DeprecationWarning; not kept on the config.
+    attention_backend: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, attention_backend: str | None) -> None:
+        if attention_backend is not None:
+            warnings.warn(
+                "EngineConfig(attention_backend=...) is deprecated: use kernel_backend",
+                DeprecationWarning,
+                stacklevel=3,  # the caller of EngineConfig(...)
+            )
+            if self.kernel_backend not in ("auto", attention_backend):
+                raise InvalidArgumentError(
+                    "attention_backend", "is the old name of kernel_backend: give only that"
+                )
+            self.kernel_backend = attention_backend
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidArgumentError(
                 "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}"
@@ -140,19 +158,22 @@ class EngineConfig:
             )
         check_version(self.weight_version)
         self._check_lora()
-        if self.attention_backend not in BACKEND_NAMES:
+        self._check_kernel_backend()
+
+    def _check_kernel_backend(self) -> None:
+        if self.kernel_backend not in BACKEND_NAMES:
             raise InvalidArgumentError(
-                "attention_backend",
-                f"must be one of {', '.join(BACKEND_NAMES)}, got {self.attention_backend!r}",
+                "kernel_backend",
+                f"must be one of {', '.join(BACKEND_NAMES)}, got {self.kernel_backend!r}",
             )
-        if self.attention_backend == "triton":
+        if self.kernel_backend == "triton":
             device = self.torch_device()
             if device.type != "cuda" and not triton_interpreted():
-                raise InvalidArgumentError("attention_backend", triton_device_error(device))
-        if self.attention_backend == "cpu":
+                raise InvalidArgumentError("kernel_backend", triton_device_error(device))
+        if self.kernel_backend == "cpu":
             error = cpu_kernels_error(self.torch_device())
             if error is not None:
-                raise InvalidArgumentError("attention_backend", error)
+                raise InvalidArgumentError("kernel_backend", error)
 
     def _check_lora(self) -> None:
         self.lora_modules = tuple((str(name), str(path)) for name, path in self.lora_modules)

@@ -10,10 +10,14 @@
    - write_kv_cache: scatter new K/V rows into their cache slots.
    - argmax_update: each row's first maximum over column blocks that arrive in order (the
      greedy LM head's vocabulary slices), kept running.
-   - sample_rows: one seeded draw per row from softmax(logits / T), truncated by min-p and
+   - draw_tokens: one seeded draw per row from softmax(logits / T), truncated by min-p and
      top-p: a Gumbel-max race with counter-based noise, whose logs are taken only for the
      tokens that could still win, then the top-p test on the best few. About 1 ns per token
      on one core (AVX-512), 3.8 ms for 256 rows of a 49k vocabulary on two.
+   - skinny_linear: y = x W^T (+ b) in float32 for a decode step's few rows, each weight read
+     from memory once and every output summed in one fixed order (a row's result does not
+     depend on the other rows).
+   - apply_token_bitmask: -inf for each token an output constraint's bitmask forbids, in place.
 
    Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention computes in float32 whatever the storage
    dtype (softmax statistics, scores and the weighted sum of V all in float32).
@@ -535,7 +539,7 @@ void headrace_argmax_update(const float *x, int64_t num_rows, int64_t num_cols,
 typedef uint32_t v16w __attribute__((vector_size(64)));
 
 /* The noise hash of token ids under a row key (multiplier, offset): a Weyl sequence, then
-   xorshift-multiply rounds, all mod 2**32 (headrace.worker.sampling.draw.gumbel_noise).
+   xorshift-multiply rounds, all mod 2**32 (headrace.kernels.sampling.gumbel_noise).
    `mix` is the rounds, of weyl = token * multiplier + offset. */
 static inline v16w mix(v16w h) {
     h ^= h >> 16;
@@ -798,7 +802,7 @@ static int top_p_keeps(const SampleRow *row, float max_logit, int64_t j, float f
    the top-p set, a logit is +inf or T is huge (the caller then races the row whole, in
    torch). keys [rows, 2]. One pass over a row races; another weighs it for top-p's test of
    the winner, unless that is the most likely token (min-p's threshold takes one more, first). */
-void headrace_sample_rows(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
+void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
                           const float *temperature, const float *top_p_floor, const float *min_p,
                           const int64_t *keys, int64_t *out) {
 #pragma omp parallel for schedule(dynamic, 4) if (num_rows > 1)

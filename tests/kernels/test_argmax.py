@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from headrace.kernels import cpu_ops, reference
 from headrace.kernels.argmax import RunningArgmax
 
 from tests.kernels import needs_c_compiler
@@ -27,23 +28,25 @@ def awkward_rows() -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "native", [pytest.param(True, marks=needs_c_compiler), False], ids=["c", "torch"]
+    "kernels", [pytest.param(cpu_ops, marks=needs_c_compiler), reference], ids=["c", "torch"]
 )
 @pytest.mark.parametrize("block", [1, 7, 256, 300, 1000])
-def test_running_argmax_equals_numpy_argmax(native, block):
+def test_running_argmax_equals_numpy_argmax(kernels, block):
     x = awkward_rows()
-    running = RunningArgmax(x.shape[0], x.device)
-    running._native = native
+    running = RunningArgmax(x.shape[0], x.device, kernels)
     for start in range(0, x.shape[1], block):
         running.update(x[:, start : start + block], start)
     want = np.argmax(x.numpy(), axis=-1).tolist()
     assert running.index.tolist() == want
 
 
-def test_running_argmax_reads_strided_blocks():
+@pytest.mark.parametrize(
+    "kernels", [pytest.param(cpu_ops, marks=needs_c_compiler), reference], ids=["c", "torch"]
+)
+def test_running_argmax_reads_strided_blocks(kernels):
     """Blocks are column slices of a wider matrix (row stride > block width)."""
     x = awkward_rows()
-    running = RunningArgmax(x.shape[0], x.device)
+    running = RunningArgmax(x.shape[0], x.device, kernels)
     for start in range(0, 1000, 128):
         running.update(x[:, start : start + 128], start)
     assert running.index.tolist() == np.argmax(x.numpy(), axis=-1).tolist()

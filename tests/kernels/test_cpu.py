@@ -161,27 +161,6 @@ def test_long_prefill_chunks_mixed_with_kernel_rows():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("vocab", [64, 49152, 1000])  # 1000: a last word only partly used
-def test_apply_token_bitmask_equals_xgrammar(vocab):
-    import xgrammar as xgr
-
-    generator = torch.Generator().manual_seed(vocab)
-    x = torch.randn(6, vocab, generator=generator)
-    rows = [0, 2, 5]
-    num_words = (vocab + 31) // 32
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, num_words), generator=generator)
-    bitmask = bitmask.to(torch.int32)
-    bitmask[1, : num_words // 2] = -1  # all-ones words: every token allowed
-    bitmask[2, 0] = 0  # no token of the first word
-    want = x.clone()
-    selected = want[rows]
-    xgr.apply_token_bitmask_inplace(selected, bitmask, vocab_size=vocab)
-    want[rows] = selected
-    cpu_ops.apply_token_bitmask(x, bitmask, rows)
-    assert torch.equal(x, want)
-    assert torch.isinf(x[5, :32]).all() and not torch.isinf(x[[1, 3, 4]]).any()
-
-
 # --- the skinny linear -----------------------------------------------------------------------
 
 # Rows around the 6-row tile and the torch hand-over, outputs around the 4-row weight tile,

@@ -115,11 +115,27 @@ def test_dtype_takes_the_usual_spellings(spelling: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["worker", "bench engine"])
-def test_attention_backend_choices_are_the_kernel_backends(name: str) -> None:
+def test_kernel_backend_choices_are_the_kernel_backends(name: str) -> None:
     from headrace.kernels import BACKEND_NAMES
 
-    (action,) = [a for a in _commands()[name]._actions if a.dest == "attention_backend"]
+    parser = _commands()[name]
+    (action,) = [a for a in parser._actions if "--kernel-backend" in a.option_strings]
     assert tuple(action.choices) == BACKEND_NAMES
+    assert parser.parse_args([]).kernel_backend == "auto"
+
+
+@pytest.mark.parametrize("name", ["worker", "bench engine"])
+def test_attention_backend_is_a_deprecated_spelling_of_kernel_backend(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = _commands()[name]
+    assert parser.parse_args(["--attention-backend", "cpu"]).kernel_backend == "cpu"
+    assert "--attention-backend is deprecated; use --kernel-backend" in capsys.readouterr().err
+    assert parser.parse_args(["--kernel-backend", "reference"]).kernel_backend == "reference"
+    assert "deprecated" not in capsys.readouterr().err
+    assert "--attention-backend" not in parser.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-backend", "flash"])
 
 
 def test_lora_flags_parse_name_path_pairs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""The seeded Gumbel-max draw (headrace.worker.sampling.draw).
+"""The seeded Gumbel-max draw (the kernel sets' `draw_tokens`, keys from
+headrace.worker.sampling.draw).
 
 - The seeded stream is pinned against a plain-Python implementation of the documented
   algorithm (integer hash, float32 scores, HF's truncation rules): same seeds, same tokens.
@@ -15,9 +16,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from headrace.kernels import cpu_ops
-from headrace.worker.sampling.draw import draw, draw_torch, seeded_key, seeded_keys
-from headrace.worker.sampling.warpers import top_p_removed
+from headrace.kernels import cpu_ops, reference, select_kernels
+from headrace.kernels.sampling import top_p_removed
+from headrace.worker.sampling.draw import seeded_key, seeded_keys
 
 from tests.kernels import needs_c_compiler
 
@@ -83,6 +84,11 @@ def key_tensor(keys: list[tuple[int, int]]) -> torch.Tensor:
     return out
 
 
+#: What a CPU engine draws with: the C kernel, or torch's where it cannot be built.
+draw = select_kernels("auto", torch.device("cpu")).draw_tokens
+draw_torch = reference.draw_tokens
+
+
 def draw_rows(logits, temperature, top_p, min_p, keys, fn=draw):
     rows = logits.shape[0]
     column = lambda v: torch.full((rows,), v, dtype=torch.float32)  # noqa: E731
@@ -94,17 +100,14 @@ def draw_rows(logits, temperature, top_p, min_p, keys, fn=draw):
     ("temperature", "top_p", "min_p"), [(1.0, 1.0, 0.0), (0.7, 0.9, 0.0), (1.3, 0.6, 0.05)]
 )
 @pytest.mark.parametrize(
-    "use_kernel", [pytest.param(True, marks=needs_c_compiler), False], ids=["kernel", "torch"]
+    "kernels", [pytest.param(cpu_ops, marks=needs_c_compiler), reference], ids=["kernel", "torch"]
 )
-def test_the_seeded_stream_is_the_documented_algorithm(
-    use_kernel, temperature, top_p, min_p, monkeypatch
-):
-    monkeypatch.setattr(cpu_ops, "available", lambda: use_kernel)
+def test_the_seeded_stream_is_the_documented_algorithm(kernels, temperature, top_p, min_p):
     gen = torch.Generator().manual_seed(21)
     logits = torch.randn(40, 300, generator=gen) * 2
     keys = [seeded_key(seed, position=seed + 7) for seed in range(40)]
     keys = [(m | 1, o) for m, o in keys]
-    got = draw_rows(logits, temperature, top_p, min_p, key_tensor(keys))
+    got = draw_rows(logits, temperature, top_p, min_p, key_tensor(keys), fn=kernels.draw_tokens)
     want = [
         python_draw(row.tolist(), temperature, top_p, min_p, key)
         for row, key in zip(logits, keys, strict=True)

@@ -107,7 +107,7 @@ def test_one_at_a_time_equals_oracle(family_case):
 @pytest.mark.parametrize(("family", "composition", "backend"), MATRIX)
 def test_batch_compositions_equal_oracle(oracle, family, composition, backend):
     path, prompts, expected = oracle(family)
-    llm = LLM(str(path), dtype="float32", attention_backend=backend, **COMPOSITIONS[composition])
+    llm = LLM(str(path), dtype="float32", kernel_backend=backend, **COMPOSITIONS[composition])
     assert backend == llm.engine.kernels.NAME
     results = llm.generate(prompts, greedy())
     assert [r.token_ids for r in results] == expected
@@ -244,20 +244,36 @@ def test_abort_mid_run_frees_every_block_and_others_finish(llama, overlap_steps)
 # --- kernel backends -------------------------------------------------------------------------
 
 
-def test_attention_backend_is_validated_before_loading(monkeypatch):
+def test_kernel_backend_is_validated_before_loading(monkeypatch):
     with pytest.raises(InvalidArgumentError) as info:
-        EngineConfig("unused", attention_backend="flash")
-    assert info.value.field == "attention_backend"
+        EngineConfig("unused", kernel_backend="flash")
+    assert info.value.field == "kernel_backend"
     assert "auto, triton, cpu, reference" in str(info.value)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(InvalidArgumentError) as info:
-        EngineConfig("unused", device="cpu", attention_backend="triton")
-    assert info.value.field == "attention_backend"
+        EngineConfig("unused", device="cpu", kernel_backend="triton")
+    assert info.value.field == "kernel_backend"
     assert "CUDA" in str(info.value)
     with pytest.raises(InvalidArgumentError) as info:
-        EngineConfig("unused", device="meta", attention_backend="cpu")
-    assert info.value.field == "attention_backend"
+        EngineConfig("unused", device="meta", kernel_backend="cpu")
+    assert info.value.field == "kernel_backend"
     assert "run on the CPU" in str(info.value)
+
+
+def test_attention_backend_still_chooses_the_kernels_with_a_deprecation_warning(oracle):
+    with pytest.warns(DeprecationWarning, match="use kernel_backend"):
+        assert EngineConfig("unused", attention_backend="reference").kernel_backend == "reference"
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError) as info:
+        EngineConfig("unused", attention_backend="flash")
+    assert info.value.field == "kernel_backend"
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidArgumentError) as info:
+        EngineConfig("unused", kernel_backend="cpu", attention_backend="reference")
+    assert info.value.field == "attention_backend"
+    path, prompts, expected = oracle("llama")
+    with pytest.warns(DeprecationWarning, match="use kernel_backend"):
+        llm = LLM(str(path), dtype="float32", attention_backend="reference")
+    assert llm.engine.kernels.NAME == "reference"
+    assert [r.token_ids for r in llm.generate(prompts, greedy())] == expected
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
@@ -266,7 +282,7 @@ def test_warm_up_leaves_outputs_and_blocks_untouched(oracle, backend):
     writes garbage into block 0 only; requests after it, block 0 among their blocks, still
     equal the oracle."""
     path, prompts, expected = oracle("llama")
-    llm = LLM(str(path), dtype="float32", attention_backend=backend, block_size=4)
+    llm = LLM(str(path), dtype="float32", kernel_backend=backend, block_size=4)
     llm.engine.runner.warm_up_kernels(llm.engine.max_model_len)
     llm.engine.runner.warm_up_heap(llm.engine.max_model_len, 96)
     assert_all_blocks_free(llm.engine)

@@ -95,7 +95,7 @@ def test_triton_kernels_in_the_engine(case):
     """Every layer on the Triton kernels (LoRA shrink / expand included; the CPU interpreter
     here): the mixed batch still equals PEFT."""
     _, _, prompts, expected = case
-    llm = lora_llm(case, attention_backend="triton", max_num_batched_tokens=16)
+    llm = lora_llm(case, kernel_backend="triton", max_num_batched_tokens=16)
     assert llm.engine.kernels.NAME == "triton"
     few = prompts[:3]
     assert run_mixed(llm, few) == {name: tokens[:3] for name, tokens in expected.items()}

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from headrace.kernels import select_kernels
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.sampling.logprobs import compute_prompt_logprobs
 from headrace.worker.sampling.sampler import Sampler, process_logits
@@ -25,6 +26,8 @@ from transformers.generation.logits_process import (
 )
 
 _ids = itertools.count()
+#: A CPU engine's kernel set: the C draw and bitmask, or torch's where they cannot be built.
+KERNELS = select_kernels("auto", torch.device("cpu"))
 
 
 def make_seq(
@@ -98,7 +101,7 @@ def test_repetition_penalty_matches_hf_over_prompt_and_output() -> None:
     ]
     logits = torch.randn(len(seqs), vocab, generator=gen) * 3
 
-    processed = process_logits(logits, seqs)
+    processed = process_logits(logits, seqs, KERNELS)
 
     for row, (seq, penalty) in enumerate(zip(seqs, penalties, strict=True)):
         expected = hf_process([RepetitionPenaltyLogitsProcessor(penalty)], seq, logits[row])
@@ -121,7 +124,7 @@ def test_presence_and_frequency_penalties_follow_openai_over_output_only() -> No
     ]
     logits = torch.randn(len(seqs), vocab, generator=gen)
 
-    processed = process_logits(logits, seqs)
+    processed = process_logits(logits, seqs, KERNELS)
 
     for row, (seq, (presence, frequency)) in enumerate(zip(seqs, settings, strict=True)):
         expected = logits[row].clone()
@@ -147,7 +150,7 @@ def test_no_repeat_ngram_matches_hf(ngram_size: int) -> None:
     ]
     logits = torch.randn(len(seqs), vocab, generator=gen)
 
-    processed = process_logits(logits, seqs)
+    processed = process_logits(logits, seqs, KERNELS)
 
     for row, seq in enumerate(seqs):
         expected = hf_process([NoRepeatNGramLogitsProcessor(ngram_size)], seq, logits[row])
@@ -173,7 +176,7 @@ def test_min_tokens_holds_back_stop_tokens_like_hf() -> None:
     ]
     logits = torch.randn(len(seqs), vocab, generator=gen)
 
-    processed = process_logits(logits, seqs)
+    processed = process_logits(logits, seqs, KERNELS)
 
     for row, (seq, (_, min_tokens)) in enumerate(zip(seqs, cases, strict=True)):
         oracle = MinNewTokensLengthLogitsProcessor(
@@ -215,7 +218,7 @@ def test_warpers_match_hf_row_by_row_in_a_mixed_batch() -> None:
     seqs = [make_seq([1, 2, 3], **config) for config in configs]
     logits = torch.randn(len(seqs), vocab, generator=gen) * 4
 
-    processed = process_logits(logits, seqs)
+    processed = process_logits(logits, seqs, KERNELS)
 
     for row, seq in enumerate(seqs):
         warpers = [] if seq.config.is_greedy else hf_warpers(seq.config)
@@ -245,7 +248,7 @@ def test_all_stages_apply_in_hf_order() -> None:
     ]
     logits = torch.randn(len(seqs), vocab, generator=gen) * 3
 
-    processed = process_logits(logits, seqs)
+    processed = process_logits(logits, seqs, KERNELS)
 
     for row, seq in enumerate(seqs):
         oracle: list[LogitsProcessor] = [
@@ -271,9 +274,9 @@ def test_greedy_rows_take_the_argmax_of_processed_logits() -> None:
     logits = torch.randn(len(seqs), vocab, generator=gen)
     logits[1, 6] = logits[1].max() + 1.0  # a repeated token the penalty must beat
 
-    token_ids = Sampler(vocab)(logits, seqs).token_ids
+    token_ids = Sampler(vocab, KERNELS)(logits, seqs).token_ids
 
-    assert token_ids == process_logits(logits, seqs).argmax(dim=-1).tolist()
+    assert token_ids == process_logits(logits, seqs, KERNELS).argmax(dim=-1).tolist()
     assert token_ids[1] != 6
 
 
@@ -282,7 +285,7 @@ def test_plain_greedy_batch_is_argmax() -> None:
     logits = torch.randn(64, 128, generator=gen)
     seqs = [make_seq([i], temperature=0.0) for i in range(64)]
 
-    output = Sampler(128)(logits, seqs)
+    output = Sampler(128, KERNELS)(logits, seqs)
 
     assert output.token_ids == logits.argmax(dim=-1).tolist()
     assert output.logprobs == [None] * 64
@@ -294,7 +297,7 @@ def test_top_k_1_sampling_is_argmax(seed: int | None) -> None:
     logits = torch.randn(32, 300, generator=gen)
     seqs = [make_seq([i], seed=seed, temperature=1.3, top_k=1) for i in range(32)]
 
-    assert Sampler(300)(logits, seqs).token_ids == logits.argmax(dim=-1).tolist()
+    assert Sampler(300, KERNELS)(logits, seqs).token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_seeded_row_draws_the_same_token_in_any_batch() -> None:
@@ -306,7 +309,7 @@ def test_seeded_row_draws_the_same_token_in_any_batch() -> None:
     # Alone, a top_k=30 row takes the sparse draw; beside unfiltered rows, the dense one.
     for config in ({}, {"top_k": 30}, {"top_p": 0.6, "temperature": 0.7}):
         seeded = make_seq([5] * 11, seed=1234, **config)
-        alone = Sampler(vocab)(row_logits.view(1, -1), [seeded]).token_ids[0]
+        alone = Sampler(vocab, KERNELS)(row_logits.view(1, -1), [seeded]).token_ids[0]
         for batch_size, row, sampler_seed in ((2, 1, 0), (7, 3, 1), (64, 63, 2)):
             seqs = [
                 make_seq([1], seed=None if i % 2 else i, temperature=(i % 3) * 0.5)
@@ -315,14 +318,14 @@ def test_seeded_row_draws_the_same_token_in_any_batch() -> None:
             seqs[row] = seeded
             logits = torch.randn(batch_size, vocab, generator=gen)
             logits[row] = row_logits
-            output = Sampler(vocab, seed=sampler_seed)(logits, seqs)
+            output = Sampler(vocab, KERNELS, seed=sampler_seed)(logits, seqs)
             assert output.token_ids[row] == alone, (config, batch_size)
 
 
 def test_seeded_draws_differ_across_seeds_and_positions() -> None:
     vocab = 1000
     logits = torch.zeros(200, vocab)  # uniform: 200 independent draws give ~181 distinct tokens
-    sampler = Sampler(vocab)
+    sampler = Sampler(vocab, KERNELS)
     by_seed = sampler(logits, [make_seq([1, 2], seed=s) for s in range(200)]).token_ids
     by_position = sampler(logits, [make_seq([1] * (n + 1), seed=5) for n in range(200)]).token_ids
 
@@ -337,7 +340,7 @@ def test_seeded_tokens_repeat_and_unseeded_follow_the_sampler_seed() -> None:
 
     def draw(sampler_seed: int, request_seed: int | None) -> list[int]:
         seqs = [make_seq([i], seed=request_seed) for i in range(16)]
-        return Sampler(200, seed=sampler_seed)(logits, seqs).token_ids
+        return Sampler(200, KERNELS, seed=sampler_seed)(logits, seqs).token_ids
 
     assert draw(0, 42) == draw(1, 42)
     assert draw(3, None) == draw(3, None)
@@ -365,9 +368,10 @@ def test_sampled_frequencies_match_softmax(seeded: bool, config: dict[str, Any])
     seqs = [
         make_seq([0] * (1 + i % 7), seed=i if seeded else None, **config) for i in range(num_draws)
     ]
-    expected = process_logits(logits.view(1, -1), seqs[:1]).softmax(dim=-1).view(-1).double()
+    processed = process_logits(logits.view(1, -1), seqs[:1], KERNELS)
+    expected = processed.softmax(dim=-1).view(-1).double()
 
-    token_ids = Sampler(vocab)(logits.expand(num_draws, vocab), seqs).token_ids
+    token_ids = Sampler(vocab, KERNELS)(logits.expand(num_draws, vocab), seqs).token_ids
 
     tolerance = 5 * (expected * (1 - expected) / num_draws).sqrt() + 1e-9
     assert ((_frequencies(token_ids, vocab) - expected).abs() <= tolerance).all()
@@ -377,7 +381,7 @@ def test_seeded_stream_over_positions_matches_softmax() -> None:
     """One seed, many positions: the draws of one request are spread like the softmax."""
     vocab, num_draws = 5, 3_000
     logits = torch.tensor([1.0, 0.0, 0.3, -1.0, 2.0])
-    sampler = Sampler(vocab)
+    sampler = Sampler(vocab, KERNELS)
     seqs = [make_seq([1] * n, seed=77) for n in range(1, num_draws + 1)]
 
     token_ids = sampler(logits.expand(num_draws, vocab), seqs).token_ids
@@ -396,8 +400,9 @@ def test_seeded_tokens_are_the_same_on_cpu_and_cuda() -> None:
     logits = torch.randn(64, 49152, generator=gen) * 2
     seqs = [make_seq([1] * (i + 1), seed=i, top_k=50 * (i % 2)) for i in range(64)]
 
-    on_cpu = Sampler(49152)(logits, seqs).token_ids
-    on_cuda = Sampler(49152)(logits.cuda(), seqs).token_ids
+    cuda_kernels = select_kernels("auto", torch.device("cuda"))
+    on_cpu = Sampler(49152, KERNELS)(logits, seqs).token_ids
+    on_cuda = Sampler(49152, cuda_kernels)(logits.cuda(), seqs).token_ids
 
     assert on_cpu == on_cuda
 
@@ -417,7 +422,7 @@ def test_logprobs_are_of_raw_logits_with_top_n_most_likely_first() -> None:
     logits = torch.randn(len(seqs), vocab, generator=gen) * 2
     raw = logits.clone()
 
-    output = Sampler(vocab)(logits, seqs)
+    output = Sampler(vocab, KERNELS)(logits, seqs)
 
     assert torch.equal(logits, raw), "the sampler must not write its input"
     assert output.logprobs[1] is None
@@ -454,6 +459,6 @@ def test_all_banned_row_still_draws_a_token() -> None:
     """min_tokens may hold back every token of a tiny vocab; the draw must not fail."""
     seqs = [make_seq([0], stop_token_ids=(0, 1, 2), min_tokens=1, seed=1)]
 
-    token_id = Sampler(3)(torch.zeros(1, 3), seqs).token_ids[0]
+    token_id = Sampler(3, KERNELS)(torch.zeros(1, 3), seqs).token_ids[0]
 
     assert token_id in range(3)

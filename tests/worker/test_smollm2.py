@@ -65,7 +65,7 @@ def test_smollm2_cuda_triton_greedy_equals_transformers(smollm2_dir, max_num_bat
         str(smollm2_dir),
         dtype="float32",
         device="cuda",
-        attention_backend="triton",
+        kernel_backend="triton",
         num_kv_blocks=256,
         max_num_batched_tokens=max_num_batched_tokens,
     )

@@ -14,6 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from headrace.sdk.cli import add_kernel_backend_argument
 from headrace.sdk.cli_help import HelpFormatter
 from headrace.worker.models.store import DEFAULT_MODEL
 
@@ -109,12 +110,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --sampled: greedy and sampled runs alternate this many times; the ratio is "
         "the median of each round's (a shared host's speed drifts between runs)",
     )
-    add(
-        "--attention-backend",
-        choices=["auto", "triton", "cpu", "reference"],  # kernels.BACKEND_NAMES (no torch here)
-        default="auto",
-        help="kernels: auto = Triton on CUDA, the C kernels on CPU; reference = plain torch",
-    )
+    add_kernel_backend_argument(parser)
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add("--seed", type=int, default=0, help="seed of the random prompts")
 

@@ -168,7 +168,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
             device=args.device,
             max_num_seqs=max(256, num_requests),
             max_num_batched_tokens=args.max_num_batched_tokens,
-            attention_backend=args.attention_backend,
+            kernel_backend=args.kernel_backend,
             overlap_steps=args.overlap_steps,
         )
     )

@@ -99,7 +99,7 @@ def _mask_cost(engine: Engine, num_rows: int, num_iters: int) -> Summary:
             state.fill_mask(bitmask, i)
         fill_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        apply_grammar_masks(x, states, rows)
+        apply_grammar_masks(x, states, rows, engine.kernels)
         total_s.append(time.perf_counter() - start)
     fill_ms, total_ms = statistics.median(fill_s) * 1e3, statistics.median(total_s) * 1e3
     print(

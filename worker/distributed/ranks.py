@@ -98,7 +98,7 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
         torch.set_num_threads(setup.num_threads)
         keep_freed_memory()
     parallel, plan_group = _init_process_groups(setup, rank, store, device)
-    kernels = select_kernels(config.attention_backend, device)
+    kernels = select_kernels(config.kernel_backend, device)
     loaded = load_model(setup.model_path, setup.dtype, device, parallel, kernels)
     lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     local_blocks = kv_cache_blocks(config, loaded.model, device, setup.dtype, setup.max_model_len)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from headrace.kernels import KernelSet
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.outputs import FinishReason, SampleDelta
 from headrace.worker.engine.intake import EngineRequest
@@ -26,10 +27,12 @@ from headrace.worker.scheduling.scheduler import Scheduler
 from headrace.worker.sequence import Sequence
 
 
-def beam_logprobs(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
+def beam_logprobs(
+    logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence], kernels: KernelSet
+) -> torch.Tensor:
     """[B, V] next-token logprobs of beam rows: log-softmax of the raw logits, then the
     penalties and bans (transformers applies its processors to the logprobs)."""
-    return apply_history(torch.log_softmax(logits.float(), dim=-1), seqs)
+    return apply_history(torch.log_softmax(logits.float(), dim=-1), seqs, kernels)
 
 
 class BeamRequests:

@@ -70,7 +70,7 @@ class Engine:
         self.config = config
         self.spec = ModelSpec.load(config)
         self.device = config.torch_device()
-        self.kernels = select_kernels(config.attention_backend, self.device)
+        self.kernels = select_kernels(config.kernel_backend, self.device)
         spec = self.spec
         self.executor = start_executor(
             config,
@@ -90,7 +90,7 @@ class Engine:
         self.control = GenerationControl(
             self.spec, self.executor, self.block_manager, config.weight_version
         )
-        self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        self.sampler = Sampler(self.vocab_size, self.kernels, seed=config.seed)
         self.detokenizer = Detokenizer(self.spec.tokenizer)
         self.intake = RequestIntake(
             self.spec, self.vocab_size, self.block_manager, self.detokenizer
@@ -383,7 +383,8 @@ class Engine:
             drawn = self.sampler(logits, [c.seq for c in chunks])
             return StepPicks(self._detokenize(chunks, drawn.token_ids, drawn.logprobs))
         beam_chunks = [chunks[i] for i in beam_rows]
-        logprobs = beam_logprobs(select_rows(logits, beam_rows), [c.seq for c in beam_chunks])
+        beam_seqs = [c.seq for c in beam_chunks]
+        logprobs = beam_logprobs(select_rows(logits, beam_rows), beam_seqs, self.kernels)
         picks = StepPicks(beams=list(zip(beam_chunks, logprobs, strict=True)))
         rows = sorted(set(range(len(chunks))) - set(beam_rows))
         if rows:

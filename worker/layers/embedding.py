@@ -89,6 +89,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, parallel=parallel, dtype=dtype)
         #: The greedy head's matmul (the backend's: on a CPU, the C kernel for few rows).
         self.matmul = matmul_of(kernels)
+        #: The backend whose running argmax the greedy head keeps (None: torch's).
+        self.kernels = kernels
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
@@ -111,7 +113,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         assert self.parallel.is_single, "the greedy head needs the whole vocabulary"
         num_rows = hidden.shape[0]
         columns = max(GREEDY_MIN_COLUMNS, GREEDY_BLOCK_FLOATS // max(num_rows, 1))
-        running = RunningArgmax(num_rows, hidden.device)
+        running = RunningArgmax(num_rows, hidden.device, self.kernels)
         for start in range(0, self.num_embeddings, columns):
             end = min(start + columns, self.num_embeddings)
             logits = self.matmul(hidden, self.weight[start:end], None, torch.float32)

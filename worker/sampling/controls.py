@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from headrace.kernels import KernelSet
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.sampling.constraints import (
@@ -113,6 +114,7 @@ def apply_controls(
     x: torch.Tensor,  # [B, V] float32, edited in place
     seqs: collections.abc.Sequence[Sequence],
     rows: list[int],  # rows whose sequence has controls
+    kernels: KernelSet,  # applies the grammar masks
 ) -> None:
     grammar_rows: list[int] = []
     for row in rows:
@@ -133,7 +135,7 @@ def apply_controls(
             grammar_rows.append(row)
     if grammar_rows:
         states = [seqs[row].controls.grammar for row in grammar_rows]  # type: ignore[union-attr]
-        apply_grammar_masks(x, states, grammar_rows)  # type: ignore[arg-type]
+        apply_grammar_masks(x, states, grammar_rows, kernels)  # type: ignore[arg-type]
 
 
 def banned_next_tokens(bad_words: tuple[tuple[int, ...], ...], token_ids: list[int]) -> list[int]:

@@ -7,11 +7,13 @@ Stages, in the order HF and vLLM apply them, each run on the rows that need it o
      bitmask of an output constraint (JSON schema, regex, grammar, choice);
   3. greedy rows (temperature 0) take the argmax;
   4. sampling rows: temperature, top-k, top-p, min-p, then a seeded Gumbel-max race
-     (`headrace.worker.sampling.draw`: on the CPU a C kernel that makes noise only for the
-     tokens that could still win, and tests top-p on the winners instead of sorting).
+     (the kernel set's `draw_tokens`, keys from `headrace.worker.sampling.draw`: on the CPU a
+     C kernel that makes noise only for the tokens that could still win, and tests top-p on
+     the winners instead of sorting).
 Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax
 (`is_plain_greedy` says which rows are). After the pick, each constrained row's grammar
-advances by its token.
+advances by its token. The engine's kernel set comes in through the constructor; the module
+functions that run a stage take it as an argument.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+from headrace.kernels import KernelSet
+from headrace.kernels.sampling import argmax
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.outputs import TokenLogprob
 from headrace.worker.sampling.controls import advance_grammars, apply_controls
-from headrace.worker.sampling.draw import draw, seeded_keys
+from headrace.worker.sampling.draw import seeded_keys
 from headrace.worker.sampling.logprobs import token_logprobs
-from headrace.worker.sampling.ops import argmax, column, select_rows
+from headrace.worker.sampling.ops import column, select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
 from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top_p, top_p_floor
 from headrace.worker.sequence import Sequence
@@ -59,8 +63,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, kernels: KernelSet, seed: int = 0) -> None:
         self.vocab_size = vocab_size
+        #: Draws the sampling rows' tokens and applies the grammar masks.
+        self.kernels = kernels
         # Draws the keys of rows with no seed of their own (one batched call per step).
         self._generator = torch.Generator().manual_seed(seed)
 
@@ -73,7 +79,7 @@ class Sampler:
         if plan.is_plain_greedy:
             return SamplerOutput(argmax(logits).tolist(), [None] * len(seqs))
         logits = logits.float()
-        processed = _apply_history(logits, seqs, plan)
+        processed = _apply_history(logits, seqs, plan, self.kernels)
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         if plan.greedy_rows:
             token_ids[plan.greedy_rows] = argmax(select_rows(processed, plan.greedy_rows))
@@ -100,7 +106,7 @@ class Sampler:
                 x = x.clone()
             _mask_top_k(x, configs)
         keys = self._noise_keys([seqs[i] for i in plan.sample_rows]).to(device)
-        return draw(
+        return self.kernels.draw_tokens(
             x,
             column([c.temperature for c in configs], device).view(-1),
             top_p_floor(configs, device).view(-1),
@@ -125,11 +131,13 @@ class Sampler:
         return keys
 
 
-def process_logits(logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence], kernels: KernelSet
+) -> torch.Tensor:
     """The [B, V] logits each row draws from: greedy rows take their argmax, sampling rows
     draw from their softmax. For inspection and tests; the sampler does not build this."""
     plan = _Plan.of(seqs)
-    processed, warped = _process(logits.float(), seqs, plan)
+    processed, warped = _process(logits.float(), seqs, plan, kernels)
     out = processed.clone()
     if warped is not None:
         out[plan.sample_rows] = warped
@@ -190,14 +198,19 @@ def _has_penalty(config: GenerationConfig) -> bool:
     )
 
 
-def apply_history(x: torch.Tensor, seqs: collections.abc.Sequence[Sequence]) -> torch.Tensor:
+def apply_history(
+    x: torch.Tensor, seqs: collections.abc.Sequence[Sequence], kernels: KernelSet
+) -> torch.Tensor:
     """x ([B, V], row i of seqs[i]) after the penalties, bans and logit controls its rows
     need (stage 1 and 2 above): a copy where any apply, else x itself."""
-    return _apply_history(x, seqs, _Plan.of(seqs))
+    return _apply_history(x, seqs, _Plan.of(seqs), kernels)
 
 
 def _apply_history(
-    logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence], plan: _Plan
+    logits: torch.Tensor,
+    seqs: collections.abc.Sequence[Sequence],
+    plan: _Plan,
+    kernels: KernelSet,
 ) -> torch.Tensor:
     """The logits after penalties and bans: a copy where any apply, else logits itself."""
     if not plan.needs_history:
@@ -205,7 +218,7 @@ def _apply_history(
     processed = logits.clone(memory_format=torch.contiguous_format)
     apply_penalties(processed, seqs, plan.penalty_rows)
     apply_bans(processed, seqs, plan.ngram_rows, plan.min_tokens_rows)
-    apply_controls(processed, seqs, plan.control_rows)
+    apply_controls(processed, seqs, plan.control_rows, kernels)
     return processed
 
 
@@ -220,11 +233,14 @@ def _mask_top_k(x: torch.Tensor, configs: list[GenerationConfig]) -> None:
 
 
 def _process(
-    logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence], plan: _Plan
+    logits: torch.Tensor,
+    seqs: collections.abc.Sequence[Sequence],
+    plan: _Plan,
+    kernels: KernelSet,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(history-processed logits [B, V], warped logits of the sampling rows [S, V] or None),
     for `process_logits`. logits itself is never written."""
-    processed = _apply_history(logits, seqs, plan)
+    processed = _apply_history(logits, seqs, plan, kernels)
     if not plan.sample_rows:
         return processed, None
     configs = [seqs[row].config for row in plan.sample_rows]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
 import torch
+from headrace.kernels.sampling import top_p_removed
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.sampling.ops import column
 
@@ -40,27 +40,6 @@ def apply_top_p(x: torch.Tensor, configs: list[GenerationConfig]) -> None:
 def top_p_floor(configs: list[GenerationConfig], device: torch.device) -> torch.Tensor:
     """[N, 1] float32 1 - top_p per row: in double, then float32, as HF compares it."""
     return column([1.0 - c.top_p for c in configs], device)
-
-
-def top_p_removed(scores: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """Where top-p removes a token of scores [N, V], given floor = 1 - top_p [N, 1].
-
-    HF's rule (drop the ascending prefix whose cumulative probability is <= 1 - top_p, never
-    the last), with the prefix found by count and applied as a logit threshold, so only
-    the values are sorted: the same tokens unless logits tie at the cut.
-    """
-    ascending = _sorted_values(scores)
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    num_removed = (cumulative <= floor).sum(dim=-1, keepdim=True)
-    num_removed.clamp_(max=scores.shape[1] - 1)  # the most likely token always stays
-    return scores < ascending.gather(1, num_removed)
-
-
-def _sorted_values(x: torch.Tensor) -> torch.Tensor:
-    """Each row of x in ascending order; on CPU numpy sorts values alone ~7x faster."""
-    if x.device.type == "cpu":
-        return torch.from_numpy(np.sort(x.detach().numpy(), axis=-1))
-    return x.sort(dim=-1).values
 
 
 def apply_min_p(x: torch.Tensor, configs: list[GenerationConfig]) -> None:
