@@ -19,14 +19,14 @@ from headrace.protos import generation_pb2 as pb
 from headrace.router.request import RoutedRequest
 from headrace.sdk import auth, status
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError
-from headrace.sdk.streams import FlowControl, FlowLimits, ResponseQueue
+from headrace.sdk.streams import FlowControl, FlowLimits, ResponseQueue, SessionBase
 
 if TYPE_CHECKING:
     from headrace.router.router import Router
 
 
 @dataclass(slots=True)
-class RouterSession:
+class RouterSession(SessionBase):
     """The requests of one client stream (one `Generate` RPC, or one `GenerateOne`)."""
 
     router: Router
@@ -86,24 +86,10 @@ class RouterSession:
         if request is not None:
             self.router.cancel(request)
 
-    def end_input(self) -> None:
-        self.input_done = True
-        self.wake()
-
-    def fail(self, fault: HeadraceError) -> None:
-        self.fault = fault
-        self.wake()
-
     def wake(self) -> None:
         self.outbox.put([])
 
     # --- flow control (the session's side of its FlowControl) ---------------------------
-
-    def hold(self, request_ids: list[str]) -> None:
-        self.flow.hold_for_client(request_ids)
-
-    def release(self, request_ids: list[str]) -> None:
-        self.flow.release_for_client(request_ids)
 
     def _hold(self, request_id: str) -> None:
         self.router.hold(self.requests[request_id])

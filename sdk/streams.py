@@ -263,6 +263,33 @@ def start_timeout(
     return asyncio.get_running_loop().call_later(timeout_s, expire, error)
 
 
+class SessionBase:
+    """What every server's `StreamSession` does alike: end its input, fail its stream, and
+    pass the client's own holds to its `FlowControl`. A session adds its requests and how
+    it wakes its `responses`."""
+
+    input_done: bool
+    fault: HeadraceError | None
+    flow: FlowControl
+
+    def end_input(self) -> None:
+        self.input_done = True
+        self.wake()
+
+    def fail(self, fault: HeadraceError) -> None:
+        self.fault = fault
+        self.wake()
+
+    def hold(self, request_ids: list[str]) -> None:
+        self.flow.hold_for_client(request_ids)
+
+    def release(self, request_ids: list[str]) -> None:
+        self.flow.release_for_client(request_ids)
+
+    def wake(self) -> None:
+        raise NotImplementedError
+
+
 async def serve_stream(
     session: StreamSession,
     messages: AsyncIterator[pb.GenerateRequest | Undecodable],

@@ -29,7 +29,7 @@ from headrace.protos import generation_pb2 as pb
 from headrace.sdk import auth, status, streams, tracing, wire
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, Usage
-from headrace.sdk.streams import FlowControl
+from headrace.sdk.streams import FlowControl, SessionBase
 from headrace.sdk.telemetry import RequestTelemetry
 from headrace.worker.engine.async_engine import OutputStream
 from headrace.worker.engine.outputs import RequestOutput
@@ -51,7 +51,7 @@ class _Live:
 
 
 @dataclass(slots=True)
-class WorkerSession:
+class WorkerSession(SessionBase):
     """The requests of one stream (one `Generate` RPC, or one `GenerateOne`)."""
 
     service: GenerationService
@@ -129,24 +129,10 @@ class WorkerSession:
         self.rejected.append(status.error_chunk(request_id, error))
         self.wake()
 
-    def end_input(self) -> None:
-        self.input_done = True
-        self.wake()
-
-    def fail(self, fault: HeadraceError) -> None:
-        self.fault = fault
-        self.wake()
-
     def wake(self) -> None:
         self.stream.put([])
 
     # --- flow control (the session's side of its FlowControl) ---------------------------
-
-    def hold(self, request_ids: list[str]) -> None:
-        self.flow.hold_for_client(request_ids)
-
-    def release(self, request_ids: list[str]) -> None:
-        self.flow.release_for_client(request_ids)
 
     def _hold(self, request_id: str) -> None:
         self.service.engine.hold([self.live[request_id].engine_id])
