@@ -90,7 +90,7 @@ class HttpCall:
 
     async def _respond(self, send: Send) -> None:
         responses = self.session.chunk_lists()
-        chunks: list[pb.Chunk] = await anext(responses, [])
+        chunks = await _first_chunks(responses)
         error = _error(chunks)
         if error is not None:
             await self._send_error(send, error)
@@ -157,6 +157,15 @@ class HttpCall:
                 return b"".join(events), error
             events.append(self.builder.events(chunk))
         return b"".join(events), None
+
+
+async def _first_chunks(responses: AsyncIterator[list[pb.Chunk]]) -> list[pb.Chunk]:
+    """The first chunks the session sends (empty lists are wake-ups, not answers), or none
+    if it ends without any: the response's status waits for them."""
+    async for chunks in responses:
+        if chunks:
+            return chunks
+    return []
 
 
 def _error(chunks: list[pb.Chunk]) -> HeadraceError | None:
