@@ -17,7 +17,7 @@ import time
 
 from headrace.protos import control_pb2, generation_pb2
 from headrace.router.config import RouterConfig
-from headrace.router.control import RouterControlService
+from headrace.router.generation_control import RouterControlService
 from headrace.router.http.app import HttpDoor
 from headrace.router.http.server import HttpOptions, HttpServer
 from headrace.router.router import Router

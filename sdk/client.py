@@ -38,7 +38,7 @@ from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
 from headrace.sdk import status, tracing, wire
 from headrace.sdk.config import GenerationConfig
-from headrace.sdk.control import AsyncControlCalls, ControlCalls
+from headrace.sdk.control_calls import AsyncControlCalls, ControlCalls
 from headrace.sdk.credentials import Metadata, bearer_metadata, default_api_key
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, UnavailableError
 from headrace.sdk.outputs import GenerationResult, StreamChunk

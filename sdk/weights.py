@@ -4,20 +4,44 @@ report every control call returns (through a router, one entry per worker).
 Also the wire form of streamed weights: `tensor_chunks` cuts named tensors into
 `WeightsChunk` messages no larger than a gRPC message may be. It needs torch, imported when
 called (a caller with tensors to send has it); this module itself does not.
+
+Design note on uploads (SDK to router, router to worker). Every upload ends in one of two
+ways: its last chunk is written and the stream half-closed (`end_upload`), or the call is
+cancelled; never by leaving the stream open, which leaves the server waiting for more. The
+writes go straight to the call (`write_chunk`), so gRPC's flow control is the back-pressure
+and a server that answered early (a refused tensor) stops the writing. And every upload has a
+deadline: ``upload_timeout`` of its bytes by default, derived from the measured rate, so an
+upload that stalls fails with DEADLINE_EXCEEDED instead of hanging.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import asyncio
+import contextlib
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import grpc
+import grpc.aio
 from headrace.protos import control_pb2 as cpb
 from headrace.sdk.errors import FailedPreconditionError, InvalidArgumentError
 
 #: Bytes of tensor data per streamed message (under the servers' 16 MiB default limit).
 DEFAULT_CHUNK_BYTES = 4 * 2**20
+#: The rate an upload's default deadline allows for: a tenth of the 0.6 GB/s measured on a
+#: 2-core CPU for the whole call (SmolLM2-135M's 513 MiB streamed and committed in 0.84 s,
+#: `headrace bench weights`), so a slower machine or link still finishes in time and only an
+#: upload that stalls runs out.
+UPLOAD_MIN_BYTES_PER_S = 60 * 10**6
+#: What an upload's default deadline allows on top of its bytes: connecting, and checking,
+#: staging and committing the update on every worker.
+UPLOAD_SETUP_S = 60.0
+#: The bytes assumed where they cannot be counted ahead (tensors from a one-shot iterator, a
+#: client that sent no deadline): a 70B model in bfloat16, about the largest worth streaming
+#: over gRPC rather than broadcasting from a trainer's group: 2,393 s with the setup.
+UNCOUNTED_UPLOAD_BYTES = 140 * 10**9
 #: Dtypes that travel on the wire, by their wire names.
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
 #: Longest version string accepted.
@@ -204,3 +228,36 @@ def tensor_chunks(
             yield chunk
     if first:  # no tensors: still one message, so the server learns the version
         yield cpb.WeightsChunk(version=version, stage_only=stage_only)
+
+
+def tensor_bytes(named_tensors: Iterable[tuple[str, Any]]) -> int | None:
+    """Bytes of the tensors' data; None for a one-shot iterator (counting would consume it)."""
+    if not isinstance(named_tensors, Collection):
+        return None
+    return sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
+
+
+def upload_timeout(num_bytes: int | None) -> float:
+    """The default deadline (seconds) of an upload of ``num_bytes`` (None: not known)."""
+    if num_bytes is None:
+        num_bytes = UNCOUNTED_UPLOAD_BYTES
+    return UPLOAD_SETUP_S + num_bytes / UPLOAD_MIN_BYTES_PER_S
+
+
+async def write_chunk(call: grpc.aio.StreamUnaryCall, chunk: cpb.WeightsChunk) -> bool:
+    """Write one chunk of an upload: done once gRPC took it, which its flow control holds back
+    while the server reads nothing. False once the call has ended (the server answered early,
+    or the deadline passed): awaiting the call then gives its answer."""
+    try:
+        await call.write(chunk)
+    except (grpc.RpcError, asyncio.InvalidStateError):
+        return False
+    return True
+
+
+async def end_upload(call: grpc.aio.StreamUnaryCall) -> None:
+    """Half-close an upload: the server now knows it has every chunk. A call that ended
+    meanwhile needs no end (gRPC then raises its `InternalError`, not the call's status:
+    awaiting the call gives that)."""
+    with contextlib.suppress(grpc.aio.InternalError):
+        await call.done_writing()

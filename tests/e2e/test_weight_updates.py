@@ -306,6 +306,30 @@ def test_one_call_through_the_router_updates_every_worker_or_none(
         assert served(client)[0] == greedy_tokens(offline_b)
 
 
+def test_issue_30_the_readme_sequence_through_a_router_on_127_0_0_1_reached_as_localhost(
+    tiny_model: Path, offline: LLM, tmp_path: Path
+) -> None:
+    """Issue 30 as reported: against a router bound to 127.0.0.1 and reached as localhost
+    (gRPC tries ::1 first, is refused, and connects on 127.0.0.1), after a request, the
+    README's sequence hung in `update_weights_from_tensors`. Here it runs three times, each
+    upload in many small chunks, and the next request runs on the streamed weights. The hang
+    needed a worker reading later than the client sent, which real processes give only by
+    chance: tests/router/test_generation_control.py pins it."""
+    workers, router = _workers_and_router(tiny_model, tmp_path, count=1)
+    tensors = load_file(str(safetensors_of(tiny_model)))
+    with workers[0], router, Client(f"localhost:{router.port}") as client:
+        assert served(client)[0] == greedy_tokens(offline)
+        for round_ in range(3):
+            client.pause(mode="keep")
+            client.update_weights(path=str(tiny_model), version=f"disk-{round_}")
+            report = client.update_weights_from_tensors(
+                tensors.items(), version=f"streamed-{round_}", chunk_bytes=20_000
+            )
+            assert report.weight_version == f"streamed-{round_}"
+            client.resume()
+        assert served(client) == (greedy_tokens(offline), {"streamed-2"})
+
+
 def test_a_failover_never_resumes_a_request_on_other_weights(
     tiny_model: Path, checkpoint_b: Path, offline: LLM, tmp_path: Path
 ) -> None:

@@ -12,7 +12,9 @@ A worker and a router answer alike: a router fans each call out to all its worke
 nothing) and its `ControlReport` has one entry per worker. Every call needs an admin key
 where API keys are on; a failed call raises its typed error (`InvalidArgumentError` naming
 the tensor for a bad update). ``timeout`` (seconds) is the call's gRPC deadline; None waits
-as long as the call takes (an update of a big model, a WAIT pause).
+as long as the call takes (an update of a big model, a WAIT pause), except for streamed
+tensors: an upload always has a deadline, by default one that grows with its bytes
+(`upload_timeout`), so an upload that stalls fails rather than hangs.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ from headrace.sdk.weights import (
     DEFAULT_CHUNK_BYTES,
     ControlReport,
     PauseMode,
+    end_upload,
     pause_mode,
     pause_mode_to_wire,
+    tensor_bytes,
     tensor_chunks,
+    upload_timeout,
+    write_chunk,
 )
 
 T = TypeVar("T")
@@ -46,6 +52,24 @@ async def _report(call: Callable[[], Awaitable[cpb.ControlResponse]]) -> Control
         return ControlReport.from_wire(await call())
     except grpc.RpcError as rpc_error:
         raise status.from_rpc_error(rpc_error) from None
+
+
+async def _upload(
+    call: grpc.aio.StreamUnaryCall, chunks: Iterable[cpb.WeightsChunk]
+) -> cpb.ControlResponse:
+    """Write every chunk and half-close, then the server's answer. A server that answered
+    early (a refused tensor) stops the writing, and its status is the answer; a chunk that
+    cannot be made (a tensor of another dtype) cancels the call and raises its own error."""
+    try:
+        for chunk in chunks:
+            if not await write_chunk(call, chunk):
+                break
+        await end_upload(call)
+    except BaseException:
+        call.cancel()
+        raise
+    response: cpb.ControlResponse = await call
+    return response
 
 
 def tensor_specs(tensors: Iterable[TensorSpec]) -> list[cpb.TensorSpec]:
@@ -101,10 +125,15 @@ class AsyncControlCalls:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         timeout: float | None = None,
     ) -> ControlReport:
-        """Stream (name, torch tensor) pairs, named as in the checkpoint, to the server."""
+        """Stream (name, torch tensor) pairs, named as in the checkpoint, to the server.
+
+        ``timeout`` None means `upload_timeout` of the tensors' bytes: 60 s plus 1 s per 60 MB
+        (for a one-shot iterator, whose bytes are not counted ahead, that of 140 GB)."""
+        if timeout is None:
+            timeout = upload_timeout(tensor_bytes(named_tensors))
         chunks = tensor_chunks(named_tensors, version, chunk_bytes=chunk_bytes)
-        call = self._control.UpdateWeightsFromTensors
-        return await _report(lambda: call(chunks, timeout=timeout, metadata=self._metadata))
+        call = self._control.UpdateWeightsFromTensors(timeout=timeout, metadata=self._metadata)
+        return await _report(lambda: _upload(call, chunks))
 
     async def init_weights_group(
         self,

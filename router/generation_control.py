@@ -10,8 +10,12 @@ each worker answered.
 every worker (`validate_only`) and committed only once all accept it, so a bad update leaves
 every worker on the weights it had. Streamed tensors are forwarded to every worker as they
 arrive (never buffered whole here), staged there (`stage_only`), and committed on all, or
-dropped on all. Pause, resume, sleep and wake need no second phase: they are idempotent, so
-a call that failed on one worker is simply made again.
+dropped on all. Each forward carries the client's deadline (`upload_timeout` for a client
+that set none) and ends half-closed or cancelled, never left open: a worker left waiting for
+more chunks would leave the router and the client waiting too.
+
+Pause, resume, sleep and wake need no second phase: they are idempotent, so a call that
+failed on one worker is simply made again.
 
 LoRA adapters are loaded on every worker or on none: a load one worker refuses is unloaded
 again from those that took it. Unload and list are plain fan-outs.
@@ -35,15 +39,14 @@ from headrace.router.router import Router
 from headrace.router.workers import WorkerLink
 from headrace.sdk import status
 from headrace.sdk.errors import (
+    DeadlineExceededError,
     HeadraceError,
     InvalidArgumentError,
     UnavailableError,
     error_for_code,
 )
 from headrace.sdk.streams import Undecodable
-
-#: Streamed chunks waiting for one worker's stream (back-pressure on the client's upload).
-FORWARD_QUEUE_CHUNKS = 2
+from headrace.sdk.weights import end_upload, upload_timeout, write_chunk
 
 #: What one worker answered: its response or its error.
 Outcome = cpb.ControlResponse | HeadraceError
@@ -221,35 +224,21 @@ class RouterControlService(control_pb2_grpc.GenerationControlServicer):
     async def UpdateWeightsFromTensors(
         self, request_iterator: AsyncIterator[cpb.WeightsChunk], context: grpc.aio.ServicerContext
     ) -> cpb.ControlResponse:
-        return await self._answer(context, lambda: self._update_from_stream(request_iterator))
+        remaining = context.time_remaining()  # the client's deadline, if it set one
+        timeout = upload_timeout(None) if remaining is None else remaining
+        return await self._answer(
+            context, lambda: self._update_from_stream(request_iterator, timeout)
+        )
 
     async def _update_from_stream(
-        self, chunks: AsyncIterator[cpb.WeightsChunk | Undecodable]
+        self, chunks: AsyncIterator[cpb.WeightsChunk | Undecodable], timeout: float
     ) -> cpb.ControlResponse:
         """Stage the stream on every worker, then commit it on all (or drop it on all)."""
         links = self._links()
         down = [link.target for link in links if not link.healthy]
         if down:
             raise UnavailableError(f"workers down: {', '.join(down)}")
-        forwards = [_Forward(link) for link in links]
-        header: cpb.WeightsChunk | None = None
-        try:
-            async for chunk in chunks:
-                if isinstance(chunk, Undecodable):
-                    raise chunk.fault()
-                if header is None:
-                    header = cpb.WeightsChunk(version=chunk.version, stage_only=chunk.stage_only)
-                    chunk.stage_only = True
-                if not await _send_to_all(forwards, chunk):
-                    break  # a worker refused it already: the others need no more
-        except BaseException:
-            for forward in forwards:
-                forward.task.cancel()
-            raise
-        finally:
-            for forward in forwards:
-                forward.end()
-        outcomes: list[Outcome] = [await forward.outcome() for forward in forwards]
+        header, outcomes = await _stage_on_all(links, chunks, timeout)
         self._note_states(links, outcomes)
         try:
             staged = _combine(links, outcomes)
@@ -263,43 +252,58 @@ class RouterControlService(control_pb2_grpc.GenerationControlServicer):
         return await self._unary("UpdateWeights", commit)
 
 
+async def _stage_on_all(
+    links: list[WorkerLink], chunks: AsyncIterator[cpb.WeightsChunk | Undecodable], timeout: float
+) -> tuple[cpb.WeightsChunk | None, list[Outcome]]:
+    """Forward the client's chunks to every worker, stage_only: the client's header (its
+    version and stage_only) and each worker's answer, within ``timeout`` seconds."""
+    forwards = [_Forward(link, timeout) for link in links]
+    try:
+        async with asyncio.timeout(timeout):
+            header = await _send_to_all(forwards, chunks)
+            outcomes = await asyncio.gather(*(forward.finish() for forward in forwards))
+    except TimeoutError:
+        raise DeadlineExceededError(f"the upload did not end within {timeout:.1f} s") from None
+    finally:
+        for forward in forwards:  # ended, or else cancelled: never left open
+            forward.call.cancel()
+    return header, list(outcomes)
+
+
+async def _send_to_all(
+    forwards: list[_Forward], chunks: AsyncIterator[cpb.WeightsChunk | Undecodable]
+) -> cpb.WeightsChunk | None:
+    """Each chunk to every worker as it arrives (never buffered whole here); the header."""
+    header: cpb.WeightsChunk | None = None
+    async for chunk in chunks:
+        if isinstance(chunk, Undecodable):
+            raise chunk.fault()
+        if header is None:
+            header = cpb.WeightsChunk(version=chunk.version, stage_only=chunk.stage_only)
+            chunk.stage_only = True
+        sent = await asyncio.gather(*(forward.send(chunk) for forward in forwards))
+        if not all(sent):
+            break  # a worker refused it already: the others need no more
+    return header
+
+
 class _Forward:
-    """One worker's stage_only upload, fed chunk by chunk."""
+    """One worker's stage_only upload, written chunk by chunk: gRPC's flow control holds a
+    write back while the worker reads nothing, and so holds back the client's upload."""
 
-    def __init__(self, link: WorkerLink) -> None:
-        self.queue: asyncio.Queue[cpb.WeightsChunk | None] = asyncio.Queue(FORWARD_QUEUE_CHUNKS)
-        call = link.generation_control.UpdateWeightsFromTensors(
-            self._chunks(), metadata=link.metadata
+    def __init__(self, link: WorkerLink, timeout: float) -> None:
+        self.call: grpc.aio.StreamUnaryCall = link.generation_control.UpdateWeightsFromTensors(
+            timeout=timeout, metadata=link.metadata
         )
-        self.task: asyncio.Task[Outcome] = asyncio.create_task(_outcome(link, lambda _: call))
-
-    async def _chunks(self) -> AsyncIterator[cpb.WeightsChunk]:
-        while (chunk := await self.queue.get()) is not None:
-            yield chunk
 
     async def send(self, chunk: cpb.WeightsChunk) -> bool:
-        """Queue a chunk; False once the worker's call has ended (it refused the upload)."""
-        if self.task.done():
-            return False
-        put = asyncio.ensure_future(self.queue.put(chunk))
-        await asyncio.wait({put, self.task}, return_when=asyncio.FIRST_COMPLETED)
-        if not put.done():
-            put.cancel()
-            return False
-        return not self.task.done()
+        """Write a chunk; False once the worker's call has ended (it refused the upload)."""
+        return await write_chunk(self.call, chunk)
 
-    def end(self) -> None:
-        # With its queue full the call has ended (nothing reads it): no end marker needed.
-        with contextlib.suppress(asyncio.QueueFull):
-            self.queue.put_nowait(None)
-
-    async def outcome(self) -> Outcome:
-        return await self.task
-
-
-async def _send_to_all(forwards: list[_Forward], chunk: cpb.WeightsChunk) -> bool:
-    results = [await forward.send(chunk) for forward in forwards]
-    return all(results)
+    async def finish(self) -> Outcome:
+        """End the upload (every one not cancelled ends here) and the worker's answer."""
+        await end_upload(self.call)
+        return await _settled(self.call)
 
 
 async def _outcome(
@@ -307,8 +311,13 @@ async def _outcome(
 ) -> Outcome:
     if not link.healthy:
         return UnavailableError(f"worker {link.target} is down")
+    return await _settled(call(link))
+
+
+async def _settled(answer: Awaitable[cpb.ControlResponse]) -> Outcome:
+    """A worker's response, or its error."""
     try:
-        return await call(link)
+        return await answer
     except grpc.RpcError as error:
         return status.from_rpc_error(error)
 
