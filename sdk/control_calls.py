@@ -149,9 +149,13 @@ class AsyncControlCalls:
         """Have every rank of every worker join the trainer's group at host:port (the trainer
         is rank 0 and must join at the same time); returns once all have joined."""
         request = cpb.InitWeightsGroupRequest(
-            host=host, port=port, world_size=world_size, rank_offset=rank_offset,
-            backend=backend, timeout=duration(group_timeout),
-        )  # fmt: skip
+            host=host,
+            port=port,
+            world_size=world_size,
+            rank_offset=rank_offset,
+            backend=backend,
+            timeout=duration(group_timeout),
+        )
         return await self._call("InitWeightsGroup", request, timeout)
 
     async def update_weights_from_group(
@@ -260,9 +264,14 @@ class ControlCalls:
     ) -> ControlReport:
         """See `AsyncControlCalls.init_weights_group`."""
         coroutine = self._async.init_weights_group(
-            host, port, world_size, rank_offset, backend,
-            group_timeout=group_timeout, timeout=timeout,
-        )  # fmt: skip
+            host,
+            port,
+            world_size,
+            rank_offset,
+            backend,
+            group_timeout=group_timeout,
+            timeout=timeout,
+        )
         return self._run(coroutine)
 
     def update_weights_from_group(

@@ -220,9 +220,12 @@ def tensor_chunks(
         shape = list(tensor.shape)
         for offset in range(0, max(len(flat), 1), chunk_bytes):
             chunk = cpb.WeightsChunk(
-                name=name, dtype=dtype, shape=shape, offset=offset,
+                name=name,
+                dtype=dtype,
+                shape=shape,
+                offset=offset,
                 data=flat[offset : offset + chunk_bytes].tobytes(),
-            )  # fmt: skip
+            )
             if first:
                 chunk.version, chunk.stage_only, first = version, stage_only, False
             yield chunk

@@ -154,8 +154,11 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="openai: streamed /v1/completions through the router's OpenAI door (without "
         "--target, compared with the router's gRPC; with it, at --http-target)",
     )
-    add("--http-target", help="--api openai with --target: the door's HOST:PORT (default: "
-        "--target's host, port 8000)")  # fmt: skip
+    add(
+        "--http-target",
+        help="--api openai with --target: the door's HOST:PORT (default: --target's host, "
+        "port 8000)",
+    )
     add(
         "--priority-burst",
         type=int,

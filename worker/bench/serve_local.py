@@ -60,7 +60,7 @@ def _run_rounds(
         EngineConfig(model=model, dtype=args.dtype, max_num_seqs=int(max_num_seqs))
     )
     workload = make_workload(
-        engine.engine.vocab_size, args.num_requests, args.prompt_lens, args.output_lens, args.seed
+        engine.vocab_size, args.num_requests, args.prompt_lens, args.output_lens, args.seed
     )
     print(describe_workload(args, name) + f", dtype {args.dtype}")
     worker_args = ["--dtype", args.dtype, "--max-num-seqs", max_num_seqs]

@@ -41,8 +41,10 @@ from headrace.sdk.weights import PauseMode
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.engine import Engine
+from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.output_stream import OutputStream
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
+from headrace.worker.lora.manager import AdapterInfo
 from headrace.worker.models.weight_check import WeightChecker
 
 __all__ = ["AsyncEngine", "OutputStream"]
@@ -188,6 +190,25 @@ class AsyncEngine:
     def weight_checker(self) -> WeightChecker:
         """Checks tensors against the model; read-only, so any thread may use it."""
         return self.engine.control.checker
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The served model (checkpoint, dtype, context, tokenizer); read-only."""
+        return self.engine.spec
+
+    @property
+    def num_ranks(self) -> int:
+        """The worker's processes (tensor x pipeline parallel ranks)."""
+        return self.engine.config.world_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def lora_adapters(self) -> list[AdapterInfo]:
+        """The loaded adapters (a snapshot the engine thread replaces, so any thread may
+        read it)."""
+        return self.engine.lora_adapters()
 
     async def pause_generation(self, mode: PauseMode) -> None:
         """Pause (see `GenerationControl`); with WAIT, returns once the requests in flight

@@ -58,11 +58,10 @@ class GenerationControlService(control_pb2_grpc.GenerationControlServicer):
             worker="",
             weight_version=load.weight_version,
             state=load.state,
-            num_ranks=self.engine.engine.config.world_size,
+            num_ranks=self.engine.num_ranks,
             rank_offset=load.rank_offset,
             lora_adapters=tuple(
-                LoraAdapterInfo(a.name, str(a.path), a.rank)
-                for a in self.engine.engine.adapters.list()
+                LoraAdapterInfo(a.name, str(a.path), a.rank) for a in self.engine.lora_adapters()
             ),
         )
         return cpb.ControlResponse(workers=[worker.to_wire()])

@@ -122,14 +122,14 @@ def _phase_spans(telemetry: RequestTelemetry, times: RequestTimes) -> None:
 
 def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
     """Describe the engine's model for `GetModelInfo`."""
-    spec = engine.engine.spec
+    spec = engine.spec
     tokenizer = spec.tokenizer
     info = pb.ModelInfo(
         name=name,
         model_type=str(getattr(spec.hf_config, "model_type", "")),
         max_model_len=spec.max_model_len,
         dtype=str(spec.dtype).removeprefix("torch."),
-        vocab_size=engine.engine.vocab_size,
+        vocab_size=engine.vocab_size,
         eos_token_ids=sorted(spec.eos_token_ids),
         has_chat_template=bool(tokenizer.chat_template),
     )

@@ -26,8 +26,8 @@ class WorkerControlService(worker_pb2_grpc.WorkerControlServicer):
         self.engine = engine
         self.state = state
         self._drain = drain
-        self._spec = engine.engine.spec
-        self._num_ranks = engine.engine.config.world_size
+        self._spec = engine.spec
+        self._num_ranks = engine.num_ranks
 
     def report(self) -> worker_pb2.LoadReport:
         load = self.engine.load
