@@ -37,8 +37,7 @@ from typing import Any, Protocol
 from headrace.sdk.tool_formats import HERMES, LLAMA3_JSON, MISTRAL
 
 Json = dict[str, Any]
-#: Keys of an object's value that hold a call's arguments (Llama 3 and `required` say
-#: "parameters").
+#: The keys whose value is a call's arguments (Llama 3 and `required` say "parameters").
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 

@@ -115,6 +115,13 @@ def test_the_worker_reports_its_tool_call_format(servers: ServerProcess):
         assert grpc_client.model_info().tool_call_parser == "hermes"
 
 
+def test_the_workers_flag_overrides_the_format_read_from_the_template(tools_model, tmp_path):
+    with start_worker(tools_model, tmp_path, "--tool-call-parser", "llama3_json") as worker:
+        assert wait_serving(worker.target)
+        with Client(worker.target) as grpc_client:
+            assert grpc_client.model_info().tool_call_parser == "llama3_json"
+
+
 def test_tools_reach_the_template_unless_tool_choice_is_none(client, tools_model):
     offered = client.chat.completions.create(
         model="", messages=QUESTION, tools=TOOLS, tool_choice="required", max_tokens=60
