@@ -24,7 +24,7 @@ from headrace.sdk.outputs import (
     TokenLogprob,
     Usage,
 )
-from headrace.sdk.prompts import Chat, ChatMessage
+from headrace.sdk.prompts import Chat, ChatMessage, Tool, ToolCall
 
 __all__ = [
     "AsyncClient",
@@ -47,6 +47,8 @@ __all__ = [
     "SampleDelta",
     "StreamChunk",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
     "UnauthenticatedError",
     "UnavailableError",
     "Usage",

@@ -21,6 +21,7 @@ from headrace.sdk.errors import HeadraceError
 from headrace.sdk.generate import add_generate_command
 from headrace.sdk.security import add_server_security_arguments, server_security
 from headrace.sdk.streams import FlowLimits
+from headrace.sdk.tool_formats import TOOL_CALL_FORMATS
 
 USAGE = """headrace: serve LLMs over gRPC.
 
@@ -180,6 +181,7 @@ def _worker(args: argparse.Namespace) -> int:
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
         max_message_mib=args.max_message_mib,
         **listen_options(args),
     )
@@ -215,6 +217,12 @@ def _add_worker(subparsers: SubParsers) -> None:
         "float32/fp32, bfloat16/bf16 or float16/fp16",
     )
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add(
+        "--tool-call-parser",
+        choices=TOOL_CALL_FORMATS,
+        help="the format the model writes tool calls in, for the router's OpenAI door "
+        "(default: read from the chat template)",
+    )
     add_server_arguments(worker)
     add_server_security_arguments(worker)
     _add_engine_arguments(worker)

@@ -16,7 +16,7 @@ from headrace.protos import generation_pb2 as pb
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, StreamChunk, TokenLogprob, Usage
-from headrace.sdk.prompts import Chat, ChatMessage, Prompt
+from headrace.sdk.prompts import Chat, ChatMessage, Prompt, Tool, ToolCall
 from headrace.sdk.status import duration
 
 _DEFAULT_CONFIG = GenerationConfig()
@@ -126,16 +126,39 @@ def request_to_wire(
 
 
 def chat_to_wire(chat: Chat) -> pb.Chat:
-    wire = pb.Chat(messages=[pb.ChatMessage(role=m.role, content=m.content) for m in chat.messages])
+    wire = pb.Chat(
+        messages=[_chat_message_to_wire(m) for m in chat.messages],
+        tools=[tool.to_json() for tool in chat.tools],
+    )
     if not chat.add_generation_prompt:
         wire.add_generation_prompt = False
     return wire
 
 
+def _chat_message_to_wire(message: ChatMessage) -> pb.ChatMessage:
+    calls = [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls]
+    return pb.ChatMessage(
+        role=message.role,
+        content=message.content,
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id,
+    )
+
+
 def chat_from_wire(wire: pb.Chat) -> Chat:
+    """Checked by `Chat`: a malformed part raises InvalidArgumentError naming it."""
     add = wire.add_generation_prompt if wire.HasField("add_generation_prompt") else True
-    messages = tuple(ChatMessage(m.role, m.content) for m in wire.messages)
-    return Chat(messages, add)
+    messages = tuple(
+        ChatMessage(
+            m.role,
+            m.content,
+            tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id,
+        )
+        for m in wire.messages
+    )
+    tools = tuple(Tool.from_json(text, f"chat.tools[{i}]") for i, text in enumerate(wire.tools))
+    return Chat(messages, add, tools)
 
 
 def with_request_id(wire: pb.Request) -> pb.Request:

@@ -85,10 +85,40 @@ CHAT_TEMPLATE = (
 )
 CHAT_MARKERS = ["<|im_start|>", "<|im_end|>"]
 
+#: ChatML with tools, Hermes style (as Qwen2.5's): the tools' JSON in the system turn, an
+#: assistant's calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, tool
+#: results in a user turn as ``<tool_response>``. `build_tokenizer(chat_template=
+#: TOOLS_CHAT_TEMPLATE)` adds it; a worker reads its format as "hermes".
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call functions. Their signatures are within <tools></tools>:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Call one as <tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    "<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif not (loop.first and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{% for call in message.tool_calls or [] %}"
+    '<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
+    "{{ call.function.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-def build_tokenizer(path: str | Path, chat_template: bool = False) -> PreTrainedTokenizerFast:
+
+def build_tokenizer(path: str | Path, chat_template: bool | str = False) -> PreTrainedTokenizerFast:
     """Train a deterministic byte-level BPE tokenizer on CORPUS and save it into ``path``
-    (with a ChatML chat template if asked)."""
+    (with a chat template if asked: True for ChatML, or the template's text, which uses
+    ChatML's markers)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -106,7 +136,7 @@ def build_tokenizer(path: str | Path, chat_template: bool = False) -> PreTrained
         pad_token=PAD_TOKEN,
     )
     if chat_template:
-        wrapped.chat_template = CHAT_TEMPLATE
+        wrapped.chat_template = chat_template if isinstance(chat_template, str) else CHAT_TEMPLATE
     wrapped.save_pretrained(str(path))
     return wrapped
 
@@ -127,7 +157,7 @@ def build_checkpoint(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
     seed: int = 0,
-    chat_template: bool = False,
+    chat_template: bool | str = False,
 ) -> Path:
     """A tiny random checkpoint of ``family`` with a tokenizer, saved into ``path``."""
     path = Path(path)

@@ -8,7 +8,8 @@ a gRPC stream. Each HTTP call has one span, a child of the caller's ``traceparen
 sent one, and the parent of the router's span of each of its requests. Every error leaves
 through `errors.py`.
 
-    POST /v1/chat/completions   messages → a `Chat` the worker renders with its template
+    POST /v1/chat/completions   messages (and tools) → a `Chat` the worker renders with its
+                                template; tool calls parsed out of the answer
     POST /v1/completions        text or token ids (or a batch of them)
     GET  /v1/models, /v1/models/{id}
     GET  /health                200 while a worker is in rotation and the router not draining
@@ -122,7 +123,7 @@ class HttpDoor:
         caller = self._caller(request, CHAT)
         body = await self._json(request)
         info = await self.models.get()
-        api = parse_chat(body, default_max_tokens=info.max_model_len)
+        api = parse_chat(body, info.max_model_len, info.tool_call_parser)
         return await self._start(api, caller, record)
 
     async def completions(self, request: Request, record: CallRecord) -> HttpCall:

@@ -15,6 +15,10 @@ its `json_schema` (`_response_format`); vLLM's extra fields `guided_json`, `guid
 `guided_choice` and `guided_grammar` map onto json_schema, regex, choice and grammar.
 `logit_bias` (token ids as JSON strings) is the config's own.
 
+Tool calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become the tools the
+chat template is offered, the output constraint of ``required`` or a named function, and the
+`ToolCalling` the response is parsed with (`tools.py`, `tool_calls.py`).
+
 Beam search: vLLM's extra fields `num_beams`, `length_penalty` and `early_stopping` (true,
 false or "never") are the config's own too; `n` says how many of the best beams come back,
 as the choices, best first, each whole in the one event a beam search streams per choice.
@@ -22,12 +26,15 @@ as the choices, best first, each whole in the one event a beam search streams pe
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.router.http.prompts import chat_prompt, completion_prompts
+from headrace.router.http.tool_calls import ToolCalling
+from headrace.router.http.tools import ToolPlan, plan_tools
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.prompts import Prompt
@@ -73,7 +80,8 @@ GUIDED_FIELDS = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-#: Accepted and ignored: they change nothing headrace does.
+#: Accepted and ignored: they change nothing headrace does (`parallel_tool_calls` only
+#: matters to a chat with tools, where `tools.py` reads it).
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 #: Fields every endpoint reads itself (not config fields).
 COMMON_FIELDS = frozenset(
@@ -115,6 +123,8 @@ class ApiRequest:
     logprobs: bool
     #: headrace field → the OpenAI param that set it (for errors named by router or worker).
     params: Mapping[str, str] = field(default_factory=dict)
+    #: Chat with tools: how each choice's text becomes tool calls; None: it does not.
+    tool_calls: ToolCalling | None = None
 
     def param(self, headrace_field: str) -> str | None:
         """The OpenAI param behind a headrace field name (``config.top_p`` → ``top_p``)."""
@@ -128,12 +138,14 @@ class ApiRequest:
         return name
 
 
-def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
-    """A ``/v1/chat/completions`` body; ``default_max_tokens``: the model's context."""
+def parse_chat(body: Any, default_max_tokens: int, tool_call_format: str = "") -> ApiRequest:
+    """A ``/v1/chat/completions`` body; ``default_max_tokens``: the model's context;
+    ``tool_call_format``: the format the model writes tool calls in ("" = unknown)."""
     fields = _fields(body, CHAT_FIELDS)
-    _refuse_tools(fields)
+    _refuse_functions(fields)
+    tools = plan_tools(fields, tool_call_format)
     add_generation_prompt = _typed(fields, "add_generation_prompt", bool, True)
-    prompt = chat_prompt(fields.get("messages"), add_generation_prompt)
+    prompt = chat_prompt(fields.get("messages"), add_generation_prompt, tools.tools)
     logprobs = _typed(fields, "logprobs", bool, False)
     top = fields.get("top_logprobs")
     if top is not None and not logprobs:
@@ -150,7 +162,9 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
     options["max_tokens"] = fields.get(max_name, default_max_tokens)
     params["max_tokens"] = max_name
     _response_format(fields.get("response_format"), options, params)
-    return _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
+    _tool_constraint(tools, fields, options, params)
+    api = _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
+    return dataclasses.replace(api, tool_calls=tools.calling) if tools.calling else api
 
 
 def parse_completion(body: Any) -> ApiRequest:
@@ -228,13 +242,26 @@ def _include_usage(options: Any, stream: bool) -> bool:
     return _typed(options, "include_usage", bool, False, "stream_options.include_usage")
 
 
-def _refuse_tools(fields: dict[str, Any]) -> None:
-    for name in ("tools", "functions"):
-        if fields.get(name):
-            raise InvalidArgumentError(name, "tool and function calling is not supported")
-    for name in ("tool_choice", "function_call"):
-        if fields.get(name, "none") != "none":
-            raise InvalidArgumentError(name, "tool and function calling is not supported")
+def _refuse_functions(fields: dict[str, Any]) -> None:
+    """OpenAI's legacy function calling; its successor, tools, is served."""
+    if fields.get("functions"):
+        raise InvalidArgumentError("functions", "is legacy and not supported: send tools")
+    if fields.get("function_call", "none") != "none":
+        raise InvalidArgumentError("function_call", "is legacy and not supported: send tool_choice")
+
+
+def _tool_constraint(
+    tools: ToolPlan, fields: dict[str, Any], options: dict[str, object], params: dict[str, str]
+) -> None:
+    """``tool_choice`` required or named: its schema is the call's one constraint."""
+    if tools.json_schema is None:
+        return
+    if "json_object" in options or "json_schema" in options or set(GUIDED_FIELDS) & set(fields):
+        raise InvalidArgumentError(
+            "tool_choice", "cannot be combined with response_format or guided_* fields"
+        )
+    options["json_schema"] = tools.json_schema
+    params["json_schema"] = tools.schema_param
 
 
 def _response_format(value: Any, options: dict[str, object], params: dict[str, str]) -> None:

@@ -8,6 +8,12 @@ finish reason) or, folded, the one body of a plain response. Usage is the sum of
 request's usage, which the router already reports across failovers, so it equals the gRPC
 path's.
 
+A chat call with tools parses each choice's text (`tool_calls.py`): a plain message gets
+``tool_calls`` (content null beside them unless the model wrote more), a stream OpenAI's
+``delta.tool_calls`` pieces, and a choice that stopped after calls finishes with
+``"tool_calls"``. Text that may open a call is held back from the stream until it is
+known.
+
 Logprobs carry token ids only: the router has no tokenizer, and the wire says which token,
 not its text. A token is therefore written ``"token_id:<id>"`` (vLLM's convention for
 ``return_tokens_as_token_ids``), with ``bytes`` null; logprob values are the worker's.
@@ -24,6 +30,7 @@ from typing import Any
 
 from headrace.protos import generation_pb2 as pb
 from headrace.router.http.requests import ApiRequest, Endpoint
+from headrace.router.http.tool_calls import Deltas, ToolCallParser, message_calls, stream_calls
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 ID_PREFIXES = {Endpoint.CHAT: "chatcmpl-", Endpoint.COMPLETION: "cmpl-"}
@@ -57,6 +64,8 @@ class _Choice:
     num_chars: int = 0
     #: Per token in `logprobs`: where the text of its chunk starts (plain completions).
     text_offsets: list[int] = field(default_factory=list)
+    #: Chat with tools: turns the choice's text into content and tool calls.
+    tool_calls: ToolCallParser | None = None
 
 
 class ResponseBuilder:
@@ -66,7 +75,11 @@ class ResponseBuilder:
         self.model = model
         self.id = ID_PREFIXES[request.endpoint] + uuid.uuid4().hex
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(len(request.prompts) * request.config.n)]
+        calling = request.tool_calls
+        self.choices = [
+            _Choice(tool_calls=calling.parser() if calling else None)
+            for _ in range(len(request.prompts) * request.config.n)
+        ]
         self.usage = pb.Usage()
         #: The request id of each prompt (what the router's logs and spans name), and back.
         self.request_ids = [f"{self.id}-{i}" for i in range(len(request.prompts))]
@@ -125,12 +138,15 @@ class ResponseBuilder:
         if self.request.logprobs:
             logprobs = self._logprobs(choice.logprobs, choice.text_offsets)
         if self.endpoint is Endpoint.CHAT:
-            message = {"role": "assistant", "content": text}
+            message: Json = {"role": "assistant", "content": text}
+            parser = choice.tool_calls
+            if parser is not None:
+                message = _tool_message(parser.feed(text), parser.finish())
             return {
                 "index": index,
                 "message": message,
                 "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
+                "finish_reason": _finish_reason(parser, choice.finish_reason),
             }
         return {
             "index": index,
@@ -162,10 +178,16 @@ class ResponseBuilder:
             offsets = [choice.num_chars] * len(chunk.logprobs)
             logprobs = self._logprobs(chunk.logprobs, offsets)
         choice.num_chars += len(chunk.text)
-        if self.endpoint is Endpoint.CHAT:
+        if self.endpoint is not Endpoint.CHAT:
+            return self._event(index, chunk.text, logprobs, finish_reason)
+        parser = choice.tool_calls
+        if parser is None:
             delta = {"content": chunk.text} if chunk.text or finish_reason is None else {}
             return self._event(index, delta, logprobs, finish_reason)
-        return self._event(index, chunk.text, logprobs, finish_reason)
+        tool_delta = _tool_delta(parser, chunk.text, finish_reason is not None)
+        if not tool_delta and logprobs is None and finish_reason is None:
+            return b""  # held back: it may be the start of a call
+        return self._event(index, tool_delta, logprobs, _finish_reason(parser, finish_reason))
 
     def usage_event(self) -> bytes:
         """The last event of a stream with ``include_usage``: no choices, the usage."""
@@ -203,6 +225,34 @@ class ResponseBuilder:
             # Token texts are unknown here: each token starts where its chunk's text does.
             "text_offset": text_offsets,
         }
+
+
+def _tool_message(deltas: Deltas, rest: Deltas) -> Json:
+    """A plain chat message with tools: the content, and the tool calls if any (content is
+    then null unless the model wrote more than whitespace beside them)."""
+    deltas.extend(rest)
+    if not deltas.calls:
+        return {"role": "assistant", "content": deltas.content}
+    content = deltas.content if deltas.content.strip() else None
+    return {"role": "assistant", "content": content, "tool_calls": message_calls(deltas.calls)}
+
+
+def _tool_delta(parser: ToolCallParser, text: str, last: bool) -> Json:
+    """A streamed chat delta with tools: content and ``tool_calls`` pieces, each if any."""
+    deltas = parser.feed(text)
+    if last:
+        deltas.extend(parser.finish())
+    delta: Json = {"content": deltas.content} if deltas.content else {}
+    if deltas.calls:
+        delta["tool_calls"] = stream_calls(deltas.calls)
+    return delta
+
+
+def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for a choice that stopped after making calls."""
+    if parser is not None and parser.num_calls and reason == "stop":
+        return "tool_calls"
+    return reason
 
 
 def _chat_logprob(entry: pb.TokenLogprob) -> Json:

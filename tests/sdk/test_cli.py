@@ -148,6 +148,21 @@ def test_lora_flags_parse_name_path_pairs(capsys: pytest.CaptureFixture[str]) ->
     assert "expected NAME=PATH" in capsys.readouterr().err
 
 
+def test_tool_call_parser_takes_the_known_formats(capsys: pytest.CaptureFixture[str]) -> None:
+    from headrace.sdk.errors import InvalidArgumentError
+    from headrace.worker.serving.server import ServerOptions
+
+    parser = build_parser()
+    assert parser.parse_args(["worker"]).tool_call_parser is None  # from the chat template
+    args = parser.parse_args(["worker", "--tool-call-parser", "llama3_json"])
+    assert ServerOptions(tool_call_parser=args.tool_call_parser).tool_call_parser == "llama3_json"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--tool-call-parser", "pythonic"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(InvalidArgumentError, match="hermes, llama3_json, mistral"):
+        ServerOptions(tool_call_parser="pythonic")
+
+
 def test_generate_flags_become_constraints_and_logit_controls(tmp_path: Path) -> None:
     from headrace.sdk.errors import InvalidArgumentError
     from headrace.sdk.generate import _control_options

@@ -9,7 +9,7 @@ from headrace.sdk import Chat, GenerationConfig, InvalidArgumentError
 from headrace.worker import LLM
 from transformers import AutoTokenizer
 
-from tests.factories import build_checkpoint, hf_greedy
+from tests.factories import TOOLS_CHAT_TEMPLATE, build_checkpoint, hf_greedy
 
 QUESTION = [
     {"role": "system", "content": "You answer briefly."},
@@ -94,3 +94,56 @@ def test_chat_objects_mix_with_other_prompts_in_one_batch(llm, chat_model):
     results = llm.generate([chat, "Once upon a time"], GREEDY)
     assert results[0].prompt_token_ids == rendered(chat_model, QUESTION)
     assert results[1].token_ids == llm.generate("Once upon a time", GREEDY)[0].token_ids
+
+
+# --- tools ---------------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+#: A whole tool-calling round as transformers takes it: the call's arguments as an object.
+TOOL_ROUND = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
+    {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"},
+]
+
+
+@pytest.fixture(scope="module")
+def tools_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools")
+    return build_checkpoint(path, family="llama", chat_template=TOOLS_CHAT_TEMPLATE)
+
+
+def test_tools_and_tool_calls_render_as_transformers_renders_them(tools_model):
+    llm = LLM(str(tools_model), dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(tools_model)
+    want = tokenizer.apply_chat_template(
+        TOOL_ROUND, tools=[WEATHER], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    (result,) = llm.generate(Chat.of(TOOL_ROUND, tools=[WEATHER]), GREEDY)
+    assert result.prompt_token_ids == list(want)
+    text = tokenizer.decode(result.prompt_token_ids)
+    assert '"name": "get_weather"' in text and '{"city": "Paris"}' in text and "<tools>" in text
+    (without,) = llm.generate(Chat.of(TOOL_ROUND), GREEDY)
+    assert "<tools>" not in tokenizer.decode(without.prompt_token_ids)

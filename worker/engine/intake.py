@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -162,6 +163,8 @@ class RequestIntake:
             )
 
     def _render_chat(self, chat: Chat) -> list[int]:
+        """The chat through the model's template, tools and tool calls as transformers takes
+        them (`Chat.as_dicts`, `Chat.tool_dicts`); a template that knows no tools ignores them."""
         tokenizer = self.spec.tokenizer
         if not tokenizer.chat_template:
             raise InvalidArgumentError(
@@ -170,6 +173,7 @@ class RequestIntake:
         try:
             token_ids = tokenizer.apply_chat_template(
                 chat.as_dicts(),
+                tools=cast(list[dict | Callable] | None, chat.tool_dicts()),  # as typed there
                 add_generation_prompt=chat.add_generation_prompt,
                 continue_final_message=not chat.add_generation_prompt,
                 tokenize=True,

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 from headrace.protos import control_pb2, generation_pb2, worker_pb2
 from headrace.sdk import serving
+from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.serving import GENERATION_SERVICE
+from headrace.sdk.tool_formats import TOOL_CALL_FORMATS
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
 from headrace.worker.execution.host_memory import freeze_startup_heap
@@ -41,6 +43,17 @@ GENERATION_CONTROL_DESCRIPTOR = control_pb2.DESCRIPTOR.services_by_name["Generat
 class ServerOptions(serving.ListenOptions):
     #: The name clients put in `Request.model`; None means the --model argument as given.
     served_model_name: str | None = None
+    #: The format the model writes tool calls in (a name in `TOOL_CALL_FORMATS`), reported in
+    #: `ModelInfo.tool_call_parser`; None: read from the chat template.
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        serving.ListenOptions.__post_init__(self)  # slots: a new class, so no bare super()
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_FORMATS:
+            raise InvalidArgumentError(
+                "tool_call_parser",
+                f"must be one of {', '.join(TOOL_CALL_FORMATS)}, got {self.tool_call_parser!r}",
+            )
 
 
 class WorkerServer:
@@ -50,7 +63,7 @@ class WorkerServer:
         self.state = ServingState()
         services = [GENERATION_SERVICE, CONTROL_SERVICE, GENERATION_CONTROL_DESCRIPTOR.full_name]
         self.grpc = serving.Server(services, options.max_message_mib, options.security)
-        info = model_info(engine, model_name)
+        info = model_info(engine, model_name, options.tool_call_parser)
         self.metrics = WorkerMetrics(engine, model_name, self.state)
         generation = GenerationService(engine, info, self.state, self.metrics, options.flow)
         serving.add_service(generation, self.grpc.server, GENERATION_DESCRIPTOR)

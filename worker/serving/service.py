@@ -14,6 +14,7 @@ from headrace.sdk.errors import HeadraceError, NotFoundError, UnavailableError
 from headrace.sdk.outputs import FinishReason, Usage
 from headrace.sdk.streams import FlowLimits
 from headrace.sdk.telemetry import RequestTelemetry
+from headrace.sdk.tool_formats import format_of_template
 from headrace.worker.engine.async_engine import AsyncEngine
 from headrace.worker.engine.outputs import RequestTimes
 from headrace.worker.serving.metrics import WorkerMetrics
@@ -120,10 +121,13 @@ def _phase_spans(telemetry: RequestTelemetry, times: RequestTimes) -> None:
         tracing.child_span(telemetry.span, "decode", times.first_token_s, times.finished_s)
 
 
-def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
-    """Describe the engine's model for `GetModelInfo`."""
+def model_info(engine: AsyncEngine, name: str, tool_call_parser: str | None = None) -> pb.ModelInfo:
+    """Describe the engine's model for `GetModelInfo`; ``tool_call_parser``: the format of
+    the model's tool calls, None to read it from the chat template."""
     spec = engine.spec
     tokenizer = spec.tokenizer
+    if tool_call_parser is None:
+        tool_call_parser = format_of_template(tokenizer.chat_template)
     info = pb.ModelInfo(
         name=name,
         model_type=str(getattr(spec.hf_config, "model_type", "")),
@@ -132,6 +136,7 @@ def model_info(engine: AsyncEngine, name: str) -> pb.ModelInfo:
         vocab_size=engine.vocab_size,
         eos_token_ids=sorted(spec.eos_token_ids),
         has_chat_template=bool(tokenizer.chat_template),
+        tool_call_parser=tool_call_parser,
     )
     for role in ("bos", "eos", "pad"):
         text, token_id = getattr(tokenizer, f"{role}_token"), getattr(tokenizer, f"{role}_token_id")

@@ -97,7 +97,7 @@ def test_completion_prompts_defaults_and_batches():
         ({"messages": [{"content": "no role"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "assistant", "tool_calls": []}]}, "messages[0].tool_calls"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"logit_bias": {"50": 101}}, "logit_bias"),
         ({"logit_bias": {"fifty": 1}}, "logit_bias"),
