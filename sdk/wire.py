@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk.config import GenerationConfig
+from headrace.sdk.config import GenerationConfig, check_int64
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, StreamChunk, TokenLogprob, Usage
 from headrace.sdk.prompts import Chat, ChatMessage, Prompt
@@ -111,6 +111,9 @@ def request_to_wire(
     timeout_s: float | None = None,
     model: str = "",
 ) -> pb.Request:
+    """Raises InvalidArgumentError for an integer the wire cannot carry (int64), naming it
+    (`GenerationConfig` has checked its own)."""
+    check_int64("priority", priority)
     wire = pb.Request(
         request_id=request_id, config=config_to_wire(config), priority=priority, model=model
     )
@@ -119,6 +122,8 @@ def request_to_wire(
     elif isinstance(prompt, Chat):
         wire.chat.CopyFrom(chat_to_wire(prompt))
     else:
+        for token_id in prompt:
+            check_int64("prompt_token_ids", token_id)
         wire.token_ids.ids.extend(prompt)
     if timeout_s is not None:
         wire.timeout.CopyFrom(duration(timeout_s))

@@ -86,7 +86,7 @@ class HttpDoor:
             subsystem="router",
             registry=router.metrics.registry,
         )
-        self.app = Starlette(
+        routes = Starlette(
             routes=[
                 Route(CHAT, self._endpoint(CHAT, self.chat), methods=["POST"]),
                 Route(COMPLETIONS, self._endpoint(COMPLETIONS, self.completions), methods=["POST"]),
@@ -96,6 +96,7 @@ class HttpDoor:
             ],
             exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         )
+        self.app = errors.ErrorGuard(routes)
 
     def _endpoint(
         self, route: str, handler: Callable[[Request, CallRecord], Awaitable[Any]]
@@ -106,8 +107,8 @@ class HttpDoor:
             record = CallRecord(self, request, route)
             try:
                 answer = await handler(request, record)
-            except HeadraceError as error:
-                answer = _error_response(error)
+            except Exception as error:  # a bug is a 500 here, never an exception for uvicorn
+                answer = _error_response(errors.as_headrace_error(error))
             if isinstance(answer, HttpCall):
                 return answer  # it records its status and ends the span itself
             record.status(answer.status_code)
@@ -170,6 +171,8 @@ class HttpDoor:
             return json.loads(b"".join(parts))
         except ValueError as error:
             raise InvalidArgumentError("", f"the body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise InvalidArgumentError("", "the body's JSON is nested too deeply") from None
 
     def _too_large(self) -> str:
         return f"the request body is over {self.max_body_bytes} bytes"

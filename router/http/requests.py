@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.router.http.prompts import chat_prompt, completion_prompts
-from headrace.sdk.config import GenerationConfig
+from headrace.sdk.config import GenerationConfig, check_int64
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.prompts import Prompt
 
@@ -195,6 +195,7 @@ def _request(
     stream = _typed(fields, "stream", bool, False)
     include_usage = _include_usage(fields.get("stream_options"), stream)
     priority = _typed(fields, "priority", int, 0)
+    check_int64("priority", priority)
     for name in (*SAMPLING_FIELDS, *EXTENSION_FIELDS):
         if name in fields:
             options[name] = fields[name]

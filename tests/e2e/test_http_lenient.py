@@ -1,0 +1,104 @@
+"""The HTTP door is lenient where OpenAI is, and a bad request costs nothing but itself
+(issue 31): real worker and router processes, httpx as the client.
+
+An integer the wire cannot carry is a 400 naming its field, never a 500, and never costs the
+keep-alive connection: a bad request then a good one, on one connection, many times over.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from headrace.sdk.launch import ServerProcess
+
+from tests.e2e.processes import start_router, start_worker, wait_serving
+from tests.factories import cached_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+CONTEXT = 512
+QUESTION = [{"role": "user", "content": "Where does the quick brown fox run?"}]
+PROMPT = "The quick brown fox jumps over"
+TOO_BIG, TOO_SMALL = 2**63, -(2**63) - 1
+
+
+@pytest.fixture(scope="module")
+def chat_model() -> Path:
+    return cached_checkpoint("qwen2", chat_template=True, max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def router(chat_model: Path, tmp_path_factory) -> Iterator[ServerProcess]:  # type: ignore[no-untyped-def]
+    logs = tmp_path_factory.mktemp("http-lenient")
+    with (
+        start_worker(chat_model, logs) as worker,
+        start_router([worker.target], "--http-port", "0", log_path=logs / "router.log") as router,
+    ):
+        assert wait_serving(router.target)
+        yield router
+
+
+@pytest.fixture(scope="module")
+def http(router: ServerProcess) -> Iterator[httpx.Client]:
+    """One client: one keep-alive connection, reused by every request."""
+    with httpx.Client(base_url=f"http://127.0.0.1:{router.http_port}", timeout=60) as client:
+        yield client
+
+
+#: Each field issue 31 found giving a 500, as (route, body with V for the integer, param).
+OUT_OF_RANGE = [
+    ("/v1/chat/completions", {"max_tokens": "V"}, "max_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": "V"}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"top_k": "V"}, "top_k"),
+    ("/v1/chat/completions", {"priority": "V"}, "priority"),
+    ("/v1/completions", {"stop_token_ids": ["V"]}, "stop_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [1, "V"]}, "allowed_token_ids"),
+    ("/v1/completions", {"logit_bias": {"K": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": [1, "V"]}, "prompt"),
+    ("/v1/completions", {"max_tokens": "V", "stream": True}, "max_tokens"),
+]
+
+
+def _body(route: str, fields: dict, value: int) -> dict:
+    base = {"messages": QUESTION} if route.endswith("chat/completions") else {"prompt": PROMPT}
+    text = json.dumps(fields).replace('"V"', str(value)).replace('"K"', f'"{value}"')
+    return {**base, "max_tokens": 1, **json.loads(text)}
+
+
+@pytest.mark.parametrize("value", [TOO_BIG, TOO_SMALL])
+@pytest.mark.parametrize(("route", "fields", "param"), OUT_OF_RANGE)
+def test_an_integer_outside_int64_is_a_400_naming_it(http, route, fields, param, value):
+    reply = http.post(route, content=json.dumps(_body(route, fields, value)))
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_a_bad_request_never_costs_the_keep_alive_connection(http):
+    """Issue 31: after a 500 the next request on the connection failed about 40% of the
+    time (uvicorn closed it). 200 rounds of a bad request then a good one, one connection."""
+    good = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    for i in range(200):
+        route, fields, param = OUT_OF_RANGE[i % len(OUT_OF_RANGE)]
+        value = TOO_BIG if i % 2 else TOO_SMALL
+        bad = http.post(route, content=json.dumps(_body(route, fields, value)))
+        assert (bad.status_code, bad.json()["error"]["param"]) == (400, param)
+        answer = http.post("/v1/completions", json=good)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"]
+    assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"[" * 100_000, ""),
+        (b'{"prompt": "a", "temperature": 1' + b"0" * 400 + b"}", "temperature"),
+        (b'{"prompt": "a", "logit_bias": {"' + b"9" * 5000 + b'": 1}}', "logit_bias"),
+    ],
+)
+def test_bodies_that_broke_python_itself_are_400s(http, body, param):
+    reply = http.post("/v1/completions", content=body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == (param or None)
