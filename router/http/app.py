@@ -136,6 +136,7 @@ class HttpDoor:
     ) -> HttpCall:
         """Submit the call's requests (one per prompt) on a session of its own."""
         info, adapter = await self.models.check(api.model)
+        api.check_context(info.max_model_len)
         builder = ResponseBuilder(api, adapter or info.name)
         session = RouterSession(self.router, self.flow, (), caller=caller)
         trace_context = tracing.carrier(record.span)
@@ -145,6 +146,8 @@ class HttpDoor:
                 request_id, prompt, api.config, api.priority, None, model
             )
             request.adapter = adapter
+            # Continuous usage counts the prompt's tokens: its first chunk brings them.
+            request.return_prompt_token_ids = api.continuous_usage
             request.trace_context.update(trace_context)
             session.submit(request)
             if request_id not in session.requests:

@@ -91,6 +91,14 @@ class HttpCall:
     async def _respond(self, send: Send) -> None:
         responses = self.session.chunk_lists()
         chunks: list[pb.Chunk] = await anext(responses, [])
+        while not chunks:
+            # The response starts with the first real chunks, not a wake-up of the session
+            # (`end_input` sends one): a refusal is still a status, and continuous usage
+            # knows the prompt's length (its token ids come on the first chunk).
+            next_chunks = await anext(responses, None)
+            if next_chunks is None:
+                break
+            chunks = next_chunks
         error = _error(chunks)
         if error is not None:
             await self._send_error(send, error)
@@ -131,6 +139,7 @@ class HttpCall:
     ) -> None:
         self.log.status(200)
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        self.builder.note_prompts(chunks)  # the opening events' usage, if they carry it
         data, error = self._events(chunks, self.builder.first_events())
         while True:
             if data:

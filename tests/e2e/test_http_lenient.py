@@ -102,3 +102,109 @@ def test_a_bad_request_never_costs_the_keep_alive_connection(http):
 def test_bodies_that_broke_python_itself_are_400s(http, body, param):
     reply = http.post("/v1/completions", content=body)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == (param or None)
+
+
+# --- stream options -------------------------------------------------------------------------
+
+
+def _events(reply: httpx.Response) -> list[dict]:
+    lines = [line for line in reply.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http):
+    """guidellm's stream options: every chunk carries its choice's usage so far (vLLM's
+    continuous_usage_stats), and the last one the whole call's."""
+    prompts = [[5, 6, 7], [5, 6, 7, 8, 9]]
+    body = {
+        "prompt": prompts, "n": 2, "max_tokens": 4, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True,
+                           "include_obfuscation": False},
+    }  # fmt: skip
+    reply = http.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    *events, last = _events(reply)
+    seen: dict[int, int] = {}
+    for event in events:
+        (choice,) = event["choices"]
+        usage, index = event["usage"], choice["index"]
+        assert usage["prompt_tokens"] == len(prompts[index // 2])
+        assert usage["completion_tokens"] >= seen.get(index, 0)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        seen[index] = usage["completion_tokens"]
+    assert seen == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 16
+    assert last["usage"]["prompt_tokens"] == 3 + 5  # a prompt counts once, whatever its n
+
+
+def test_continuous_usage_on_a_chat_stream_starts_with_the_prompt(http):
+    body = {
+        "messages": QUESTION, "max_completion_tokens": 3, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    *events, last = _events(http.post("/v1/chat/completions", json=body))
+    num_prompt_tokens = last["usage"]["prompt_tokens"]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[0]["usage"] == {
+        "prompt_tokens": num_prompt_tokens, "completion_tokens": 0,
+        "total_tokens": num_prompt_tokens,
+    }  # fmt: skip
+    assert events[-1]["usage"]["completion_tokens"] == 3 == last["usage"]["completion_tokens"]
+
+
+def test_without_continuous_usage_chunks_carry_a_null_usage(http):
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}  # fmt: skip
+    *events, last = _events(http.post("/v1/completions", json=body))
+    assert all(event["usage"] is None for event in events) and last["usage"]
+
+
+# --- max_tokens and the context -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("route", "fields", "param"),
+    [
+        ("/v1/completions", {"max_tokens": 10**9}, "max_tokens"),
+        ("/v1/chat/completions", {"max_tokens": CONTEXT + 1}, "max_tokens"),
+        ("/v1/chat/completions", {"max_completion_tokens": 10**9}, "max_completion_tokens"),
+        ("/v1/completions", {"max_tokens": CONTEXT + 1, "stream": True}, "max_tokens"),
+    ],
+)
+def test_a_max_tokens_beyond_the_context_is_a_400_naming_the_limit(http, route, fields, param):
+    reply = http.post(route, json={**_body(route, {}, 0), **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param
+    assert f"{param}={fields[param]} cannot be greater" in error["message"]
+    assert f"max_model_len={CONTEXT}" in error["message"]
+
+
+def test_a_max_tokens_only_the_prompt_makes_too_long_is_clipped_at_the_context(http):
+    reply = http.post("/v1/completions", json={"prompt": [5] * 10, "max_tokens": CONTEXT,
+                                                "ignore_eos": True, "temperature": 0})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == CONTEXT - 10
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+    ],
+)
+def test_an_unsupported_openai_field_is_a_400_naming_it(http, fields, param):
+    reply = http.post("/v1/chat/completions", json={"messages": QUESTION, **fields})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+
+
+def test_ignored_openai_fields_are_accepted(http):
+    body = {"messages": QUESTION, "max_tokens": 2, "user": "u", "store": False,
+            "prompt_cache_key": "k", "safety_identifier": "s", "modalities": ["text"],
+            "prediction": {"type": "content", "content": "x"}, "service_tier": "auto"}  # fmt: skip
+    assert http.post("/v1/chat/completions", json=body).status_code == 200

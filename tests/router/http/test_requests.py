@@ -225,3 +225,20 @@ def test_a_prompt_token_id_outside_int64_is_refused_naming_the_prompt(value):
         with pytest.raises(InvalidArgumentError) as refused:
             parse_completion({"prompt": prompt})
         assert refused.value.field == param
+
+
+def test_a_max_tokens_the_context_could_never_hold_is_refused_naming_its_param():
+    """Issue 31: 10**9 was clipped silently; as vLLM, more than the whole context is a 400
+    (a max_tokens only the prompt makes too long is clipped at the context)."""
+    chat(max_tokens=CONTEXT).check_context(CONTEXT)  # the chat default, too
+    chat().check_context(CONTEXT)
+    for fields, param in (
+        ({"max_tokens": 10**9}, "max_tokens"),
+        ({"max_completion_tokens": CONTEXT + 1}, "max_completion_tokens"),
+    ):
+        with pytest.raises(InvalidArgumentError) as refused:
+            chat(**fields).check_context(CONTEXT)
+        assert refused.value.field == param and f"max_model_len={CONTEXT}" in str(refused.value)
+    with pytest.raises(InvalidArgumentError) as refused:
+        parse_completion({"prompt": "a", "max_tokens": CONTEXT + 1}).check_context(CONTEXT)
+    assert refused.value.field == "max_tokens"
