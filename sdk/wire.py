@@ -143,6 +143,30 @@ def chat_from_wire(wire: pb.Chat) -> Chat:
     return Chat(messages, add)
 
 
+def tokenize_request_to_wire(
+    prompt: str | Chat, add_special_tokens: bool | None = None, model: str = ""
+) -> pb.TokenizeRequest:
+    """``add_special_tokens``: text only; None leaves the server's default (true)."""
+    wire = pb.TokenizeRequest(model=model)
+    if isinstance(prompt, Chat):
+        wire.chat.CopyFrom(chat_to_wire(prompt))
+    elif isinstance(prompt, str):
+        wire.text = prompt
+    else:
+        raise InvalidArgumentError("prompt", f"must be text or a Chat, got {prompt!r}")
+    if add_special_tokens is not None:
+        wire.add_special_tokens = add_special_tokens
+    return wire
+
+
+def tokenize_prompt_from_wire(wire: pb.TokenizeRequest) -> str | Chat:
+    """A `Tokenize` call's prompt; InvalidArgumentError when it has none."""
+    kind = wire.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgumentError("prompt", "set one of text or chat")
+    return wire.text if kind == "text" else chat_from_wire(wire.chat)
+
+
 def with_request_id(wire: pb.Request) -> pb.Request:
     """`GenerateOne`: the request, with a server-chosen id if it came without one (its chunks
     carry the id; only a multiplexed stream needs the client to choose)."""

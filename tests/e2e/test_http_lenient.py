@@ -13,7 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from headrace.sdk.client import Client
+from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.launch import ServerProcess
+from headrace.sdk.prompts import Chat
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.e2e.processes import start_router, start_worker, wait_serving
 from tests.factories import cached_checkpoint
@@ -32,14 +36,20 @@ def chat_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def router(chat_model: Path, tmp_path_factory) -> Iterator[ServerProcess]:  # type: ignore[no-untyped-def]
+def servers(chat_model: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerProcess]]:  # type: ignore[no-untyped-def]
+    """(worker, router)."""
     logs = tmp_path_factory.mktemp("http-lenient")
     with (
         start_worker(chat_model, logs) as worker,
         start_router([worker.target], "--http-port", "0", log_path=logs / "router.log") as router,
     ):
         assert wait_serving(router.target)
-        yield router
+        yield worker, router
+
+
+@pytest.fixture(scope="module")
+def router(servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +218,80 @@ def test_ignored_openai_fields_are_accepted(http):
             "prompt_cache_key": "k", "safety_identifier": "s", "modalities": ["text"],
             "prediction": {"type": "content", "content": "x"}, "service_tier": "auto"}  # fmt: skip
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+# --- tokenize and detokenize ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_model: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(chat_model)
+
+
+def test_tokenize_counts_as_the_models_tokenizer_and_chat_template_do(http, tokenizer):
+    reply = http.post("/tokenize", json={"prompt": PROMPT})
+    assert reply.json() == {
+        "count": len(tokenizer.encode(PROMPT)), "max_model_len": CONTEXT,
+        "tokens": tokenizer.encode(PROMPT), "token_strs": None,
+    }  # fmt: skip
+    bare = http.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+    rendered = tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    chat = http.post("/tokenize", json={"model": "", "messages": QUESTION}).json()
+    assert chat["tokens"] == list(rendered)
+    # The count a completion call with the same messages reports.
+    answer = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 1})
+    assert answer.json()["usage"]["prompt_tokens"] == chat["count"]
+    open_turn = {"messages": QUESTION, "add_generation_prompt": False}
+    assert http.post("/tokenize", json=open_turn).json()["count"] < chat["count"]
+
+
+def test_detokenize_is_the_tokenizers_decode(http, tokenizer):
+    token_ids = tokenizer.encode(PROMPT)
+    reply = http.post("/detokenize", json={"tokens": token_ids})
+    assert reply.json() == {"prompt": tokenizer.decode(token_ids)} == {"prompt": PROMPT}
+    assert http.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status", "param"),
+    [
+        ("/tokenize", {"prompt": "a", "messages": QUESTION}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": ""}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs"),
+        ("/tokenize", {"messages": QUESTION, "add_special_tokens": True}, 400,
+         "add_special_tokens"),
+        ("/tokenize", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+        ("/tokenize", {"prompt": "a", "frobnicate": 1}, 400, "frobnicate"),
+        ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [TOO_BIG]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ],
+)  # fmt: skip
+def test_bad_tokenize_calls_name_their_field(http, route, body, status, param):
+    reply = http.post(route, json=body)
+    assert reply.status_code == status, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_the_sdk_tokenizes_through_router_and_worker_alike(servers, tokenizer):
+    chat = Chat.of(QUESTION)
+    rendered = list(
+        tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+    )  # fmt: skip
+    for server in servers:
+        with Client(server.target) as client:
+            assert client.tokenize(PROMPT) == tokenizer.encode(PROMPT)
+            assert client.tokenize(chat) == rendered
+            assert client.detokenize(tokenizer.encode(PROMPT)) == PROMPT
+            with pytest.raises(InvalidArgumentError) as refused:
+                client.detokenize([10**6])
+            assert refused.value.field == "token_ids"
+            with pytest.raises(InvalidArgumentError) as refused:
+                client.tokenize("")
+            assert refused.value.field == "prompt"
