@@ -50,6 +50,16 @@ class GenerationStub:
                 request_serializer=headrace_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=headrace_dot_v1_dot_generation__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/headrace.v1.Generation/Tokenize',
+                request_serializer=headrace_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/headrace.v1.Generation/Detokenize',
+                request_serializer=headrace_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -85,6 +95,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt's token ids, exactly as a `Request` with that prompt would have them (text
+        tokenized, a conversation rendered with the model's chat template), so clients count
+        tokens without a tokenizer of their own. A router asks a healthy worker. Bad input
+        fails with INVALID_ARGUMENT naming the field; an unknown model with NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids, as the model's tokenizer decodes them (special tokens kept).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -102,6 +129,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=headrace_dot_v1_dot_generation__pb2.GetModelInfoRequest.FromString,
                     response_serializer=headrace_dot_v1_dot_generation__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=headrace_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=headrace_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -186,6 +223,60 @@ class Generation:
             '/headrace.v1.Generation/GetModelInfo',
             headrace_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
             headrace_dot_v1_dot_generation__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.Generation/Tokenize',
+            headrace_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            headrace_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.Generation/Detokenize',
+            headrace_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            headrace_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

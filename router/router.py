@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 import grpc.aio
@@ -32,7 +33,9 @@ from headrace.router.queue import PriorityQueue
 from headrace.router.request import RoutedRequest
 from headrace.router.workers import WorkerLink, WorkerPool
 from headrace.sdk import serving, status, tracing, wire
+from headrace.sdk.credentials import Metadata
 from headrace.sdk.errors import (
+    DeadlineExceededError,
     HeadraceError,
     ResourceExhaustedError,
     UnavailableError,
@@ -45,6 +48,7 @@ from headrace.sdk.telemetry import RequestTelemetry
 logger = logging.getLogger(__name__)
 #: One line per finished request (level INFO).
 request_logger = logging.getLogger("headrace.router.requests")
+T = TypeVar("T")
 
 
 class Router:
@@ -338,6 +342,22 @@ class Router:
         request.release()
         if request.worker is not None:
             request.worker.release(request)
+
+    async def ask_a_worker(
+        self, call: Callable[[generation_pb2_grpc.GenerationStub, Metadata], Awaitable[T]]
+    ) -> T:
+        """A unary `Generation` call (``call(stub, metadata)``) answered by a healthy worker:
+        the next one when a worker is unavailable; a worker's refusal (a bad field, an unknown
+        model) raises as its typed error."""
+        for link in self.pool.accepting():
+            stub = generation_pb2_grpc.GenerationStub(link.channel)
+            try:
+                return await call(stub, link.metadata)
+            except grpc.RpcError as rpc_error:
+                error = status.from_rpc_error(rpc_error)
+                if not isinstance(error, UnavailableError | DeadlineExceededError):
+                    raise error from None
+        raise UnavailableError("no healthy worker", self.config.retry_after_s)
 
     async def model_info(self) -> pb.ModelInfo:
         for link in self.pool.accepting():

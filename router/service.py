@@ -14,6 +14,10 @@ from headrace.sdk import status, streams
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.streams import FlowLimits
 
+#: How long a worker may take to answer a forwarded unary call (it tokenizes on the thread
+#: that tokenizes its requests' prompts, so it may queue behind them).
+TIMEOUT_S = 30.0
+
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
     """The same `Generation` service a worker serves, in front of many workers."""
@@ -41,5 +45,28 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     ) -> pb.ModelInfo:
         try:
             return await self.router.model_info()
+        except HeadraceError as error:
+            await status.abort(context, error)
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        """Forwarded to a healthy worker: the router has no tokenizer."""
+        try:
+            return await self.router.ask_a_worker(
+                lambda stub, metadata: stub.Tokenize(request, timeout=TIMEOUT_S, metadata=metadata)
+            )
+        except HeadraceError as error:
+            await status.abort(context, error)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        try:
+            return await self.router.ask_a_worker(
+                lambda stub, metadata: stub.Detokenize(
+                    request, timeout=TIMEOUT_S, metadata=metadata
+                )
+            )
         except HeadraceError as error:
             await status.abort(context, error)

@@ -58,7 +58,14 @@ GENERATE = f"/{_GENERATION}/Generate"
 GENERATE_ONE = f"/{_GENERATION}/GenerateOne"
 #: Methods any known key may call. Everything else, and any method added later, needs admin.
 CALLER_METHODS = frozenset(
-    {GENERATE, GENERATE_ONE, f"/{_GENERATION}/GetModelInfo", f"/{_CONTROL}/WatchLoad"}
+    {
+        GENERATE,
+        GENERATE_ONE,
+        f"/{_GENERATION}/GetModelInfo",
+        f"/{_GENERATION}/Tokenize",
+        f"/{_GENERATION}/Detokenize",
+        f"/{_CONTROL}/WatchLoad",
+    }
 )
 #: Services whose every method any known key may call (describing the API reveals nothing).
 CALLER_SERVICES = frozenset(

@@ -37,7 +37,7 @@ import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
 from headrace.sdk import status, tracing, wire
-from headrace.sdk.config import GenerationConfig
+from headrace.sdk.config import GenerationConfig, check_int64
 from headrace.sdk.control_calls import AsyncControlCalls, ControlCalls
 from headrace.sdk.credentials import Metadata, bearer_metadata, default_api_key
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, UnavailableError
@@ -308,6 +308,39 @@ class AsyncClient(AsyncControlCalls):
             raise status.from_rpc_error(rpc_error) from None
         return info
 
+    async def tokenize(
+        self,
+        prompt: str | Chat,
+        *,
+        add_special_tokens: bool = True,
+        timeout: float | None = 30.0,
+    ) -> list[int]:
+        """A prompt's token ids as the server's model has them for a request with it (text
+        tokenized, with the tokenizer's special tokens unless ``add_special_tokens`` is
+        False; a `Chat` rendered with the chat template)."""
+        request = wire.tokenize_request_to_wire(prompt, add_special_tokens, self.model)
+        try:
+            response: pb.TokenizeResponse = await self._stub.Tokenize(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as rpc_error:
+            raise status.from_rpc_error(rpc_error) from None
+        return list(response.token_ids)
+
+    async def detokenize(self, token_ids: list[int], *, timeout: float | None = 30.0) -> str:
+        """The text of token ids, as the server's tokenizer decodes them."""
+        request = pb.DetokenizeRequest(model=self.model)
+        for token_id in token_ids:
+            check_int64("token_ids", token_id)
+        request.token_ids.extend(token_ids)
+        try:
+            response: pb.DetokenizeResponse = await self._stub.Detokenize(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as rpc_error:
+            raise status.from_rpc_error(rpc_error) from None
+        return response.text
+
 
 class Client(ControlCalls):
     """The blocking client: same methods as `AsyncClient`; safe to share across threads."""
@@ -432,6 +465,22 @@ class Client(ControlCalls):
 
     def model_info(self, timeout: float | None = 30.0) -> pb.ModelInfo:
         return self._run(self._async.model_info(timeout))
+
+    def tokenize(
+        self,
+        prompt: str | Chat,
+        *,
+        add_special_tokens: bool = True,
+        timeout: float | None = 30.0,
+    ) -> list[int]:
+        """See `AsyncClient.tokenize`."""
+        return self._run(
+            self._async.tokenize(prompt, add_special_tokens=add_special_tokens, timeout=timeout)
+        )
+
+    def detokenize(self, token_ids: list[int], *, timeout: float | None = 30.0) -> str:
+        """See `AsyncClient.detokenize`."""
+        return self._run(self._async.detokenize(token_ids, timeout=timeout))
 
 
 async def _in_context(context: otel_context.Context, coroutine: Coroutine[Any, Any, T]) -> T:

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 
 from headrace.sdk.errors import InvalidArgumentError
 
-MAX_SEED = 2**63 - 1
+#: The wire's integers are int64: every integer field is checked against this range, so a
+#: value that cannot travel is refused naming its field (never a protobuf error later).
+MAX_INT64 = 2**63 - 1
+MIN_INT64 = -(2**63)
+MAX_SEED = MAX_INT64
 MAX_LOGPROBS = 20
 MAX_N = 256
 MAX_BEAMS = 64
@@ -160,9 +164,7 @@ class GenerationConfig:
     def _check_beams(self) -> None:
         _check_int("num_beams", self.num_beams, low=1, high=MAX_BEAMS)
         penalty = self.length_penalty
-        if not isinstance(penalty, int | float) or isinstance(penalty, bool):
-            raise InvalidArgumentError("length_penalty", f"must be a number, got {penalty!r}")
-        if not math.isfinite(penalty):
+        if not math.isfinite(_as_float("length_penalty", penalty)):
             raise InvalidArgumentError("length_penalty", f"must be finite, got {penalty}")
         object.__setattr__(self, "early_stopping", _early_stopping(self.early_stopping))
         if self.num_beams == 1:
@@ -252,12 +254,21 @@ def _logit_bias(value: object) -> dict[int, float]:
         raise InvalidArgumentError("logit_bias", f"must map token ids to biases, got {value!r}")
     bias: dict[int, float] = {}
     for token_id, amount in value.items():
-        if isinstance(token_id, str) and token_id.isdigit():  # JSON object keys are strings
-            token_id = int(token_id)
+        if isinstance(token_id, str) and token_id.isascii() and token_id.isdigit():
+            token_id = _digits(token_id)  # JSON object keys are strings
         _check_int("logit_bias", token_id, low=0)
         _check_float("logit_bias", amount, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
         bias[token_id] = float(amount)
     return bias
+
+
+def _digits(text: str) -> int | str:
+    """A key of ASCII digits as its integer; one too long for Python to read (over 4300
+    digits) stays text, which `_check_int` refuses."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _schema_text(schema: object) -> str:
@@ -287,12 +298,32 @@ def _as_tuple(name: str, value: object, kind: type) -> tuple:
     return items
 
 
+def check_int64(name: str, value: object, *, low: int = MIN_INT64) -> None:
+    """An integer the wire can carry (int64), at least ``low``; else InvalidArgumentError."""
+    _check_int(name, value, low=low)
+
+
 def _check_int(name: str, value: object, *, low: int, high: int | None = None) -> None:
+    """``value`` is an integer in [low, high]; ``high`` defaults to the int64 limit."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidArgumentError(name, f"must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise InvalidArgumentError(name, f"must be {bounds}, got {value}")
+    if low <= value <= (MAX_INT64 if high is None else high):
+        return
+    if high is None:
+        bounds = f">= {low}" if value < low else f"in [{low}, 2^63 - 1]"
+    else:
+        bounds = f"in [{low}, {high}]"
+    raise InvalidArgumentError(name, f"must be {bounds}, got {value}")
+
+
+def _as_float(name: str, value: object) -> float:
+    """A number as a float; an integer too large for one (JSON allows 10**400) is refused."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidArgumentError(name, f"must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidArgumentError(name, f"must be a finite number, got {value}") from None
 
 
 def _check_float(
@@ -303,9 +334,7 @@ def _check_float(
     high: float | None = None,
     low_open: bool = False,
 ) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise InvalidArgumentError(name, f"must be a number, got {value!r}")
-    v = float(value)
+    v = _as_float(name, value)
     too_low = v <= low if low_open else v < low
     if not math.isfinite(v) or too_low or (high is not None and v > high):
         left = "(" if low_open else "["

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk.config import GenerationConfig
+from headrace.sdk.config import GenerationConfig, check_int64
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.outputs import FinishReason, StreamChunk, TokenLogprob, Usage
 from headrace.sdk.prompts import Chat, ChatMessage, Prompt, Tool, ToolCall
@@ -111,6 +111,9 @@ def request_to_wire(
     timeout_s: float | None = None,
     model: str = "",
 ) -> pb.Request:
+    """Raises InvalidArgumentError for an integer the wire cannot carry (int64), naming it
+    (`GenerationConfig` has checked its own)."""
+    check_int64("priority", priority)
     wire = pb.Request(
         request_id=request_id, config=config_to_wire(config), priority=priority, model=model
     )
@@ -119,6 +122,8 @@ def request_to_wire(
     elif isinstance(prompt, Chat):
         wire.chat.CopyFrom(chat_to_wire(prompt))
     else:
+        for token_id in prompt:
+            check_int64("prompt_token_ids", token_id)
         wire.token_ids.ids.extend(prompt)
     if timeout_s is not None:
         wire.timeout.CopyFrom(duration(timeout_s))
@@ -159,6 +164,30 @@ def chat_from_wire(wire: pb.Chat) -> Chat:
     )
     tools = tuple(Tool.from_json(text, f"chat.tools[{i}]") for i, text in enumerate(wire.tools))
     return Chat(messages, add, tools)
+
+
+def tokenize_request_to_wire(
+    prompt: str | Chat, add_special_tokens: bool | None = None, model: str = ""
+) -> pb.TokenizeRequest:
+    """``add_special_tokens``: text only; None leaves the server's default (true)."""
+    wire = pb.TokenizeRequest(model=model)
+    if isinstance(prompt, Chat):
+        wire.chat.CopyFrom(chat_to_wire(prompt))
+    elif isinstance(prompt, str):
+        wire.text = prompt
+    else:
+        raise InvalidArgumentError("prompt", f"must be text or a Chat, got {prompt!r}")
+    if add_special_tokens is not None:
+        wire.add_special_tokens = add_special_tokens
+    return wire
+
+
+def tokenize_prompt_from_wire(wire: pb.TokenizeRequest) -> str | Chat:
+    """A `Tokenize` call's prompt; InvalidArgumentError when it has none."""
+    kind = wire.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgumentError("prompt", "set one of text or chat")
+    return wire.text if kind == "text" else chat_from_wire(wire.chat)
 
 
 def with_request_id(wire: pb.Request) -> pb.Request:

@@ -11,6 +11,7 @@ through `errors.py`.
     POST /v1/chat/completions   messages (and tools) → a `Chat` the worker renders with its
                                 template; tool calls parsed out of the answer
     POST /v1/completions        text or token ids (or a batch of them)
+    POST /tokenize, /detokenize vLLM's: a prompt's token ids (and back), from a worker
     GET  /v1/models, /v1/models/{id}
     GET  /health                200 while a worker is in rotation and the router not draining
 """
@@ -20,9 +21,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from headrace.router.http import errors
+from headrace.protos import generation_pb2 as pb
+from headrace.protos import generation_pb2_grpc
+from headrace.router.http import errors, tokenize
 from headrace.router.http.auth import HttpAuth
 from headrace.router.http.call import HttpCall
 from headrace.router.http.models import ModelCatalog
@@ -31,6 +34,7 @@ from headrace.router.http.responses import ResponseBuilder, encode
 from headrace.router.router import Router
 from headrace.router.session import RouterSession
 from headrace.sdk import auth, tracing, wire
+from headrace.sdk.credentials import Metadata
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, UnavailableError
 from headrace.sdk.streams import FlowLimits
 from headrace.sdk.telemetry import NAMESPACE
@@ -42,7 +46,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+T = TypeVar("T")
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
+#: How long a worker may take to tokenize (on the thread that tokenizes its prompts).
+TOKENIZE_TIMEOUT_S = 30.0
 
 
 class CallRecord:
@@ -87,16 +95,19 @@ class HttpDoor:
             subsystem="router",
             registry=router.metrics.registry,
         )
-        self.app = Starlette(
+        routes = Starlette(
             routes=[
                 Route(CHAT, self._endpoint(CHAT, self.chat), methods=["POST"]),
                 Route(COMPLETIONS, self._endpoint(COMPLETIONS, self.completions), methods=["POST"]),
                 Route("/v1/models", self._endpoint("/v1/models", self.list_models)),
                 Route("/v1/models/{model:path}", self._endpoint("/v1/models/{id}", self.model)),
+                Route(TOKENIZE, self._endpoint(TOKENIZE, self.tokenize), methods=["POST"]),
+                Route(DETOKENIZE, self._endpoint(DETOKENIZE, self.detokenize), methods=["POST"]),
                 Route("/health", self.health),
             ],
             exception_handlers={HTTPException: _http_exception, Exception: _unexpected},
         )
+        self.app = errors.ErrorGuard(routes)
 
     def _endpoint(
         self, route: str, handler: Callable[[Request, CallRecord], Awaitable[Any]]
@@ -107,8 +118,8 @@ class HttpDoor:
             record = CallRecord(self, request, route)
             try:
                 answer = await handler(request, record)
-            except HeadraceError as error:
-                answer = _error_response(error)
+            except Exception as error:  # a bug is a 500 here, never an exception for uvicorn
+                answer = _error_response(errors.as_headrace_error(error))
             if isinstance(answer, HttpCall):
                 return answer  # it records its status and ends the span itself
             record.status(answer.status_code)
@@ -136,6 +147,7 @@ class HttpDoor:
     ) -> HttpCall:
         """Submit the call's requests (one per prompt) on a session of its own."""
         info, adapter = await self.models.check(api.model)
+        api.check_context(info.max_model_len)
         builder = ResponseBuilder(api, adapter or info.name)
         session = RouterSession(self.router, self.flow, (), caller=caller)
         trace_context = tracing.carrier(record.span)
@@ -145,6 +157,8 @@ class HttpDoor:
                 request_id, prompt, api.config, api.priority, None, model
             )
             request.adapter = adapter
+            # Continuous usage counts the prompt's tokens: its first chunk brings them.
+            request.return_prompt_token_ids = api.continuous_usage
             request.trace_context.update(trace_context)
             session.submit(request)
             if request_id not in session.requests:
@@ -171,9 +185,53 @@ class HttpDoor:
             return json.loads(b"".join(parts))
         except ValueError as error:
             raise InvalidArgumentError("", f"the body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise InvalidArgumentError("", "the body's JSON is nested too deeply") from None
 
     def _too_large(self) -> str:
         return f"the request body is over {self.max_body_bytes} bytes"
+
+    # --- tokens -------------------------------------------------------------------------
+
+    async def tokenize(self, request: Request, record: CallRecord) -> Response:
+        self._caller(request, TOKENIZE)
+        call = tokenize.parse_tokenize(await self._json(request))
+        model = await self._worker_model(call.model)
+        wire_request = wire.tokenize_request_to_wire(call.prompt, call.add_special_tokens, model)
+        response: pb.TokenizeResponse = await self._ask_a_worker(
+            lambda stub, metadata: stub.Tokenize(
+                wire_request, timeout=TOKENIZE_TIMEOUT_S, metadata=metadata
+            )
+        )
+        return JSONResponse(tokenize.tokenize_body(response))
+
+    async def detokenize(self, request: Request, record: CallRecord) -> Response:
+        self._caller(request, DETOKENIZE)
+        model, token_ids = tokenize.parse_detokenize(await self._json(request))
+        wire_request = pb.DetokenizeRequest(model=await self._worker_model(model))
+        wire_request.token_ids.extend(token_ids)
+        response: pb.DetokenizeResponse = await self._ask_a_worker(
+            lambda stub, metadata: stub.Detokenize(
+                wire_request, timeout=TOKENIZE_TIMEOUT_S, metadata=metadata
+            )
+        )
+        return JSONResponse({"prompt": response.text})
+
+    async def _worker_model(self, model: str) -> str:
+        """The model to name to a worker: "" for a LoRA adapter (which shares the base
+        model's tokenizer); an unknown name is a 404."""
+        _, adapter = await self.models.check(model)
+        return "" if adapter else model
+
+    async def _ask_a_worker(
+        self, call: Callable[[generation_pb2_grpc.GenerationStub, Metadata], Awaitable[T]]
+    ) -> T:
+        """`Router.ask_a_worker`, a worker's refusal naming the body's field."""
+        try:
+            return await self.router.ask_a_worker(call)
+        except InvalidArgumentError as error:
+            message = str(error).removeprefix(f"{error.field}: ")
+            raise InvalidArgumentError(tokenize.openai_param(error.field), message) from None
 
     # --- models and health --------------------------------------------------------------
 

@@ -131,6 +131,7 @@ class HttpCall:
     ) -> None:
         self.log.status(200)
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        self.builder.note_prompts(chunks)  # the opening events' usage, if they carry it
         data, error = self._events(chunks, self.builder.first_events())
         while True:
             if data:

@@ -6,15 +6,24 @@ arrives here as a `HeadraceError` and leaves as
 ``{"error": {"message", "type", "param", "code"}}`` with the status its gRPC code maps to
 (the same table `sdk/status.py` keeps for gRPC). Overload and unavailability carry a
 ``Retry-After`` header when the server knows how long to wait.
+
+Nothing raised while serving reaches the ASGI server: uvicorn answers an exception that
+escapes before the response starts with a plain-text 500, and one that escapes after it by
+closing the connection, so a client's next request on that keep-alive connection would fail
+too. Handlers turn errors into answers themselves; `ErrorGuard`, around the whole app, is the
+last line (a bug: a 500 in OpenAI's shape, or the end of a response already started).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from headrace.sdk.errors import HeadraceError, InternalError, InvalidArgumentError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -94,3 +103,53 @@ def as_headrace_error(error: BaseException) -> HeadraceError:
         return error
     logger.error("unexpected error in the HTTP door", exc_info=error)
     return InternalError(f"internal error: {type(error).__name__}")
+
+
+class ErrorGuard:
+    """ASGI middleware: whatever the app raises is logged and answered here, never raised on
+    to the server (which would drop the connection)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        progress = _ResponseProgress(send)
+        try:
+            await self.app(scope, receive, progress.send)
+        except Exception as exc:
+            await progress.finish(exc)
+
+
+class _ResponseProgress:
+    """How far a response got, so a failure can be answered without breaking the protocol."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.complete = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+        await self._send(message)
+
+    async def finish(self, exc: Exception) -> None:
+        """Answer a failure: a 500 if nothing was sent, else end the response begun (a
+        Starlette handler may have answered already: then there is nothing left to do)."""
+        if self.complete:
+            logger.debug("error after the response was sent", exc_info=exc)
+            return
+        try:
+            if not self.started:
+                error = as_headrace_error(exc)
+                body: dict[str, Any] = error_body(error)
+                headers = [(b"content-type", b"application/json")]
+                await self._send({"type": "http.response.start", "status": 500, "headers": headers})
+                await self._send({"type": "http.response.body", "body": json.dumps(body).encode()})
+            else:
+                logger.error("unexpected error in the HTTP door mid-response", exc_info=exc)
+                await self._send({"type": "http.response.body", "body": b""})
+        except OSError:
+            pass  # the client is gone: nothing to answer

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from headrace.sdk.config import check_int64
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.prompts import Chat, ChatMessage, Prompt, Tool, ToolCall
 
@@ -98,6 +99,8 @@ def _one_prompt(param: str, prompt: Any) -> Prompt:
             raise InvalidArgumentError(param, "must not be empty")
         return prompt
     if _is_token_ids(prompt):
+        for token_id in prompt:  # the worker checks them against its vocabulary
+            check_int64(param, token_id, low=0)
         return list(prompt)
     raise InvalidArgumentError(param, "must be a non-empty string or list of token ids")
 

@@ -35,7 +35,7 @@ from typing import Any
 from headrace.router.http.prompts import chat_prompt, completion_prompts
 from headrace.router.http.tool_calls import ToolCalling
 from headrace.router.http.tools import ToolPlan, plan_tools
-from headrace.sdk.config import GenerationConfig
+from headrace.sdk.config import GenerationConfig, check_int64
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.prompts import Prompt
 
@@ -80,9 +80,50 @@ GUIDED_FIELDS = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-#: Accepted and ignored: they change nothing headrace does (`parallel_tool_calls` only
-#: matters to a chat with tools, where `tools.py` reads it).
-IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+#: Accepted and ignored on purpose: they change nothing headrace does (issue 31 reviewed
+#: OpenAI's reference for both endpoints; tests/router/http/test_openai_fields.py walks the
+#: `openai` package's request types so a field OpenAI adds shows up in review).
+IGNORED_FIELDS = frozenset(
+    {
+        # An end-user id for OpenAI's abuse monitoring (and its successor below).
+        "user",
+        "safety_identifier",
+        # Keep the completion for OpenAI's evals and distillation, with tags: nothing is kept.
+        "store",
+        "metadata",
+        # OpenAI's processing tiers (flex, priority): headrace's own `priority` orders work.
+        "service_tier",
+        # Only matters to a chat with tools, where `tools.py` reads it.
+        "parallel_tool_calls",
+        # Prompt-cache hints: headrace's prefix cache is automatic (and prefix-affinity routing
+        # keeps a prompt's prefix on one worker), so there is nothing to key, mark or keep.
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        # Predicted output only speeds OpenAI up; the output is the model's either way.
+        "prediction",
+    }
+)
+#: Chat fields refused (400 naming them) unless they ask for what headrace does anyway (the
+#: values listed): each would change the output in a way headrace cannot honour.
+UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[object, ...]] = {
+    # Spoken output, and the modalities asking for it: headrace generates text.
+    "audio": (),
+    "modalities": (["text"],),
+    # A reasoning budget, and GPT-5's length hint: headrace's models take neither (OpenAI
+    # refuses them for its own models without reasoning, too); "none" / "medium" ask for
+    # what they do anyway.
+    "reasoning_effort": ("none",),
+    "verbosity": ("medium",),
+    # OpenAI's hosted tools: a web search, and moderation that may block the answer.
+    "web_search_options": (),
+    "moderation": (),
+}
+#: ``stream_options`` keys: include_usage (OpenAI's: a last chunk with the usage),
+#: continuous_usage_stats (vLLM's, with include_usage: the usage so far on every chunk, as
+#: guidellm asks), include_obfuscation (OpenAI's padding of chunks against side channels
+#: over the internet: ignored, the door adds none).
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats", "include_obfuscation"})
 #: Fields every endpoint reads itself (not config fields).
 COMMON_FIELDS = frozenset(
     {"model", "stream", "stream_options", "priority", "max_tokens", "logprobs", *GUIDED_FIELDS}
@@ -125,6 +166,9 @@ class ApiRequest:
     params: Mapping[str, str] = field(default_factory=dict)
     #: Chat with tools: how each choice's text becomes tool calls; None: it does not.
     tool_calls: ToolCalling | None = None
+    #: Streaming with include_usage: every chunk carries its choice's usage so far (vLLM's
+    #: ``continuous_usage_stats``).
+    continuous_usage: bool = False
 
     def param(self, headrace_field: str) -> str | None:
         """The OpenAI param behind a headrace field name (``config.top_p`` → ``top_p``)."""
@@ -137,12 +181,27 @@ class ApiRequest:
                 return self.params[field_name] + rest
         return name
 
+    def check_context(self, max_model_len: int) -> None:
+        """Refuse a max_tokens the context could never hold, naming the param that set it,
+        as vLLM does; one that only the prompt makes too long is clipped (the sample ends
+        with finish reason "length" when the context is full)."""
+        max_tokens = self.config.max_tokens
+        if max_tokens > max_model_len:
+            param = self.param("max_tokens") or "max_tokens"
+            raise InvalidArgumentError(
+                param,
+                f"{param}={max_tokens} cannot be greater than this model's maximum context "
+                f"length (max_model_len={max_model_len} tokens, prompt included). Please "
+                "request fewer output tokens.",
+            )
+
 
 def parse_chat(body: Any, default_max_tokens: int, tool_call_format: str = "") -> ApiRequest:
     """A ``/v1/chat/completions`` body; ``default_max_tokens``: the model's context;
     ``tool_call_format``: the format the model writes tool calls in ("" = unknown)."""
-    fields = _fields(body, CHAT_FIELDS)
+    fields = _fields(body, CHAT_FIELDS | UNSUPPORTED_CHAT_FIELDS.keys())
     _refuse_functions(fields)
+    _refuse_unsupported(fields)
     tools = plan_tools(fields, tool_call_format)
     add_generation_prompt = _typed(fields, "add_generation_prompt", bool, True)
     prompt = chat_prompt(fields.get("messages"), add_generation_prompt, tools.tools)
@@ -207,8 +266,9 @@ def _request(
 ) -> ApiRequest:
     model = _typed(fields, "model", str, "")
     stream = _typed(fields, "stream", bool, False)
-    include_usage = _include_usage(fields.get("stream_options"), stream)
+    include_usage, continuous_usage = _usage_options(fields.get("stream_options"), stream)
     priority = _typed(fields, "priority", int, 0)
+    check_int64("priority", priority)
     for name in (*SAMPLING_FIELDS, *EXTENSION_FIELDS):
         if name in fields:
             options[name] = fields[name]
@@ -218,7 +278,16 @@ def _request(
             params[config_field] = name
     config = _config(options, params)
     return ApiRequest(
-        endpoint, model, prompts, config, priority, stream, include_usage, logprobs, params
+        endpoint,
+        model,
+        prompts,
+        config,
+        priority,
+        stream,
+        include_usage,
+        logprobs,
+        params,
+        continuous_usage=continuous_usage,
     )
 
 
@@ -232,14 +301,22 @@ def _config(options: dict[str, object], params: dict[str, str]) -> GenerationCon
         raise InvalidArgumentError(param, message) from None
 
 
-def _include_usage(options: Any, stream: bool) -> bool:
+def _usage_options(options: Any, stream: bool) -> tuple[bool, bool]:
+    """``stream_options`` → (include_usage, continuous_usage)."""
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise InvalidArgumentError("stream_options", "is only allowed with stream: true")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise InvalidArgumentError("stream_options", 'must be {"include_usage": true|false}')
-    return _typed(options, "include_usage", bool, False, "stream_options.include_usage")
+    if not isinstance(options, dict):
+        raise InvalidArgumentError("stream_options", "must be an object")
+    for key in options:
+        if key not in STREAM_OPTIONS:
+            raise InvalidArgumentError(f"stream_options.{key}", f"unrecognized option {key!r}")
+    values = {key: value for key, value in options.items() if value is not None}
+    for key in STREAM_OPTIONS:
+        _typed(values, key, bool, False, f"stream_options.{key}")
+    include_usage = values.get("include_usage", False)
+    return include_usage, include_usage and values.get("continuous_usage_stats", False)
 
 
 def _refuse_functions(fields: dict[str, Any]) -> None:
@@ -262,6 +339,12 @@ def _tool_constraint(
         )
     options["json_schema"] = tools.json_schema
     params["json_schema"] = tools.schema_param
+
+
+def _refuse_unsupported(fields: dict[str, Any]) -> None:
+    for name, harmless in UNSUPPORTED_CHAT_FIELDS.items():
+        if name in fields and fields[name] not in harmless:
+            raise InvalidArgumentError(name, f"{name} is not supported, got {fields[name]!r}")
 
 
 def _response_format(value: Any, options: dict[str, object], params: dict[str, str]) -> None:

@@ -14,6 +14,10 @@ A chat call with tools parses each choice's text (`tool_calls.py`): a plain mess
 ``"tool_calls"``. Text that may open a call is held back from the stream until it is
 known.
 
+With ``stream_options.continuous_usage_stats`` (vLLM's) every event carries its choice's
+usage so far: its prompt's tokens (the door asks for the prompt's token ids, which come on
+the request's first chunk) and the tokens that choice has streamed.
+
 Logprobs carry token ids only: the router has no tokenizer, and the wire says which token,
 not its text. A token is therefore written ``"token_id:<id>"`` (vLLM's convention for
 ``return_tokens_as_token_ids``), with ``bytes`` null; logprob values are the worker's.
@@ -66,6 +70,8 @@ class _Choice:
     text_offsets: list[int] = field(default_factory=list)
     #: Chat with tools: turns the choice's text into content and tool calls.
     tool_calls: ToolCallParser | None = None
+    #: Tokens streamed so far (continuous usage).
+    num_tokens: int = 0
 
 
 class ResponseBuilder:
@@ -84,6 +90,8 @@ class ResponseBuilder:
         #: The request id of each prompt (what the router's logs and spans name), and back.
         self.request_ids = [f"{self.id}-{i}" for i in range(len(request.prompts))]
         self._prompt_index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        #: Per prompt: its tokens, once its first chunk said (continuous usage).
+        self._num_prompt_tokens = [0] * len(request.prompts)
         # A stream event is `data: {<envelope>,"choices":[<choice>](,"usage":null)}\n\n`.
         self._event_head = b"data: " + encode(self._envelope())[:-1] + b',"choices":['
         self._event_tail = b'],"usage":null}\n\n' if request.include_usage else b"]}\n\n"
@@ -157,6 +165,13 @@ class ResponseBuilder:
 
     # --- streams ------------------------------------------------------------------------
 
+    def note_prompts(self, chunks: Sequence[pb.Chunk]) -> None:
+        """Learn each prompt's length from the chunks carrying its token ids."""
+        for chunk in chunks:
+            if chunk.prompt_token_ids:
+                prompt_index = self._prompt_index[chunk.request_id]
+                self._num_prompt_tokens[prompt_index] = len(chunk.prompt_token_ids)
+
     def first_events(self) -> bytes:
         """Chat streams open each choice with the assistant's role, as OpenAI's do."""
         if self.endpoint is not Endpoint.CHAT:
@@ -168,11 +183,13 @@ class ResponseBuilder:
         """The stream events of one chunk, as SSE (none for a chunk that only closes a
         request, or whose token has no text yet)."""
         self.record_usage(chunk)
+        self.note_prompts((chunk,))
+        index = self.index(chunk)
+        choice = self.choices[index]
+        choice.num_tokens += len(chunk.token_ids)
         finish_reason = FINISH_REASONS.get(chunk.finish_reason)
         if not chunk.text and not chunk.logprobs and finish_reason is None:
             return b""
-        index = self.index(chunk)
-        choice = self.choices[index]
         logprobs = None
         if self.request.logprobs:
             offsets = [choice.num_chars] * len(chunk.logprobs)
@@ -205,7 +222,20 @@ class ResponseBuilder:
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
-        return self._event_head + encode(choice) + self._event_tail
+        if not self.request.continuous_usage:
+            return self._event_head + encode(choice) + self._event_tail
+        return self._event_head + encode(choice) + self._usage_tail(index)
+
+    def _usage_tail(self, index: int) -> bytes:
+        """The end of an event carrying its choice's usage so far (continuous usage)."""
+        num_prompt_tokens = self._num_prompt_tokens[index // self.request.config.n]
+        num_tokens = self.choices[index].num_tokens
+        usage = {
+            "prompt_tokens": num_prompt_tokens,
+            "completion_tokens": num_tokens,
+            "total_tokens": num_prompt_tokens + num_tokens,
+        }
+        return b'],"usage":' + encode(usage) + b"}\n\n"
 
     def _envelope(self) -> Json:
         object_name = CHUNK_OBJECTS[self.endpoint]

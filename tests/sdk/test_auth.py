@@ -352,3 +352,14 @@ def test_every_generation_control_call_is_admin_only() -> None:
     methods = [f"/{service.full_name}/{method.name}" for method in service.methods]
     assert len(methods) == 13
     assert not [method for method in methods if auth._for_callers(method)]
+
+
+def test_every_generation_call_takes_any_known_key() -> None:
+    """The `Generation` service is the callers' (Tokenize and Detokenize too): a caller key
+    counting tokens is not asked for an admin key."""
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    methods = [f"/{service.full_name}/{method.name}" for method in service.methods]
+    assert {"Tokenize", "Detokenize"} <= {method.name for method in service.methods}
+    interceptor = auth.ApiKeyInterceptor(KEYS)
+    for method in methods:
+        assert interceptor.authorize(method, bearer_metadata(CALLER)).name == "caller"

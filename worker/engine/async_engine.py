@@ -7,9 +7,10 @@ outputs of all its requests that progressed in that step, so a server multiplexi
 requests on one connection sends one message per step.
 
 Text and chat prompts are tokenized (chats rendered with the chat template) on a thread of
-their own, never on the engine's: a long prompt costs its own request time, not every other
-request's step. Output constraints (JSON schema, regex, ...) are compiled on a pool of
-their own (then found cached by the engine thread), so one slow schema stalls no step. A
+their own, never on the engine's (so are the `Tokenize` / `Detokenize` calls): a long prompt
+costs its own request time, not every other request's step. Output constraints (JSON
+schema, regex, ...) are compiled on a pool of their own (then found cached by the engine
+thread), so one slow schema stalls no step. A
 request is announced to the engine thread when it arrives (`_Pending`) and added once
 tokenized and compiled, so an abort that overtakes them still finds it; a constraint that
 does not compile fails the request in-band.
@@ -32,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InternalError
@@ -50,6 +52,7 @@ from headrace.worker.models.weight_check import WeightChecker
 __all__ = ["AsyncEngine", "OutputStream"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -172,6 +175,19 @@ class AsyncEngine:
             logger.exception("compiling the constraint of request %s failed", add.request_id)
             add.prompt = InternalError(f"compiling the constraint failed: {exc!r}")
         self._commands.put(add)
+
+    async def tokenize(self, prompt: str | Chat, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids as a request with it would have them (on the tokenizer thread;
+        bad input raises InvalidArgumentError)."""
+        intake = self.engine.intake
+        return await self._on_tokenizer(intake.prompt_token_ids, prompt, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (on the tokenizer thread)."""
+        return await self._on_tokenizer(self.engine.intake.text_of, token_ids)
+
+    async def _on_tokenizer(self, call: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, call, *args)
 
     def abort(self, request_id: str, error: HeadraceError | None = None) -> None:
         """Stop a request within one step; with ``error`` it ends failed, else cancelled."""

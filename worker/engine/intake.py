@@ -134,9 +134,10 @@ class RequestIntake:
         max_length = min(leader.num_tokens + request.config.max_tokens, self.spec.max_model_len)
         return BeamSearch(request.config, leader.num_tokens, max_length, leader.stop_token_ids)
 
-    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
-        """The prompt as token ids: text tokenized, a chat rendered with the model's chat
-        template, token ids checked against the vocabulary."""
+    def prompt_token_ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        """The prompt as token ids: text tokenized (with the tokenizer's special tokens unless
+        told not to), a chat rendered with the model's chat template, token ids checked
+        against the vocabulary."""
         if isinstance(prompt, Chat):
             self._check_size("chat", prompt.num_content_bytes)
             return self._render_chat(prompt)
@@ -144,7 +145,7 @@ class RequestIntake:
             if not prompt:
                 raise InvalidArgumentError("prompt", "must not be empty")
             self._check_size("prompt", len(prompt.encode()))
-            return list(self.spec.tokenizer.encode(prompt))
+            return list(self.spec.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         if not isinstance(prompt, list | tuple):
             raise InvalidArgumentError("prompt", "must be a string or a list of token ids")
         if not prompt:
@@ -152,6 +153,11 @@ class RequestIntake:
         token_ids = list(prompt)
         self._check_token_ids("prompt_token_ids", token_ids)
         return token_ids
+
+    def text_of(self, token_ids: list[int]) -> str:
+        """The text of token ids (checked against the vocabulary), special tokens kept."""
+        self._check_token_ids("token_ids", token_ids)
+        return str(self.spec.tokenizer.decode(token_ids))
 
     def _check_size(self, field_name: str, num_bytes: int) -> None:
         """Refuse, before tokenizing it, text that could never fit the context."""

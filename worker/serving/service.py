@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc.aio
 from headrace.protos import generation_pb2 as pb
 from headrace.protos import generation_pb2_grpc
-from headrace.sdk import auth, serving, streams, tracing, wire
+from headrace.sdk import auth, serving, status, streams, tracing, wire
 from headrace.sdk.errors import HeadraceError, NotFoundError, UnavailableError
 from headrace.sdk.outputs import FinishReason, Usage
 from headrace.sdk.streams import FlowLimits
@@ -61,11 +61,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if self.state.draining:
             raise UnavailableError("the worker is draining and takes no new requests")
         parsed = wire.request_from_wire(request)
-        if parsed.model and parsed.model != self.model_info.name:
-            raise NotFoundError(
-                f"model: {parsed.model!r} is not served here (this worker serves "
-                f"{self.model_info.name!r})"
-            )
+        self._check_model(parsed.model)
         refusal = caller.admit(request) if caller is not None else None
         if refusal is not None:
             raise refusal
@@ -110,6 +106,36 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
         return self.model_info
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            self._check_model(request.model)
+            prompt = wire.tokenize_prompt_from_wire(request)
+            add_special_tokens = (
+                request.add_special_tokens if request.HasField("add_special_tokens") else True
+            )
+            token_ids = await self.engine.tokenize(prompt, add_special_tokens)
+        except Exception as error:
+            await status.abort(context, error)
+        return pb.TokenizeResponse(token_ids=token_ids, max_model_len=self.model_info.max_model_len)
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        try:
+            self._check_model(request.model)
+            text = await self.engine.detokenize(list(request.token_ids))
+        except Exception as error:
+            await status.abort(context, error)
+        return pb.DetokenizeResponse(text=text)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_info.name:
+            raise NotFoundError(
+                f"model: {model!r} is not served here (this worker serves {self.model_info.name!r})"
+            )
 
 
 def _phase_spans(telemetry: RequestTelemetry, times: RequestTimes) -> None:

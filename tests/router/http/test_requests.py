@@ -190,3 +190,55 @@ def test_beam_search_extensions_land_on_the_config(sent: object, early_stopping:
     )  # fmt: skip
     completion = parse_completion({"prompt": "a", "num_beams": 3, "early_stopping": "false"})
     assert (completion.config.num_beams, completion.config.early_stopping) == (3, False)
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": "V"}, "max_tokens"),
+        ({"max_completion_tokens": "V"}, "max_completion_tokens"),
+        ({"top_k": "V"}, "top_k"),
+        ({"priority": "V"}, "priority"),
+        ({"stop_token_ids": [1, "V"]}, "stop_token_ids"),
+        ({"allowed_token_ids": ["V"]}, "allowed_token_ids"),
+        ({"logit_bias": {"K": 1}}, "logit_bias"),
+        ({"seed": "V"}, "seed"),
+        ({"min_tokens": "V", "max_tokens": 8}, "min_tokens"),
+    ],
+)
+def test_an_integer_outside_int64_is_refused_naming_its_param(fields: dict, param: str, value):
+    """Issue 31: these were a 500 (`config_to_wire`: "Value out of range")."""
+    body = json.loads(json.dumps(fields).replace('"V"', str(value)).replace('"K"', f'"{value}"'))
+    with pytest.raises(InvalidArgumentError) as refused:
+        parse_chat({"messages": MESSAGES, **body}, CONTEXT)
+    assert refused.value.field == param
+    if param != "max_completion_tokens":  # a chat field
+        with pytest.raises(InvalidArgumentError) as refused:
+            parse_completion({"prompt": "a", **body})
+        assert refused.value.field == param
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1])
+def test_a_prompt_token_id_outside_int64_is_refused_naming_the_prompt(value):
+    for prompt, param in (([1, value], "prompt"), ([[1], [2, value]], "prompt[1]")):
+        with pytest.raises(InvalidArgumentError) as refused:
+            parse_completion({"prompt": prompt})
+        assert refused.value.field == param
+
+
+def test_a_max_tokens_the_context_could_never_hold_is_refused_naming_its_param():
+    """Issue 31: 10**9 was clipped silently; as vLLM, more than the whole context is a 400
+    (a max_tokens only the prompt makes too long is clipped at the context)."""
+    chat(max_tokens=CONTEXT).check_context(CONTEXT)  # the chat default, too
+    chat().check_context(CONTEXT)
+    for fields, param in (
+        ({"max_tokens": 10**9}, "max_tokens"),
+        ({"max_completion_tokens": CONTEXT + 1}, "max_completion_tokens"),
+    ):
+        with pytest.raises(InvalidArgumentError) as refused:
+            chat(**fields).check_context(CONTEXT)
+        assert refused.value.field == param and f"max_model_len={CONTEXT}" in str(refused.value)
+    with pytest.raises(InvalidArgumentError) as refused:
+        parse_completion({"prompt": "a", "max_tokens": CONTEXT + 1}).check_context(CONTEXT)
+    assert refused.value.field == "max_tokens"
