@@ -420,6 +420,38 @@ def test_nothing_is_emitted_after_a_stop():
     assert state.text == "a " and state.stop_string == "###"
 
 
+# --- token names (logprobs) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
+def test_each_token_is_named_as_decode_shows_it_alone(name: str):
+    tok = TOKENIZERS[name]()
+    names = detokenizer(name).token_names
+    for token_id in range(len(tok)):
+        want = decode(tok, [token_id], skip=False)
+        if name == "metaspace" and tok.convert_ids_to_tokens(token_id).startswith("\u2581"):
+            want = " " + want  # a word's leading space, which decode drops from a lone token
+        assert names(token_id)[0] == want, token_id
+    assert names(len(tok) + 1) == ("", b"")  # past the vocab: no token
+
+
+def test_byte_level_token_bytes_join_into_the_text_across_split_characters():
+    tok = byte_level_tokenizer()
+    names = detokenizer("byte_level").token_names
+    ids = tok.encode("naïve " + MULTI_BYTE + " <tool> café")
+    assert b"".join(names(i)[1] for i in ids).decode() == decode(tok, ids, skip=False)
+    split = [i for i in ids if names(i)[0] == "\ufffd"]
+    assert split, "the text must have a character split across tokens"
+    assert all(len(names(i)[1]) < 4 for i in split)  # part of a character: its raw bytes
+
+
+def test_a_byte_fallback_token_is_named_by_its_byte():
+    tok = metaspace_tokenizer()
+    names = detokenizer("metaspace").token_names
+    (first, *_) = char_ids(tok, "日")
+    assert names(first) == ("\ufffd", "日".encode()[:1])
+
+
 # --- a real vocab ---------------------------------------------------------------------------
 
 
@@ -446,3 +478,5 @@ def test_smollm2_tokenizer_takes_the_fast_path_and_matches_decode():
             output.insert(rng.randrange(len(output)), rng.randrange(17))  # a special token
             _, text = stream(det, [], random_chunks(rng, output), config)
             assert text == decode(tok, output, skip), output
+    names = det.token_names
+    assert all(names(i)[0] == decode(tok, [i], skip=False) for i in range(len(tok)))

@@ -103,6 +103,34 @@ def test_logprobs_match_the_oracle_distribution(llm, ckpt, expected):
         assert len(lp.top) == 2
 
 
+def test_logprobs_name_their_tokens_as_the_tokenizer_decodes_each(llm, expected):
+    result = llm.generate([PROMPT], greedy(logprobs=2, prompt_logprobs=1))[0]
+    tokenizer = llm.engine.tokenizer
+
+    def name(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    assert result.logprobs is not None and result.prompt_logprobs is not None
+    for lp in [*result.logprobs, *result.prompt_logprobs]:
+        assert lp.token == name(lp.token_id)
+        assert lp.token_bytes.decode("utf-8", "replace") == lp.token
+        assert [text for text, _ in lp.top_tokens] == [name(t) for t, _ in lp.top]
+        # The rank counts tokens at least as likely: the top alternative's own is 1.
+        assert lp.rank >= 1 and (lp.rank == 1) == (lp.token_id == lp.top[0][0])
+    first = result.first_prompt_token
+    assert first is not None and (first.token_id, first.token) == (PROMPT[0], name(PROMPT[0]))
+    assert result.prompt_text == tokenizer.decode(PROMPT, skip_special_tokens=False)
+    plain = llm.generate([PROMPT], greedy(logprobs=0))[0]
+    assert plain.first_prompt_token is None and plain.prompt_text is None
+
+
+def test_a_one_token_prompt_has_no_prompt_logprobs_but_its_first_token(llm):
+    result = llm.generate([PROMPT[:1]], greedy(max_tokens=1, prompt_logprobs=0))[0]
+    assert result.prompt_logprobs == []
+    assert result.first_prompt_token is not None
+    assert result.first_prompt_token.token_id == PROMPT[0]
+
+
 @pytest.mark.parametrize(
     ("prompt", "field"),
     [

@@ -18,6 +18,14 @@ What the deltas of one sequence add up to (deltas + `finish()`, when no stop str
   on later ones (ByteFallback turning a whole invalid byte run into U+FFFDs, clean-up of " .")
   can differ from the one-shot decode on such sequences.
 
+Token names (`TokenNames`): what logprobs call each token, one token at a time and cached per
+id. Its text is ``tokenizer.decode([id])`` with special tokens kept, as vLLM names tokens in
+logprobs (U+FFFD where the token's bytes are not valid UTF-8 alone; a SentencePiece word keeps
+the leading space decode strips from a lone token, as vLLM restores it); its bytes are the
+UTF-8 it adds to the text, as OpenAI's logprobs ``bytes``: on byte-level BPE the token's own
+bytes (a part of a character split across tokens included), elsewhere the UTF-8 of its text
+(a byte-fallback token ``<0xXX>``: that byte).
+
 Stop strings (design note). A sequence stops as soon as its text contains a stop string: the
 match that ends first wins, and of matches ending at the same character the longest. The text
 is cut just before it (just after it with include_stop_str_in_output); nothing after the cut is
@@ -32,11 +40,14 @@ text, so each call costs O(new text + window), not O(text).
 from __future__ import annotations
 
 import functools
+import re
 from codecs import utf_8_decode
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import tokenizers
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.outputs import TokenLogprob
 from tokenizers import decoders, models
 from transformers import PreTrainedTokenizerBase
 
@@ -206,6 +217,62 @@ class DetokenizerState:
         return self._emitted[0] if self._emitted else ""
 
 
+#: A byte-fallback token (SentencePiece's ``<0xE4>``): one raw byte.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+#: SentencePiece's (Metaspace's) mark of a word that follows a space.
+_SPACE_MARKER = "\u2581"
+
+
+class TokenNames:
+    """Each token's text and bytes as logprobs name it (see the module note), by id."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        pieces: list[str | bytes | None] | None,
+        added: dict[int, str],
+    ) -> None:
+        self.tokenizer = tokenizer
+        #: Byte-level BPE: every id's piece (its text if valid UTF-8 alone, else its bytes) and
+        #: the added tokens' text; None on other tokenizers, which decode each id once.
+        self._pieces = pieces
+        self._added = added
+        self._names: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        name = self._names.get(token_id)
+        if name is None:
+            name = self._names[token_id] = self._name(token_id)
+        return name
+
+    def name(self, logprobs: Iterable[TokenLogprob]) -> None:
+        """Fill in each entry's token, token_bytes and top_tokens."""
+        for entry in logprobs:
+            entry.token, entry.token_bytes = self(entry.token_id)
+            entry.top_tokens = [self(token_id) for token_id, _ in entry.top]
+
+    def _name(self, token_id: int) -> tuple[str, bytes]:
+        if self._pieces is None:
+            return self._decoded_name(token_id)
+        if token_id in self._added:
+            text = self._added[token_id]
+            return text, text.encode()
+        piece = self._pieces[token_id] if 0 <= token_id < len(self._pieces) else None
+        if isinstance(piece, bytes):
+            return utf_8_decode(piece, "replace", True)[0], piece
+        return (piece, piece.encode()) if piece else ("", b"")
+
+    def _decoded_name(self, token_id: int) -> tuple[str, bytes]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        assert isinstance(text, str)
+        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        if byte := _BYTE_TOKEN.fullmatch(piece):
+            return text, bytes([int(byte.group(1), 16)])
+        if piece.startswith(_SPACE_MARKER) and not text.startswith(" "):
+            text = " " + text  # decode strips a lone word's leading space; the text has it
+        return text, text.encode()
+
+
 class Detokenizer:
     """Turns each sequence's new token ids into text deltas; one per engine."""
 
@@ -215,8 +282,12 @@ class Detokenizer:
         #: Fast-path pieces per skip_special_tokens value, or None on the generic path.
         self._pieces: dict[bool, list[str | bytes | None]] | None = None
         self._added: dict[int, str] = {}
-        if tables is not None:
+        if tables is None:
+            #: What logprobs call each token.
+            self.token_names = TokenNames(tokenizer, None, {})
+        else:
             pieces, added, special_ids = tables
+            self.token_names = TokenNames(tokenizer, pieces, added)
             keep = list(pieces)
             for token_id in added:
                 keep[token_id] = None
