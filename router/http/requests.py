@@ -15,6 +15,16 @@ its `json_schema` (`_response_format`); vLLM's extra fields `guided_json`, `guid
 `guided_choice` and `guided_grammar` map onto json_schema, regex, choice and grammar.
 `logit_bias` (token ids as JSON strings) is the config's own.
 
+Echo and prompt logprobs (completions): ``echo`` starts each choice with its prompt, and with
+``logprobs: N`` its logprobs start with the prompt's tokens (the first has none), as OpenAI's
+legacy API does; the worker scores the prompt (`GenerationConfig.prompt_logprobs`, N unless
+vLLM's ``prompt_logprobs`` field says otherwise, as vLLM does). ``max_tokens: 0`` with echo
+scores the prompt alone: the worker, which always generates at least one token, is asked for
+one, and the door drops it (vLLM's way). A prompt of token ids is echoed as the worker decodes
+it, which comes beside the prompt logprobs (asked for with N = 0 when only the text is
+wanted). vLLM's ``prompt_logprobs`` extra field (both endpoints, not with streams) returns the
+prompt's logprobs in vLLM's shape too.
+
 Beam search: vLLM's extra fields `num_beams`, `length_penalty` and `early_stopping` (true,
 false or "never") are the config's own too; `n` says how many of the best beams come back,
 as the choices, best first, each whole in the one event a beam search streams per choice.
@@ -22,6 +32,7 @@ as the choices, best first, each whole in the one event a beam search streams pe
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -77,7 +88,16 @@ GUIDED_FIELDS = {
 IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 #: Fields every endpoint reads itself (not config fields).
 COMMON_FIELDS = frozenset(
-    {"model", "stream", "stream_options", "priority", "max_tokens", "logprobs", *GUIDED_FIELDS}
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "priority",
+        "max_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        *GUIDED_FIELDS,
+    }
 )
 CHAT_FIELDS = frozenset(
     {
@@ -115,6 +135,13 @@ class ApiRequest:
     logprobs: bool
     #: headrace field → the OpenAI param that set it (for errors named by router or worker).
     params: Mapping[str, str] = field(default_factory=dict)
+    #: Completions' ``echo``: each choice starts with its prompt (and its logprobs, with
+    #: `logprobs`).
+    echo: bool = False
+    #: ``echo`` with ``max_tokens: 0``: the prompt alone; the one token generated is dropped.
+    prompt_only: bool = False
+    #: vLLM's ``prompt_logprobs`` field: return the prompt's logprobs in vLLM's shape.
+    prompt_logprobs: bool = False
 
     def param(self, headrace_field: str) -> str | None:
         """The OpenAI param behind a headrace field name (``config.top_p`` → ``top_p``)."""
@@ -150,25 +177,64 @@ def parse_chat(body: Any, default_max_tokens: int) -> ApiRequest:
     options["max_tokens"] = fields.get(max_name, default_max_tokens)
     params["max_tokens"] = max_name
     _response_format(fields.get("response_format"), options, params)
-    return _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
+    wants_prompt_logprobs = _prompt_logprobs(fields, options, params)
+    api = _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
+    return dataclasses.replace(api, prompt_logprobs=wants_prompt_logprobs)
 
 
 def parse_completion(body: Any) -> ApiRequest:
-    """A ``/v1/completions`` body: prompt as text or token ids (or a list of either), echo off."""
+    """A ``/v1/completions`` body: prompt as text or token ids (or a list of either)."""
     fields = _fields(body, COMPLETION_FIELDS)
-    if _typed(fields, "echo", bool, False):
-        raise InvalidArgumentError("echo", "echo is not supported (the prompt is not returned)")
+    echo = _typed(fields, "echo", bool, False)
     if fields.get("suffix") not in (None, ""):
         raise InvalidArgumentError("suffix", "suffix (insertion) is not supported")
     prompts = completion_prompts(fields.get("prompt"))
     logprobs = fields.get("logprobs")
     options: dict[str, object] = {"logprobs": logprobs}
-    options["max_tokens"] = fields.get("max_tokens", COMPLETION_MAX_TOKENS)
+    max_tokens = fields.get("max_tokens", COMPLETION_MAX_TOKENS)
+    prompt_only = echo and type(max_tokens) is int and max_tokens == 0
+    options["max_tokens"] = 1 if prompt_only else max_tokens
     best_of = fields.get("best_of")
     if best_of is not None and best_of != fields.get("n", 1):
         raise InvalidArgumentError("best_of", "must equal n (best-of selection is not supported)")
     params = {"chat": "prompt", "prompt_token_ids": "prompt"}
-    return _request(Endpoint.COMPLETION, fields, prompts, options, params, logprobs is not None)
+    wants_prompt_logprobs = _prompt_logprobs(fields, options, params)
+    if echo and options.get("prompt_logprobs") is None:
+        _echo_prompt_logprobs(logprobs, prompts, options, params)
+    api = _request(Endpoint.COMPLETION, fields, prompts, options, params, logprobs is not None)
+    return dataclasses.replace(
+        api, echo=echo, prompt_only=prompt_only, prompt_logprobs=wants_prompt_logprobs
+    )
+
+
+def _prompt_logprobs(
+    fields: dict[str, Any], options: dict[str, object], params: dict[str, str]
+) -> bool:
+    """vLLM's ``prompt_logprobs`` field onto the config; whether the prompt's logprobs are to be
+    returned. Not with a stream (vLLM refuses N > 0 there and ignores 0)."""
+    value = fields.get("prompt_logprobs")
+    if value is None:
+        return False
+    if _typed(fields, "stream", bool, False):
+        if value == 0 and type(value) is int:
+            return False
+        raise InvalidArgumentError("prompt_logprobs", "is not available with stream: true")
+    options["prompt_logprobs"] = value
+    params["prompt_logprobs"] = "prompt_logprobs"
+    return True
+
+
+def _echo_prompt_logprobs(
+    logprobs: Any, prompts: tuple[Prompt, ...], options: dict[str, object], params: dict[str, str]
+) -> None:
+    """What echo needs of the worker: the prompt's logprobs with `logprobs: N` (top N), and the
+    text of a prompt of token ids (which comes with them: top 0 if nothing else asks)."""
+    if logprobs is not None:
+        options["prompt_logprobs"] = logprobs
+        params["prompt_logprobs"] = "logprobs"
+    elif not all(isinstance(prompt, str) for prompt in prompts):
+        options["prompt_logprobs"] = 0
+        params["prompt_logprobs"] = "echo"
 
 
 def _fields(body: Any, endpoint_fields: frozenset[str]) -> dict[str, Any]:
