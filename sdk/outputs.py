@@ -29,8 +29,9 @@ class TokenLogprob:
     logprob: float
     #: The N most likely (token_id, logprob) at this position, most likely first.
     top: list[tuple[int, float]] = field(default_factory=list)
-    #: The token's text: the tokenizer's decode of it alone, special tokens kept (U+FFFD
-    #: where its bytes are not valid UTF-8 alone). "" where the server did not name tokens.
+    #: The token's text: the tokenizer's decode of it alone, special tokens kept; a token
+    #: inside a character split across tokens reads "" and the one that completes it the whole
+    #: character (as vLLM reads them). "" where the server did not name tokens.
     token: str = ""
     #: The UTF-8 bytes it adds to the text (a part of a character split across tokens is its
     #: raw bytes, so consecutive tokens' bytes join into the text).

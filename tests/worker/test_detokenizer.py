@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.outputs import TokenLogprob
 from headrace.worker.sampling.detokenizer import PROMPT_TAIL_TOKENS, Detokenizer, TextDelta
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -450,6 +451,51 @@ def test_a_byte_fallback_token_is_named_by_its_byte():
     names = detokenizer("metaspace").token_names
     (first, *_) = char_ids(tok, "日")
     assert names(first) == ("\ufffd", "日".encode()[:1])
+
+
+def named_in_sequence(names, token_ids: list[int], **top) -> list[TokenLogprob]:
+    """Each token named as the engine names it: with the tokens before it."""
+    entries = [TokenLogprob(token_id, 0.0, top.get("top", [])) for token_id in token_ids]
+    for position, entry in enumerate(entries):
+        names.name(entry, token_ids[:position])
+    return entries
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
+def test_a_character_split_across_tokens_is_named_by_the_token_that_completes_it(name: str):
+    tok, names = TOKENIZERS[name](), detokenizer(name).token_names
+    token_ids = [*tok.encode("ok", add_special_tokens=False), *single_byte_ids(tok, "日")]
+    entries = named_in_sequence(names, token_ids)
+    assert [e.token for e in entries[-3:]] == ["", "", "日"]  # vLLM's reading
+    assert b"".join(e.token_bytes for e in entries[-3:]) == "日".encode()  # OpenAI's bytes
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
+def test_the_names_of_a_sequences_tokens_join_into_its_text(name: str):
+    tok, names = TOKENIZERS[name](), detokenizer(name).token_names
+    rng = random.Random(name)
+    texts = ["naïve " + MULTI_BYTE + " café", "日本語のテキスト 🙂 and more 🙂🙂"]
+    sequences = [tok.encode(text, add_special_tokens=False) for text in texts]
+    sequences += [random_output(rng, tok) for _ in range(NUM_TRIALS)]  # invalid UTF-8 too
+    for token_ids in sequences:
+        entries = named_in_sequence(names, token_ids)
+        want = decode(tok, token_ids, skip=False)
+        joined = "".join(e.token for e in entries)
+        if name == "metaspace":  # a first word keeps its space, which decode strips
+            joined = joined.removeprefix(" ")
+        # decode ends an unfinished last character with U+FFFD; the names wait for its end.
+        assert joined in (want, want.removesuffix("\ufffd")), token_ids
+        if name == "byte_level":
+            assert b"".join(e.token_bytes for e in entries).decode("utf-8", "replace") == want
+
+
+def test_an_alternative_is_read_in_the_sequence_of_the_chosen_token():
+    tok, names = byte_level_tokenizer(), detokenizer("byte_level").token_names
+    *start, last = single_byte_ids(tok, "日")
+    entry = TokenLogprob(last, 0.0, [(last, 0.0), (start[0], -1.0)])
+    names.name(entry, start)
+    # The other would break the character begun: its bytes would read U+FFFD, as decode shows.
+    assert entry.token == "日" and [text for text, _ in entry.top_tokens] == ["日", "\ufffd"]
 
 
 # --- a real vocab ---------------------------------------------------------------------------

@@ -406,7 +406,7 @@ class Engine:
             text = self.detokenizer.add_tokens(seq.detok_state, [token_id])
             hit_stop = text.stop_string is not None
             if logprob is not None:
-                self.detokenizer.token_names.name([logprob])
+                self.detokenizer.token_names.name(logprob, seq.token_ids)
             sampled.append(SampledToken(seq, token_id, logprob, text.text, hit_stop))
         return sampled
 
@@ -462,9 +462,9 @@ class Engine:
         no logprob), and the prompt's text."""
         names = self.detokenizer.token_names
         assert output.prompt_logprobs is not None
-        names.name(output.prompt_logprobs)
+        names.name_prompt(output.prompt_logprobs, prompt_token_ids)
         first = TokenLogprob(prompt_token_ids[0], 0.0)
-        names.name([first])
+        names.name(first, [])
         output.first_prompt_token = first
         text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         assert isinstance(text, str)

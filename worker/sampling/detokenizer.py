@@ -18,13 +18,17 @@ What the deltas of one sequence add up to (deltas + `finish()`, when no stop str
   on later ones (ByteFallback turning a whole invalid byte run into U+FFFDs, clean-up of " .")
   can differ from the one-shot decode on such sequences.
 
-Token names (`TokenNames`): what logprobs call each token, one token at a time and cached per
-id. Its text is ``tokenizer.decode([id])`` with special tokens kept, as vLLM names tokens in
-logprobs (U+FFFD where the token's bytes are not valid UTF-8 alone; a SentencePiece word keeps
-the leading space decode strips from a lone token, as vLLM restores it); its bytes are the
-UTF-8 it adds to the text, as OpenAI's logprobs ``bytes``: on byte-level BPE the token's own
-bytes (a part of a character split across tokens included), elsewhere the UTF-8 of its text
-(a byte-fallback token ``<0xXX>``: that byte).
+Token names (`TokenNames`): what logprobs call each token, as vLLM does, computed once per id.
+Its bytes are the UTF-8 it adds to the text, as OpenAI's logprobs ``bytes``: on byte-level BPE
+the token's own bytes (a part of a character included), elsewhere the UTF-8 of its text (a
+byte-fallback token ``<0xXX>``: that byte). Its text is ``tokenizer.decode([id])`` with
+special tokens kept (a SentencePiece word keeps the leading space decode strips from a lone
+token, as vLLM restores it), except where a character is split across tokens: there, as vLLM
+reads such tokens in their sequence, a token is named by the characters its bytes finish after
+the bytes the tokens before it left unfinished, so the token that completes a character
+carries it whole and the ones before it read "" (vLLM gets the same from decoding with up to 4
+preceding tokens, but loses the whole characters of a token that also starts one). A
+sequence's token names thus join into its text, as its bytes do.
 
 Stop strings (design note). A sequence stops as soon as its text contains a stop string: the
 match that ends first wins, and of matches ending at the same character the longest. The text
@@ -39,10 +43,11 @@ text, so each call costs O(new text + window), not O(text).
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 from codecs import utf_8_decode
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import tokenizers
@@ -221,6 +226,14 @@ class DetokenizerState:
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 #: SentencePiece's (Metaspace's) mark of a word that follows a space.
 _SPACE_MARKER = "\u2581"
+#: The most tokens one character's bytes span (UTF-8 has at most 4 bytes a character).
+_MAX_CHAR_TOKENS = 4
+_Utf8Decoder = codecs.getincrementaldecoder("utf-8")
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    """Holds an unfinished character's bytes; invalid bytes read U+FFFD, as decode has them."""
+    return _Utf8Decoder("replace")
 
 
 class TokenNames:
@@ -238,18 +251,60 @@ class TokenNames:
         self._pieces = pieces
         self._added = added
         self._names: dict[int, tuple[str, bytes]] = {}
+        #: Named ids whose bytes are not whole UTF-8 characters alone.
+        self._partial: set[int] = set()
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
+        """The token's name alone: decode's text and its bytes."""
         name = self._names.get(token_id)
         if name is None:
             name = self._names[token_id] = self._name(token_id)
+            try:
+                name[1].decode()
+            except UnicodeDecodeError:
+                self._partial.add(token_id)
         return name
 
-    def name(self, logprobs: Iterable[TokenLogprob]) -> None:
-        """Fill in each entry's token, token_bytes and top_tokens."""
-        for entry in logprobs:
-            entry.token, entry.token_bytes = self(entry.token_id)
-            entry.top_tokens = [self(token_id) for token_id, _ in entry.top]
+    def name(self, entry: TokenLogprob, preceding_ids: Sequence[int]) -> None:
+        """Fill in the entry's token, token_bytes and top_tokens; ``preceding_ids`` are the
+        sequence's tokens before the entry's position (the alternatives share them)."""
+        pending = self._pending(preceding_ids)
+        entry.token, entry.token_bytes = self._read(entry.token_id, pending)
+        entry.top_tokens = [self._read(token_id, pending) for token_id, _ in entry.top]
+
+    def name_prompt(self, logprobs: list[TokenLogprob], prompt_token_ids: list[int]) -> None:
+        """Name prompt logprobs: entry k scores prompt token k + 1."""
+        for k, entry in enumerate(logprobs):
+            self.name(entry, prompt_token_ids[max(0, k + 1 - _MAX_CHAR_TOKENS) : k + 1])
+
+    def _read(self, token_id: int, pending: bytes) -> tuple[str, bytes]:
+        """The token's text after ``pending`` bytes of an unfinished character: the characters
+        its bytes finish, and nothing of a character it leaves unfinished."""
+        text, data = self(token_id)
+        if pending or self._is_partial(token_id):
+            decoder = _utf8_decoder()
+            decoder.setstate((pending, 0))
+            text = decoder.decode(data)
+        return text, data
+
+    def _is_partial(self, token_id: int) -> bool:
+        """Whether the token's bytes are not whole UTF-8 characters alone."""
+        self(token_id)
+        return token_id in self._partial
+
+    def _pending(self, preceding_ids: Sequence[int]) -> bytes:
+        """The bytes of a character the preceding tokens began and did not finish."""
+        if not preceding_ids or not self._is_partial(preceding_ids[-1]):
+            return b""  # a token whole in itself ends on a character boundary
+        decoder = _utf8_decoder()
+        decoder.decode(b"".join(self(t)[1] for t in preceding_ids[-_MAX_CHAR_TOKENS:]))
+        pending: bytes = decoder.getstate()[0]
+        return pending
+
+    def _decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        assert isinstance(text, str)
+        return text
 
     def _name(self, token_id: int) -> tuple[str, bytes]:
         if self._pieces is None:
@@ -263,8 +318,7 @@ class TokenNames:
         return (piece, piece.encode()) if piece else ("", b"")
 
     def _decoded_name(self, token_id: int) -> tuple[str, bytes]:
-        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        assert isinstance(text, str)
+        text = self._decode([token_id])
         piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
         if byte := _BYTE_TOKEN.fullmatch(piece):
             return text, bytes([int(byte.group(1), 16)])
