@@ -308,7 +308,7 @@ class ResponseBuilder:
 
 def _top(entry: pb.TokenLogprob, num_top: int) -> Json:
     """A completion token's top alternatives (at most ``num_top``) and the token itself, keyed
-    by name. Distinct tokens may share a name (two parts of characters both read U+FFFD): the
+    by name. Distinct tokens may share a name (parts of characters may read "" or U+FFFD): the
     likeliest keeps it, so the top value is always the position's best and a token that was
     not chosen greedily never looks as if it was (what lm-eval's is_greedy reads)."""
     top: Json = {}

@@ -188,7 +188,7 @@ def test_logprobs_equal_the_grpc_paths(servers, client: openai.OpenAI, model: st
     # Tokens are named by the worker, on gRPC and HTTP alike.
     assert [entry.token for entry in content] == [w.token for w in want]
     assert [entry.bytes for entry in content] == [list(w.token_bytes) for w in want]
-    assert all(w.token and not w.token.startswith("token_id:") for w in want)
+    assert all(w.token_bytes and not w.token.startswith("token_id:") for w in want)
     assert [entry.logprob for entry in content] == pytest.approx([w.logprob for w in want])
     for entry, expected in zip(content, want, strict=True):
         assert [t.token for t in entry.top_logprobs] == [text for text, _ in expected.top_tokens]
