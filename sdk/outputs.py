@@ -29,6 +29,18 @@ class TokenLogprob:
     logprob: float
     #: The N most likely (token_id, logprob) at this position, most likely first.
     top: list[tuple[int, float]] = field(default_factory=list)
+    #: The token's text: the tokenizer's decode of it alone, special tokens kept; a token
+    #: inside a character split across tokens reads "" and the one that completes it the whole
+    #: character (as vLLM reads them). "" where the server did not name tokens.
+    token: str = ""
+    #: The UTF-8 bytes it adds to the text (a part of a character split across tokens is its
+    #: raw bytes, so consecutive tokens' bytes join into the text).
+    token_bytes: bytes = b""
+    #: How many tokens at this position have a logprob at least its own (itself included;
+    #: 1 = the most likely); 0 where not computed.
+    rank: int = 0
+    #: The (text, bytes) of each `top` entry, in its order; empty where not named.
+    top_tokens: list[tuple[str, bytes]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -69,6 +81,10 @@ class StreamChunk(SampleDelta):
     usage: Usage | None = None
     #: Once, when config.prompt_logprobs was set.
     prompt_logprobs: list[TokenLogprob] | None = None
+    #: With prompt_logprobs: the prompt's first token (which has no logprob: 0, and no top),
+    #: and the prompt as the tokenizer decodes it (special tokens kept).
+    first_prompt_token: TokenLogprob | None = None
+    prompt_text: str | None = None
     #: The version of the weights that produced this chunk.
     weight_version: str = ""
 
@@ -98,6 +114,9 @@ class GenerationResult:
     outputs: list[Completion]
     usage: Usage = field(default_factory=Usage)
     prompt_logprobs: list[TokenLogprob] | None = None
+    #: With prompt_logprobs: the prompt's first token and the prompt's text (see `StreamChunk`).
+    first_prompt_token: TokenLogprob | None = None
+    prompt_text: str | None = None
     error: HeadraceError | None = None
     #: The version of the weights that produced its last chunk (a request kept through a
     #: weight update shows the new one; each streamed chunk carries its own).
@@ -145,12 +164,18 @@ class GenerationResult:
         usage: Usage | None = None,
         error: HeadraceError | None = None,
         weight_version: str = "",
+        first_prompt_token: TokenLogprob | None = None,
+        prompt_text: str | None = None,
     ) -> None:
         """Record the request-level fields a step delivered (None / "": not in this step)."""
         if weight_version:
             self.weight_version = weight_version
         if prompt_logprobs is not None:
             self.prompt_logprobs = prompt_logprobs
+        if first_prompt_token is not None:
+            self.first_prompt_token = first_prompt_token
+        if prompt_text is not None:
+            self.prompt_text = prompt_text
         if usage is not None:
             self.usage = usage
         if error is not None:
@@ -158,4 +183,10 @@ class GenerationResult:
 
     def add_chunk(self, chunk: StreamChunk) -> None:
         self.add(chunk)
-        self.update(chunk.prompt_logprobs, chunk.usage, weight_version=chunk.weight_version)
+        self.update(
+            chunk.prompt_logprobs,
+            chunk.usage,
+            weight_version=chunk.weight_version,
+            first_prompt_token=chunk.first_prompt_token,
+            prompt_text=chunk.prompt_text,
+        )

@@ -242,21 +242,44 @@ def request_from_wire(wire: pb.Request) -> ParsedRequest:
 
 
 def logprobs_to_wire(logprobs: Iterable[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=entry.token_id,
-            logprob=entry.logprob,
-            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top],
-        )
-        for entry in logprobs
+    return [logprob_to_wire(entry) for entry in logprobs]
+
+
+def logprob_to_wire(entry: TokenLogprob) -> pb.TokenLogprob:
+    """Token names travel where the entry has them (`top_tokens` parallel to `top`)."""
+    names = entry.top_tokens or [("", b"")] * len(entry.top)
+    top = [
+        pb.TopLogprob(token_id=t, logprob=lp, token=text, token_bytes=data)
+        for (t, lp), (text, data) in zip(entry.top, names, strict=True)
     ]
+    return pb.TokenLogprob(
+        token_id=entry.token_id,
+        logprob=entry.logprob,
+        top=top,
+        token=entry.token,
+        token_bytes=entry.token_bytes,
+        rank=entry.rank,
+    )
 
 
 def logprobs_from_wire(wire: Iterable[pb.TokenLogprob]) -> list[TokenLogprob]:
-    return [
-        TokenLogprob(entry.token_id, entry.logprob, [(t.token_id, t.logprob) for t in entry.top])
-        for entry in wire
-    ]
+    return [logprob_from_wire(entry) for entry in wire]
+
+
+def logprob_from_wire(wire: pb.TokenLogprob) -> TokenLogprob:
+    """`top_tokens` stays empty when the server named no alternative (an older server)."""
+    top_tokens = [(t.token, t.token_bytes) for t in wire.top]
+    if not any(text or data for text, data in top_tokens):
+        top_tokens = []
+    return TokenLogprob(
+        wire.token_id,
+        wire.logprob,
+        [(t.token_id, t.logprob) for t in wire.top],
+        token=wire.token,
+        token_bytes=wire.token_bytes,
+        rank=wire.rank,
+        top_tokens=top_tokens,
+    )
 
 
 def usage_to_wire(usage: Usage) -> pb.Usage:
@@ -274,6 +297,8 @@ def usage_from_wire(wire: pb.Usage) -> Usage:
 def chunk_from_wire(wire: pb.Chunk) -> StreamChunk:
     """The chunk in SDK types (its in-band error, if any, is read by the caller)."""
     usage = usage_from_wire(wire.usage) if wire.HasField("usage") else None
+    # A one-token prompt's logprobs are none: the first prompt token says they came.
+    has_prompt_logprobs = bool(wire.prompt_logprobs) or wire.HasField("first_prompt_token")
     return StreamChunk(
         request_id=wire.request_id,
         index=wire.index,
@@ -283,7 +308,13 @@ def chunk_from_wire(wire: pb.Chunk) -> StreamChunk:
         finish_reason=finish_reason_from_wire(wire.finish_reason),
         finished=wire.finished,
         usage=usage,
-        prompt_logprobs=logprobs_from_wire(wire.prompt_logprobs) if wire.prompt_logprobs else None,
+        prompt_logprobs=logprobs_from_wire(wire.prompt_logprobs) if has_prompt_logprobs else None,
+        first_prompt_token=(
+            logprob_from_wire(wire.first_prompt_token)
+            if wire.HasField("first_prompt_token")
+            else None
+        ),
+        prompt_text=wire.prompt_text if wire.HasField("first_prompt_token") else None,
         weight_version=wire.weight_version,
         cumulative_logprob=_optional(wire, "cumulative_logprob"),
         beam_score=_optional(wire, "beam_score"),

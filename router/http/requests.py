@@ -19,6 +19,16 @@ Tool calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become the 
 chat template is offered, the output constraint of ``required`` or a named function, and the
 `ToolCalling` the response is parsed with (`tools.py`, `tool_calls.py`).
 
+Echo and prompt logprobs (completions): ``echo`` starts each choice with its prompt, and with
+``logprobs: N`` its logprobs start with the prompt's tokens (the first has none), as OpenAI's
+legacy API does; the worker scores the prompt (`GenerationConfig.prompt_logprobs`, N unless
+vLLM's ``prompt_logprobs`` field says otherwise, as vLLM does). ``max_tokens: 0`` with echo
+scores the prompt alone: the worker, which always generates at least one token, is asked for
+one, and the door drops it (vLLM's way). A prompt of token ids is echoed as the worker decodes
+it, which comes beside the prompt logprobs (asked for with N = 0 when only the text is
+wanted). vLLM's ``prompt_logprobs`` extra field (both endpoints, not with streams) returns the
+prompt's logprobs in vLLM's shape too.
+
 Beam search: vLLM's extra fields `num_beams`, `length_penalty` and `early_stopping` (true,
 false or "never") are the config's own too; `n` says how many of the best beams come back,
 as the choices, best first, each whole in the one event a beam search streams per choice.
@@ -126,7 +136,16 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, tuple[object, ...]] = {
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats", "include_obfuscation"})
 #: Fields every endpoint reads itself (not config fields).
 COMMON_FIELDS = frozenset(
-    {"model", "stream", "stream_options", "priority", "max_tokens", "logprobs", *GUIDED_FIELDS}
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "priority",
+        "max_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        *GUIDED_FIELDS,
+    }
 )
 CHAT_FIELDS = frozenset(
     {
@@ -169,6 +188,13 @@ class ApiRequest:
     #: Streaming with include_usage: every chunk carries its choice's usage so far (vLLM's
     #: ``continuous_usage_stats``).
     continuous_usage: bool = False
+    #: Completions' ``echo``: each choice starts with its prompt (and its logprobs, with
+    #: `logprobs`).
+    echo: bool = False
+    #: ``echo`` with ``max_tokens: 0``: the prompt alone; the one token generated is dropped.
+    prompt_only: bool = False
+    #: vLLM's ``prompt_logprobs`` field: return the prompt's logprobs in vLLM's shape.
+    prompt_logprobs: bool = False
 
     def param(self, headrace_field: str) -> str | None:
         """The OpenAI param behind a headrace field name (``config.top_p`` → ``top_p``)."""
@@ -222,26 +248,64 @@ def parse_chat(body: Any, default_max_tokens: int, tool_call_format: str = "") -
     params["max_tokens"] = max_name
     _response_format(fields.get("response_format"), options, params)
     _tool_constraint(tools, fields, options, params)
+    wants_prompt_logprobs = _prompt_logprobs(fields, options, params)
     api = _request(Endpoint.CHAT, fields, (prompt,), options, params, logprobs)
-    return dataclasses.replace(api, tool_calls=tools.calling) if tools.calling else api
+    return dataclasses.replace(api, tool_calls=tools.calling, prompt_logprobs=wants_prompt_logprobs)
 
 
 def parse_completion(body: Any) -> ApiRequest:
-    """A ``/v1/completions`` body: prompt as text or token ids (or a list of either), echo off."""
+    """A ``/v1/completions`` body: prompt as text or token ids (or a list of either)."""
     fields = _fields(body, COMPLETION_FIELDS)
-    if _typed(fields, "echo", bool, False):
-        raise InvalidArgumentError("echo", "echo is not supported (the prompt is not returned)")
+    echo = _typed(fields, "echo", bool, False)
     if fields.get("suffix") not in (None, ""):
         raise InvalidArgumentError("suffix", "suffix (insertion) is not supported")
     prompts = completion_prompts(fields.get("prompt"))
     logprobs = fields.get("logprobs")
     options: dict[str, object] = {"logprobs": logprobs}
-    options["max_tokens"] = fields.get("max_tokens", COMPLETION_MAX_TOKENS)
+    max_tokens = fields.get("max_tokens", COMPLETION_MAX_TOKENS)
+    prompt_only = echo and type(max_tokens) is int and max_tokens == 0
+    options["max_tokens"] = 1 if prompt_only else max_tokens
     best_of = fields.get("best_of")
     if best_of is not None and best_of != fields.get("n", 1):
         raise InvalidArgumentError("best_of", "must equal n (best-of selection is not supported)")
     params = {"chat": "prompt", "prompt_token_ids": "prompt"}
-    return _request(Endpoint.COMPLETION, fields, prompts, options, params, logprobs is not None)
+    wants_prompt_logprobs = _prompt_logprobs(fields, options, params)
+    if echo and options.get("prompt_logprobs") is None:
+        _echo_prompt_logprobs(logprobs, prompts, options, params)
+    api = _request(Endpoint.COMPLETION, fields, prompts, options, params, logprobs is not None)
+    return dataclasses.replace(
+        api, echo=echo, prompt_only=prompt_only, prompt_logprobs=wants_prompt_logprobs
+    )
+
+
+def _prompt_logprobs(
+    fields: dict[str, Any], options: dict[str, object], params: dict[str, str]
+) -> bool:
+    """vLLM's ``prompt_logprobs`` field onto the config; whether the prompt's logprobs are to be
+    returned. Not with a stream (vLLM refuses N > 0 there and ignores 0)."""
+    value = fields.get("prompt_logprobs")
+    if value is None:
+        return False
+    if _typed(fields, "stream", bool, False):
+        if value == 0 and type(value) is int:
+            return False
+        raise InvalidArgumentError("prompt_logprobs", "is not available with stream: true")
+    options["prompt_logprobs"] = value
+    params["prompt_logprobs"] = "prompt_logprobs"
+    return True
+
+
+def _echo_prompt_logprobs(
+    logprobs: Any, prompts: tuple[Prompt, ...], options: dict[str, object], params: dict[str, str]
+) -> None:
+    """What echo needs of the worker: the prompt's logprobs with `logprobs: N` (top N), and the
+    text of a prompt of token ids (which comes with them: top 0 if nothing else asks)."""
+    if logprobs is not None:
+        options["prompt_logprobs"] = logprobs
+        params["prompt_logprobs"] = "logprobs"
+    elif not all(isinstance(prompt, str) for prompt in prompts):
+        options["prompt_logprobs"] = 0
+        params["prompt_logprobs"] = "echo"
 
 
 def _fields(body: Any, endpoint_fields: frozenset[str]) -> dict[str, Any]:

@@ -185,10 +185,13 @@ def test_logprobs_equal_the_grpc_paths(servers, client: openai.OpenAI, model: st
         "max_tokens": 5},
     )  # fmt: skip
     content = got.choices[0].logprobs.content  # type: ignore[union-attr]
-    assert [entry.token for entry in content] == [f"token_id:{w.token_id}" for w in want]
+    # Tokens are named by the worker, on gRPC and HTTP alike.
+    assert [entry.token for entry in content] == [w.token for w in want]
+    assert [entry.bytes for entry in content] == [list(w.token_bytes) for w in want]
+    assert all(w.token_bytes and not w.token.startswith("token_id:") for w in want)
     assert [entry.logprob for entry in content] == pytest.approx([w.logprob for w in want])
     for entry, expected in zip(content, want, strict=True):
-        assert [t.token for t in entry.top_logprobs] == [f"token_id:{t}" for t, _ in expected.top]
+        assert [t.token for t in entry.top_logprobs] == [text for text, _ in expected.top_tokens]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
             [lp for _, lp in expected.top]
         )

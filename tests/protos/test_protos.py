@@ -13,6 +13,7 @@ from headrace.protos import generation_pb2 as pb
 from headrace.sdk import wire
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.sdk.outputs import TokenLogprob
 
 
 def test_generated_code_matches_the_protos(tmp_path: Path) -> None:
@@ -125,3 +126,24 @@ def test_a_beam_chunk_carries_its_scores_and_others_none() -> None:
     assert (beam.index, beam.cumulative_logprob, beam.beam_score) == (1, -2.5, 0.0)
     plain = wire.chunk_from_wire(pb.Chunk(request_id="r", token_ids=[4]))
     assert (plain.cumulative_logprob, plain.beam_score) == (None, None)
+
+
+def test_named_logprobs_survive_the_wire_and_unnamed_ones_stay_unnamed() -> None:
+    named = TokenLogprob(7, -0.5, [(7, -0.5), (9, -1.5)], "\ufffd", b"\xe6", 1,
+                         [("\ufffd", b"\xe6"), (" the", b" the")])  # fmt: skip
+    (back,) = wire.logprobs_from_wire(wire.logprobs_to_wire([named]))
+    assert back == named
+    unnamed_entry = TokenLogprob(3, -1.0, [(4, -0.9)])
+    (unnamed,) = wire.logprobs_from_wire(wire.logprobs_to_wire([unnamed_entry]))
+    assert (unnamed.token, unnamed.token_bytes, unnamed.top_tokens) == ("", b"", [])
+
+
+def test_a_chunk_with_prompt_logprobs_carries_the_first_prompt_token_and_the_text() -> None:
+    first = pb.TokenLogprob(token_id=5, token="Hi", token_bytes=b"Hi")
+    chunk = wire.chunk_from_wire(
+        pb.Chunk(request_id="r", first_prompt_token=first, prompt_text="Hi")
+    )  # a one-token prompt: no logprobs, yet they came
+    assert chunk.prompt_logprobs == [] and chunk.prompt_text == "Hi"
+    assert chunk.first_prompt_token == TokenLogprob(5, 0.0, token="Hi", token_bytes=b"Hi")
+    plain = wire.chunk_from_wire(pb.Chunk(request_id="r", token_ids=[4]))
+    assert (plain.prompt_logprobs, plain.first_prompt_token, plain.prompt_text) == (None,) * 3

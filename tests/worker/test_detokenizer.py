@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.outputs import TokenLogprob
 from headrace.worker.sampling.detokenizer import PROMPT_TAIL_TOKENS, Detokenizer, TextDelta
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -420,6 +421,83 @@ def test_nothing_is_emitted_after_a_stop():
     assert state.text == "a " and state.stop_string == "###"
 
 
+# --- token names (logprobs) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
+def test_each_token_is_named_as_decode_shows_it_alone(name: str):
+    tok = TOKENIZERS[name]()
+    names = detokenizer(name).token_names
+    for token_id in range(len(tok)):
+        want = decode(tok, [token_id], skip=False)
+        if name == "metaspace" and tok.convert_ids_to_tokens(token_id).startswith("\u2581"):
+            want = " " + want  # a word's leading space, which decode drops from a lone token
+        assert names(token_id)[0] == want, token_id
+    assert names(len(tok) + 1) == ("", b"")  # past the vocab: no token
+
+
+def test_byte_level_token_bytes_join_into_the_text_across_split_characters():
+    tok = byte_level_tokenizer()
+    names = detokenizer("byte_level").token_names
+    ids = tok.encode("naïve " + MULTI_BYTE + " <tool> café")
+    assert b"".join(names(i)[1] for i in ids).decode() == decode(tok, ids, skip=False)
+    split = [i for i in ids if names(i)[0] == "\ufffd"]
+    assert split, "the text must have a character split across tokens"
+    assert all(len(names(i)[1]) < 4 for i in split)  # part of a character: its raw bytes
+
+
+def test_a_byte_fallback_token_is_named_by_its_byte():
+    tok = metaspace_tokenizer()
+    names = detokenizer("metaspace").token_names
+    (first, *_) = char_ids(tok, "日")
+    assert names(first) == ("\ufffd", "日".encode()[:1])
+
+
+def named_in_sequence(names, token_ids: list[int], **top) -> list[TokenLogprob]:
+    """Each token named as the engine names it: with the tokens before it."""
+    entries = [TokenLogprob(token_id, 0.0, top.get("top", [])) for token_id in token_ids]
+    for position, entry in enumerate(entries):
+        names.name(entry, token_ids[:position])
+    return entries
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
+def test_a_character_split_across_tokens_is_named_by_the_token_that_completes_it(name: str):
+    tok, names = TOKENIZERS[name](), detokenizer(name).token_names
+    token_ids = [*tok.encode("ok", add_special_tokens=False), *single_byte_ids(tok, "日")]
+    entries = named_in_sequence(names, token_ids)
+    assert [e.token for e in entries[-3:]] == ["", "", "日"]  # vLLM's reading
+    assert b"".join(e.token_bytes for e in entries[-3:]) == "日".encode()  # OpenAI's bytes
+
+
+@pytest.mark.parametrize("name", ["byte_level", "metaspace"])
+def test_the_names_of_a_sequences_tokens_join_into_its_text(name: str):
+    tok, names = TOKENIZERS[name](), detokenizer(name).token_names
+    rng = random.Random(name)
+    texts = ["naïve " + MULTI_BYTE + " café", "日本語のテキスト 🙂 and more 🙂🙂"]
+    sequences = [tok.encode(text, add_special_tokens=False) for text in texts]
+    sequences += [random_output(rng, tok) for _ in range(NUM_TRIALS)]  # invalid UTF-8 too
+    for token_ids in sequences:
+        entries = named_in_sequence(names, token_ids)
+        want = decode(tok, token_ids, skip=False)
+        joined = "".join(e.token for e in entries)
+        if name == "metaspace":  # a first word keeps its space, which decode strips
+            joined = joined.removeprefix(" ")
+        # decode ends an unfinished last character with U+FFFD; the names wait for its end.
+        assert joined in (want, want.removesuffix("\ufffd")), token_ids
+        if name == "byte_level":
+            assert b"".join(e.token_bytes for e in entries).decode("utf-8", "replace") == want
+
+
+def test_an_alternative_is_read_in_the_sequence_of_the_chosen_token():
+    tok, names = byte_level_tokenizer(), detokenizer("byte_level").token_names
+    *start, last = single_byte_ids(tok, "日")
+    entry = TokenLogprob(last, 0.0, [(last, 0.0), (start[0], -1.0)])
+    names.name(entry, start)
+    # The other would break the character begun: its bytes would read U+FFFD, as decode shows.
+    assert entry.token == "日" and [text for text, _ in entry.top_tokens] == ["日", "\ufffd"]
+
+
 # --- a real vocab ---------------------------------------------------------------------------
 
 
@@ -446,3 +524,5 @@ def test_smollm2_tokenizer_takes_the_fast_path_and_matches_decode():
             output.insert(rng.randrange(len(output)), rng.randrange(17))  # a special token
             _, text = stream(det, [], random_chunks(rng, output), config)
             assert text == decode(tok, output, skip), output
+    names = det.token_names
+    assert all(names(i)[0] == decode(tok, [i], skip=False) for i in range(len(tok)))

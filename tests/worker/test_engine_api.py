@@ -103,6 +103,40 @@ def test_logprobs_match_the_oracle_distribution(llm, ckpt, expected):
         assert len(lp.top) == 2
 
 
+def test_logprobs_name_their_tokens_as_the_tokenizer_decodes_each(llm, expected):
+    result = llm.generate([PROMPT], greedy(logprobs=2, prompt_logprobs=1))[0]
+    tokenizer = llm.engine.tokenizer
+
+    def decode(token_ids: list[int]) -> str:
+        return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    first = result.first_prompt_token
+    assert first is not None and (first.token_id, first.token) == (PROMPT[0], decode(PROMPT[:1]))
+    assert result.logprobs is not None and result.prompt_logprobs is not None
+    entries = [first, *result.prompt_logprobs, *result.logprobs]
+    # Each token alone as decode shows it, a part of a character read in its sequence: the
+    # names join into the text (an unfinished last character aside), and the bytes too.
+    text = decode(PROMPT + expected)
+    assert "".join(lp.token for lp in entries) in (text, text.removesuffix("\ufffd"))
+    assert b"".join(lp.token_bytes for lp in entries).decode("utf-8", "replace") == text
+    for lp in entries[1:]:
+        for (token_id, _), (text, data) in zip(lp.top, lp.top_tokens, strict=True):
+            assert data.decode("utf-8", "replace") == decode([token_id])
+            assert text == decode([token_id]) or "\ufffd" in decode([token_id])
+        # The rank counts tokens at least as likely: the top alternative's own is 1.
+        assert lp.rank >= 1 and (lp.rank == 1) == (lp.token_id == lp.top[0][0])
+    assert result.prompt_text == decode(PROMPT)
+    plain = llm.generate([PROMPT], greedy(logprobs=0))[0]
+    assert plain.first_prompt_token is None and plain.prompt_text is None
+
+
+def test_a_one_token_prompt_has_no_prompt_logprobs_but_its_first_token(llm):
+    result = llm.generate([PROMPT[:1]], greedy(max_tokens=1, prompt_logprobs=0))[0]
+    assert result.prompt_logprobs == []
+    assert result.first_prompt_token is not None
+    assert result.first_prompt_token.token_id == PROMPT[0]
+
+
 @pytest.mark.parametrize(
     ("prompt", "field"),
     [

@@ -455,6 +455,13 @@ def test_prompt_logprobs_score_each_next_prompt_token() -> None:
     assert compute_prompt_logprobs(logits, target_ids, num_top=0)[0].top == []
 
 
+def test_a_logprobs_rank_counts_the_tokens_at_least_as_likely() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 1.0, 2.0], [5.0, 1.0, 1.0, 0.0, 0.0]])
+    scored = compute_prompt_logprobs(logits, torch.tensor([2, 0]), num_top=1)
+    # Row 0: tokens 1 and 4 beat token 2, token 3 ties it (vLLM counts >=): rank 4.
+    assert [s.rank for s in scored] == [4, 1]
+
+
 def test_all_banned_row_still_draws_a_token() -> None:
     """min_tokens may hold back every token of a tiny vocab; the draw must not fail."""
     seqs = [make_seq([0], stop_token_ids=(0, 1, 2), min_tokens=1, seed=1)]

@@ -406,6 +406,8 @@ class Engine:
                 continue
             text = self.detokenizer.add_tokens(seq.detok_state, [token_id])
             hit_stop = text.stop_string is not None
+            if logprob is not None:
+                self.detokenizer.token_names.name(logprob, seq.token_ids)
             sampled.append(SampledToken(seq, token_id, logprob, text.text, hit_stop))
         return sampled
 
@@ -449,10 +451,25 @@ class Engine:
                 output.prompt_token_ids = request.prompt_token_ids
                 request.prompt_token_ids_sent = True
             output.prompt_logprobs = request.take_prompt_logprobs()
+            if output.prompt_logprobs is not None:
+                self._name_prompt(request.prompt_token_ids, output)
             if request.is_finished:
                 del self._requests[request_id]
                 self._finalize(request, output)
         return list(outputs.values())
+
+    def _name_prompt(self, prompt_token_ids: list[int], output: RequestOutput) -> None:
+        """Name the prompt's tokens beside its logprobs: each scored one, the first (which has
+        no logprob), and the prompt's text."""
+        names = self.detokenizer.token_names
+        assert output.prompt_logprobs is not None
+        names.name_prompt(output.prompt_logprobs, prompt_token_ids)
+        first = TokenLogprob(prompt_token_ids[0], 0.0)
+        names.name(first, [])
+        output.first_prompt_token = first
+        text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        assert isinstance(text, str)
+        output.prompt_text = text
 
     def _finalize(self, request: EngineRequest, output: RequestOutput) -> None:
         output.finished = True

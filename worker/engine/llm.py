@@ -204,7 +204,14 @@ def apply_output(result: GenerationResult, output: RequestOutput) -> None:
     """Fold one engine step's output for a request into its result."""
     for delta in output.samples:
         result.add(delta)
-    result.update(output.prompt_logprobs, output.usage, output.error, output.weight_version)
+    result.update(
+        output.prompt_logprobs,
+        output.usage,
+        output.error,
+        output.weight_version,
+        output.first_prompt_token,
+        output.prompt_text,
+    )
 
 
 def _as_batch(prompts: Prompt | list[Prompt]) -> list[Prompt]:

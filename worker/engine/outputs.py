@@ -39,6 +39,10 @@ class RequestOutput:
     finished: bool = False
     #: Logprob of each prompt token after the first, once the prompt is fully scored.
     prompt_logprobs: list[TokenLogprob] | None = None
+    #: With prompt_logprobs: the prompt's first token, named (it has no logprob: 0), and the
+    #: prompt as the tokenizer decodes it (special tokens kept).
+    first_prompt_token: TokenLogprob | None = None
+    prompt_text: str | None = None
     #: On the last output.
     usage: Usage | None = None
     #: Why the request failed (finish reason "error"), on the last output.

@@ -18,6 +18,18 @@ What the deltas of one sequence add up to (deltas + `finish()`, when no stop str
   on later ones (ByteFallback turning a whole invalid byte run into U+FFFDs, clean-up of " .")
   can differ from the one-shot decode on such sequences.
 
+Token names (`TokenNames`): what logprobs call each token, as vLLM does, computed once per id.
+Its bytes are the UTF-8 it adds to the text, as OpenAI's logprobs ``bytes``: on byte-level BPE
+the token's own bytes (a part of a character included), elsewhere the UTF-8 of its text (a
+byte-fallback token ``<0xXX>``: that byte). Its text is ``tokenizer.decode([id])`` with
+special tokens kept (a SentencePiece word keeps the leading space decode strips from a lone
+token, as vLLM restores it), except where a character is split across tokens: there, as vLLM
+reads such tokens in their sequence, a token is named by the characters its bytes finish after
+the bytes the tokens before it left unfinished, so the token that completes a character
+carries it whole and the ones before it read "" (vLLM gets the same from decoding with up to 4
+preceding tokens, but loses the whole characters of a token that also starts one). A
+sequence's token names thus join into its text, as its bytes do.
+
 Stop strings (design note). A sequence stops as soon as its text contains a stop string: the
 match that ends first wins, and of matches ending at the same character the longest. The text
 is cut just before it (just after it with include_stop_str_in_output); nothing after the cut is
@@ -31,12 +43,16 @@ text, so each call costs O(new text + window), not O(text).
 
 from __future__ import annotations
 
+import codecs
 import functools
+import re
 from codecs import utf_8_decode
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import tokenizers
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.outputs import TokenLogprob
 from tokenizers import decoders, models
 from transformers import PreTrainedTokenizerBase
 
@@ -206,6 +222,111 @@ class DetokenizerState:
         return self._emitted[0] if self._emitted else ""
 
 
+#: A byte-fallback token (SentencePiece's ``<0xE4>``): one raw byte.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+#: SentencePiece's (Metaspace's) mark of a word that follows a space.
+_SPACE_MARKER = "\u2581"
+#: The most tokens one character's bytes span (UTF-8 has at most 4 bytes a character).
+_MAX_CHAR_TOKENS = 4
+_Utf8Decoder = codecs.getincrementaldecoder("utf-8")
+
+
+def _utf8_decoder() -> codecs.IncrementalDecoder:
+    """Holds an unfinished character's bytes; invalid bytes read U+FFFD, as decode has them."""
+    return _Utf8Decoder("replace")
+
+
+class TokenNames:
+    """Each token's text and bytes as logprobs name it (see the module note), by id."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        pieces: list[str | bytes | None] | None,
+        added: dict[int, str],
+    ) -> None:
+        self.tokenizer = tokenizer
+        #: Byte-level BPE: every id's piece (its text if valid UTF-8 alone, else its bytes) and
+        #: the added tokens' text; None on other tokenizers, which decode each id once.
+        self._pieces = pieces
+        self._added = added
+        self._names: dict[int, tuple[str, bytes]] = {}
+        #: Named ids whose bytes are not whole UTF-8 characters alone.
+        self._partial: set[int] = set()
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        """The token's name alone: decode's text and its bytes."""
+        name = self._names.get(token_id)
+        if name is None:
+            name = self._names[token_id] = self._name(token_id)
+            try:
+                name[1].decode()
+            except UnicodeDecodeError:
+                self._partial.add(token_id)
+        return name
+
+    def name(self, entry: TokenLogprob, preceding_ids: Sequence[int]) -> None:
+        """Fill in the entry's token, token_bytes and top_tokens; ``preceding_ids`` are the
+        sequence's tokens before the entry's position (the alternatives share them)."""
+        pending = self._pending(preceding_ids)
+        entry.token, entry.token_bytes = self._read(entry.token_id, pending)
+        entry.top_tokens = [self._read(token_id, pending) for token_id, _ in entry.top]
+
+    def name_prompt(self, logprobs: list[TokenLogprob], prompt_token_ids: list[int]) -> None:
+        """Name prompt logprobs: entry k scores prompt token k + 1."""
+        for k, entry in enumerate(logprobs):
+            self.name(entry, prompt_token_ids[max(0, k + 1 - _MAX_CHAR_TOKENS) : k + 1])
+
+    def _read(self, token_id: int, pending: bytes) -> tuple[str, bytes]:
+        """The token's text after ``pending`` bytes of an unfinished character: the characters
+        its bytes finish, and nothing of a character it leaves unfinished."""
+        text, data = self(token_id)
+        if pending or self._is_partial(token_id):
+            decoder = _utf8_decoder()
+            decoder.setstate((pending, 0))
+            text = decoder.decode(data)
+        return text, data
+
+    def _is_partial(self, token_id: int) -> bool:
+        """Whether the token's bytes are not whole UTF-8 characters alone."""
+        self(token_id)
+        return token_id in self._partial
+
+    def _pending(self, preceding_ids: Sequence[int]) -> bytes:
+        """The bytes of a character the preceding tokens began and did not finish."""
+        if not preceding_ids or not self._is_partial(preceding_ids[-1]):
+            return b""  # a token whole in itself ends on a character boundary
+        decoder = _utf8_decoder()
+        decoder.decode(b"".join(self(t)[1] for t in preceding_ids[-_MAX_CHAR_TOKENS:]))
+        pending: bytes = decoder.getstate()[0]
+        return pending
+
+    def _decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        assert isinstance(text, str)
+        return text
+
+    def _name(self, token_id: int) -> tuple[str, bytes]:
+        if self._pieces is None:
+            return self._decoded_name(token_id)
+        if token_id in self._added:
+            text = self._added[token_id]
+            return text, text.encode()
+        piece = self._pieces[token_id] if 0 <= token_id < len(self._pieces) else None
+        if isinstance(piece, bytes):
+            return utf_8_decode(piece, "replace", True)[0], piece
+        return (piece, piece.encode()) if piece else ("", b"")
+
+    def _decoded_name(self, token_id: int) -> tuple[str, bytes]:
+        text = self._decode([token_id])
+        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        if byte := _BYTE_TOKEN.fullmatch(piece):
+            return text, bytes([int(byte.group(1), 16)])
+        if piece.startswith(_SPACE_MARKER) and not text.startswith(" "):
+            text = " " + text  # decode strips a lone word's leading space; the text has it
+        return text, text.encode()
+
+
 class Detokenizer:
     """Turns each sequence's new token ids into text deltas; one per engine."""
 
@@ -215,8 +336,12 @@ class Detokenizer:
         #: Fast-path pieces per skip_special_tokens value, or None on the generic path.
         self._pieces: dict[bool, list[str | bytes | None]] | None = None
         self._added: dict[int, str] = {}
-        if tables is not None:
+        if tables is None:
+            #: What logprobs call each token.
+            self.token_names = TokenNames(tokenizer, None, {})
+        else:
             pieces, added, special_ids = tables
+            self.token_names = TokenNames(tokenizer, pieces, added)
             keep = list(pieces)
             for token_id in added:
                 keep[token_id] = None

@@ -1,5 +1,7 @@
 """Logprobs: of each sampled token and its top-N alternatives, and of prompt tokens. Always of
-the raw logits (log_softmax before temperature, penalties and warpers)."""
+the raw logits (log_softmax before temperature, penalties and warpers). Each entry carries the
+token's rank too; the engine names the tokens afterwards (`detokenizer.TokenNames`), since
+naming needs the tokenizer and this module only sees ids."""
 
 from __future__ import annotations
 
@@ -29,18 +31,21 @@ def token_logprobs(
 def score(
     logits: torch.Tensor, target_ids: torch.Tensor, num_tops: list[int]
 ) -> list[TokenLogprob]:
-    """log_softmax(logits) [N, V]: each row's target logprob and its num_tops[i] best."""
+    """log_softmax(logits) [N, V]: each row's target logprob, its rank (how many tokens have
+    a logprob at least its own, as vLLM counts) and its num_tops[i] best."""
     if not num_tops:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, target_ids.view(-1, 1)).view(-1).tolist()
+    chosen = logprobs.gather(1, target_ids.view(-1, 1))  # [N, 1]
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
     top_logprobs, top_ids = logprobs.topk(max(num_tops), dim=-1)
     top = zip(top_ids.tolist(), top_logprobs.tolist(), strict=True)
+    rows = zip(target_ids.tolist(), chosen.view(-1).tolist(), ranks, num_tops, top, strict=True)
     return [
-        TokenLogprob(token_id, logprob, list(zip(ids[:num_top], lps[:num_top], strict=True)))
-        for token_id, logprob, num_top, (ids, lps) in zip(
-            target_ids.tolist(), chosen, num_tops, top, strict=True
+        TokenLogprob(
+            token_id, logprob, list(zip(ids[:num_top], lps[:num_top], strict=True)), rank=rank
         )
+        for token_id, logprob, rank, num_top, (ids, lps) in rows
     ]
 
 

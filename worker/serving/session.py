@@ -176,6 +176,9 @@ class WorkerSession(SessionBase):
         ] or [pb.Chunk(request_id=request_id, weight_version=output.weight_version)]
         if output.prompt_logprobs is not None:
             chunks[0].prompt_logprobs.extend(wire.logprobs_to_wire(output.prompt_logprobs))
+        if output.first_prompt_token is not None:
+            chunks[0].first_prompt_token.CopyFrom(wire.logprob_to_wire(output.first_prompt_token))
+            chunks[0].prompt_text = output.prompt_text or ""
         live = self.live.get(request_id)
         if live is None:
             return chunks

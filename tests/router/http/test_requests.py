@@ -132,19 +132,62 @@ def test_a_bad_chat_field_is_refused_naming_its_param(fields: dict, param: str):
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": ["ok", 5]}, "prompt[1]"),
-        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "echo": "yes"}, "echo"),
         ({"prompt": "a", "suffix": "z"}, "suffix"),
         ({"prompt": "a", "best_of": 3}, "best_of"),
         ({"prompt": "a", "logprobs": 21}, "logprobs"),
         ({"prompt": "a", "messages": MESSAGES}, "messages"),
         ({"prompt": "a", "num_beams": 65}, "num_beams"),
         ({"prompt": "a", "num_beams": 2, "stop": ["x"]}, "stop"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # without echo there is nothing
+        ({"prompt": "a", "echo": True, "logprobs": 21}, "logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "a", "prompt_logprobs": "2"}, "prompt_logprobs"),
+        ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"prompt": "a", "echo": True, "num_beams": 2, "logprobs": 1}, "logprobs"),
     ],
 )
 def test_a_bad_completion_field_is_refused_naming_its_param(fields: dict, param: str):
     with pytest.raises(InvalidArgumentError) as refused:
         parse_completion(fields)
     assert refused.value.field == param
+
+
+def test_echo_with_logprobs_scores_the_prompt_with_as_many_alternatives():
+    # lm-eval's loglikelihood request, word for word.
+    api = parse_completion(
+        {"prompt": "a b", "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    )
+    assert (api.echo, api.prompt_only, api.prompt_logprobs) == (True, False, False)
+    assert (api.config.logprobs, api.config.prompt_logprobs, api.config.max_tokens) == (1, 1, 1)
+    # vLLM's prompt_logprobs field, when given, says how many alternatives the prompt gets.
+    both = parse_completion({"prompt": "a", "echo": True, "logprobs": 1, "prompt_logprobs": 3})
+    assert both.config.prompt_logprobs == 3 and both.prompt_logprobs
+
+
+def test_echo_with_max_tokens_0_asks_for_the_one_token_the_worker_needs():
+    api = parse_completion({"prompt": "a", "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert api.prompt_only and api.config.max_tokens == 1
+
+
+def test_echo_without_logprobs_scores_nothing_unless_a_prompt_is_token_ids():
+    assert parse_completion({"prompt": "a", "echo": True}).config.prompt_logprobs is None
+    api = parse_completion({"prompt": ["a", [1, 2]], "echo": True})
+    assert api.config.prompt_logprobs == 0  # the worker's decode of [1, 2] comes with them
+    assert api.param("config.prompt_logprobs") == "echo"
+
+
+def test_prompt_logprobs_field_on_both_endpoints_and_ignored_when_0_in_a_stream():
+    api = chat(prompt_logprobs=2)
+    assert api.prompt_logprobs and api.config.prompt_logprobs == 2
+    streamed = parse_completion({"prompt": "a", "stream": True, "prompt_logprobs": 0})
+    assert not streamed.prompt_logprobs and streamed.config.prompt_logprobs is None
+
+
+def test_chat_has_no_echo():
+    with pytest.raises(InvalidArgumentError) as refused:
+        chat(echo=True)
+    assert refused.value.field == "echo"
 
 
 def test_response_format_and_guided_fields_become_constraints():

@@ -9,7 +9,7 @@ import pytest
 from headrace.protos import generation_pb2 as pb
 from headrace.router.http import errors
 from headrace.router.http.requests import parse_chat, parse_completion
-from headrace.router.http.responses import ResponseBuilder
+from headrace.router.http.responses import ResponseBuilder, byte_offsets
 from headrace.sdk.errors import (
     DeadlineExceededError,
     HeadraceError,
@@ -80,8 +80,140 @@ def test_completion_logprobs_have_openais_legacy_shape():
     builder.add(chunk(builder, 0, 0, "c", logprobs=[entry]))
     assert builder.body()["choices"][0]["logprobs"] == {
         "tokens": ["token_id:3", "token_id:3"], "token_logprobs": [-1.0, -1.0],
-        "top_logprobs": [{"token_id:4": -0.9}, {"token_id:4": -0.9}], "text_offset": [0, 2],
+        # The chosen token joins its top alternatives (OpenAI: up to logprobs + 1 entries).
+        "top_logprobs": [{"token_id:4": -0.9, "token_id:3": -1.0}] * 2, "text_offset": [0, 2],
     }  # fmt: skip
+
+
+def named(token_id: int, text: str, logprob: float = 0.0, **fields) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=token_id, logprob=logprob, token=text, token_bytes=text.encode(), **fields
+    )
+
+
+def top(token_id: int, text: str, logprob: float) -> pb.TopLogprob:
+    return pb.TopLogprob(token_id=token_id, logprob=logprob, token=text, token_bytes=text.encode())
+
+
+#: A prompt "ab c" = "ab" + " c" as the worker scores it (" c" ranks 2nd after " d"), and a
+#: generated "!" (the most likely).
+FIRST = named(10, "ab")
+PROMPT_LOGPROBS = [named(11, " c", -1.5, rank=2, top=[top(12, " d", -0.5), top(11, " c", -1.5)])]
+BANG = named(13, "!", -0.25, rank=1, top=[top(13, "!", -0.25)])
+
+
+def scored_chunk(builder: ResponseBuilder, prompt: int, index: int, **fields) -> pb.Chunk:
+    """Sample ``index``'s first chunk: "!", with the prompt's logprobs if it is sample 0."""
+    if index == 0:
+        fields.update(first_prompt_token=FIRST, prompt_logprobs=PROMPT_LOGPROBS, prompt_text="ab c")
+    return chunk(builder, prompt, index, "!", token_ids=[13], logprobs=[BANG], **fields)
+
+
+def test_named_tokens_give_chat_logprobs_their_text_and_bytes():
+    api = parse_chat({"messages": MESSAGES, "logprobs": True, "top_logprobs": 1}, 64)
+    builder = ResponseBuilder(api, "m")
+    builder.add(chunk(builder, 0, 0, "é", logprobs=[named(5, "é", -0.1, top=[top(5, "é", -0.1)])]))
+    (entry,) = builder.body()["choices"][0]["logprobs"]["content"]
+    alternative = {"token": "é", "logprob": -0.1, "bytes": [195, 169]}
+    assert entry == {**alternative, "top_logprobs": [alternative]}
+
+
+def test_echo_with_logprobs_starts_each_choice_with_the_prompt_and_its_logprobs():
+    api = parse_completion({"prompt": "ab c", "echo": True, "logprobs": 1, "n": 2})
+    builder = ResponseBuilder(api, "m")
+    builder.add(scored_chunk(builder, 0, 0, finish_reason=pb.FINISH_REASON_LENGTH))
+    builder.add(scored_chunk(builder, 0, 1, finish_reason=pb.FINISH_REASON_LENGTH,
+                             finished=True, usage=usage(2, 2)))  # fmt: skip
+    body = builder.body()
+    for choice in body["choices"]:
+        assert choice["text"] == "ab c!"
+        assert choice["logprobs"] == {
+            "tokens": ["ab", " c", "!"],
+            "token_logprobs": [None, -1.5, -0.25],
+            "top_logprobs": [None, {" d": -0.5, " c": -1.5}, {"!": -0.25}],
+            "text_offset": [0, 2, 4],
+        }
+    assert body["usage"]["completion_tokens"] == 2
+
+
+def test_echo_with_max_tokens_0_is_the_prompt_alone():
+    api = parse_completion({"prompt": "ab c", "echo": True, "logprobs": 1, "max_tokens": 0})
+    builder = ResponseBuilder(api, "m")
+    builder.add(scored_chunk(builder, 0, 0, finish_reason=pb.FINISH_REASON_STOP, finished=True,
+                             usage=usage(2, 1)))  # fmt: skip
+    body = builder.body()
+    (choice,) = body["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("ab c", "length")
+    assert choice["logprobs"]["tokens"] == ["ab", " c"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.5]
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (2, 0)
+
+
+def test_a_token_id_prompt_is_echoed_as_the_worker_decodes_it():
+    api = parse_completion({"prompt": [[10, 11], "x"], "echo": True})
+    builder = ResponseBuilder(api, "m")
+    builder.add(scored_chunk(builder, 0, 0))
+    builder.add(chunk(builder, 1, 0, "y"))
+    assert [c["text"] for c in builder.body()["choices"]] == ["ab c!", "xy"]
+
+
+def test_an_echoed_stream_sends_the_prompt_in_each_choices_first_event():
+    api = parse_completion({"prompt": "ab c", "echo": True, "logprobs": 1, "stream": True})
+    builder = ResponseBuilder(api, "m")
+    (first,) = events(builder.events(scored_chunk(builder, 0, 0)))
+    assert first["choices"][0]["text"] == "ab c!"
+    assert first["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.5, -0.25]
+    assert first["choices"][0]["logprobs"]["text_offset"] == [0, 2, 4]
+    (second,) = events(builder.events(chunk(builder, 0, 0, "?", token_ids=[14], logprobs=[BANG])))
+    assert second["choices"][0]["text"] == "?"
+    assert second["choices"][0]["logprobs"]["text_offset"] == [5]
+
+
+def test_an_echoed_stream_with_max_tokens_0_is_one_event_per_choice():
+    api = parse_completion({"prompt": "ab c", "echo": True, "max_tokens": 0, "stream": True})
+    builder = ResponseBuilder(api, "m")
+    last = scored_chunk(builder, 0, 0, finish_reason=pb.FINISH_REASON_STOP)
+    (only,) = events(builder.events(last))
+    assert (only["choices"][0]["text"], only["choices"][0]["finish_reason"]) == ("ab c", "length")
+
+
+def test_prompt_logprobs_have_vllms_shape_on_both_endpoints():
+    want = [None, {"11": {"logprob": -1.5, "rank": 2, "decoded_token": " c"},
+                   "12": {"logprob": -0.5, "rank": 1, "decoded_token": " d"}}]  # fmt: skip
+    api = parse_completion({"prompt": "ab c", "prompt_logprobs": 2})
+    builder = ResponseBuilder(api, "m")
+    builder.add(scored_chunk(builder, 0, 0))
+    (choice,) = builder.body()["choices"]
+    assert choice["prompt_logprobs"] == want and choice["logprobs"] is None
+    chat_api = parse_chat({"messages": MESSAGES, "prompt_logprobs": 2}, 64)
+    chat_builder = ResponseBuilder(chat_api, "m")
+    chat_builder.add(scored_chunk(chat_builder, 0, 0))
+    assert chat_builder.body()["prompt_logprobs"] == want
+
+
+def test_a_split_characters_tokens_start_where_the_character_does():
+    first_half = pb.TokenLogprob(token_id=2, token="\ufffd", token_bytes=b"\xc3")
+    second_half = pb.TokenLogprob(token_id=3, token="\ufffd", token_bytes=b"\xa9")
+    halves = [named(1, "a"), first_half, second_half, named(4, "b")]  # "aéb"
+    assert byte_offsets(halves) == [0, 1, 1, 2]
+
+
+def test_a_token_sharing_its_name_with_a_likelier_one_does_not_look_greedy():
+    builder = ResponseBuilder(parse_completion({"prompt": "a", "logprobs": 1}), "m")
+    chosen = pb.TokenLogprob(token_id=2, logprob=-2.0, token="\ufffd", token_bytes=b"\xa9",
+                             top=[pb.TopLogprob(token_id=1, logprob=-0.5, token="\ufffd",
+                                                token_bytes=b"\xc3")])  # fmt: skip
+    builder.add(chunk(builder, 0, 0, "", logprobs=[chosen]))
+    logprobs = builder.body()["choices"][0]["logprobs"]
+    # lm-eval: greedy when the token's logprob is its position's best value.
+    assert logprobs["top_logprobs"] == [{"\ufffd": -0.5}]
+    assert logprobs["token_logprobs"][0] != max(logprobs["top_logprobs"][0].values())
+
+
+def test_an_infinite_logprob_is_written_as_vllm_writes_it():
+    builder = ResponseBuilder(parse_completion({"prompt": "a", "logprobs": 0}), "m")
+    builder.add(chunk(builder, 0, 0, "x", logprobs=[named(1, "x", float("-inf"))]))
+    assert builder.body()["choices"][0]["logprobs"]["token_logprobs"] == [-9999.0]
 
 
 def events(data: bytes) -> list[dict]:
