@@ -81,7 +81,11 @@ def add_server_security_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tls-cert", metavar="PEM", help="serve TLS with this certificate (re-read on change)")
     add("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     add("--tls-client-ca", metavar="PEM", help="mTLS: clients need a certificate this CA signed")
-    add("--api-key-file", metavar="FILE", help="accept only these keys (one per line; see docs/security.md)")
+    add(
+        "--api-key-file",
+        metavar="FILE",
+        help="accept only these keys (one per line; see docs/security.md)",
+    )
     add(
         "--health-port",
         type=int,
