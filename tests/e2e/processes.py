@@ -15,6 +15,7 @@ from headrace.sdk.serving import wait_serving
 
 __all__ = [
     "ServerProcess",
+    "http_door",
     "load_report",
     "start_router",
     "start_worker",
@@ -40,6 +41,22 @@ def two_workers_behind_a_router(
     with a, b, start_router([a.target, b.target], log_path=tmp_path / "router.log") as router:
         assert wait_serving(router.target)
         yield router, a, b
+
+
+@contextlib.contextmanager
+def http_door(
+    model: Path | str, log_dir: Path, *worker_args: str
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """(worker, router): a worker serving ``model`` behind a router with its OpenAI door on
+    a free port, serving; logs in log_dir."""
+    with (
+        start_worker(model, log_dir, *worker_args) as worker,
+        start_router(
+            [worker.target], "--http-port", "0", log_path=log_dir / "router.log"
+        ) as router,
+    ):
+        assert wait_serving(router.target)
+        yield worker, router
 
 
 def load_report(target: str) -> worker_pb2.LoadReport:

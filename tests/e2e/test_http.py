@@ -24,7 +24,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import ServerProcess, start_router
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import start_worker, wait_all_blocks_free, wait_serving
+from tests.e2e.processes import http_door, wait_all_blocks_free, wait_serving
 from tests.factories import cached_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,11 +49,7 @@ def offline(chat_model: Path) -> LLM:
 @pytest.fixture(scope="module")
 def servers(chat_model: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerProcess]]:  # type: ignore[no-untyped-def]
     logs = tmp_path_factory.mktemp("http")
-    with (
-        start_worker(chat_model, logs) as worker,
-        start_router([worker.target], "--http-port", "0", log_path=logs / "router.log") as router,
-    ):
-        assert wait_serving(router.target)
+    with http_door(chat_model, logs) as (worker, router):
         yield worker, router
 
 

@@ -19,7 +19,7 @@ from headrace.sdk.launch import ServerProcess
 from headrace.sdk.prompts import Chat
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.e2e.processes import start_router, start_worker, wait_serving
+from tests.e2e.processes import http_door
 from tests.factories import cached_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,11 +39,7 @@ def chat_model() -> Path:
 def servers(chat_model: Path, tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerProcess]]:  # type: ignore[no-untyped-def]
     """(worker, router)."""
     logs = tmp_path_factory.mktemp("http-lenient")
-    with (
-        start_worker(chat_model, logs) as worker,
-        start_router([worker.target], "--http-port", "0", log_path=logs / "router.log") as router,
-    ):
-        assert wait_serving(router.target)
+    with http_door(chat_model, logs) as (worker, router):
         yield worker, router
 
 

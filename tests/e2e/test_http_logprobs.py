@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from headrace.sdk.launch import ServerProcess, start_router
+from headrace.sdk.launch import ServerProcess
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.e2e.processes import start_worker, wait_serving
+from tests.e2e.processes import http_door
 from tests.factories import cached_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,12 +61,10 @@ def reference(checkpoint: Path):  # type: ignore[no-untyped-def]
 def door(checkpoint: Path, tmp_path_factory) -> Iterator[httpx.Client]:  # type: ignore[no-untyped-def]
     logs = tmp_path_factory.mktemp("http-logprobs")
     with (
-        start_worker(checkpoint, logs, "--dtype", "float32") as worker,
-        start_router([worker.target], "--http-port", "0", log_path=logs / "router.log") as router,
+        http_door(checkpoint, logs, "--dtype", "float32") as (_, router),
+        httpx.Client(base_url=base_url(router), timeout=60) as client,
     ):
-        assert wait_serving(router.target)
-        with httpx.Client(base_url=base_url(router), timeout=60) as client:
-            yield client
+        yield client
 
 
 def base_url(router: ServerProcess) -> str:

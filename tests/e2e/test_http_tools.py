@@ -21,10 +21,10 @@ import jsonschema
 import openai
 import pytest
 from headrace.sdk.client import Client
-from headrace.sdk.launch import ServerProcess, start_router
+from headrace.sdk.launch import ServerProcess
 from transformers import AutoTokenizer
 
-from tests.e2e.processes import start_worker, wait_serving
+from tests.e2e.processes import http_door, start_worker, wait_serving
 from tests.factories import TOOLS_CHAT_TEMPLATE, cached_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
@@ -68,11 +68,7 @@ def tools_model() -> Path:
 def servers(tools_model: Path, tmp_path_factory) -> Iterator[ServerProcess]:  # type: ignore[no-untyped-def]
     """A router with its OpenAI door in front of a worker serving the tools model."""
     logs = tmp_path_factory.mktemp("http-tools")
-    with (
-        start_worker(tools_model, logs) as worker,
-        start_router([worker.target], "--http-port", "0", log_path=logs / "router.log") as router,
-    ):
-        assert wait_serving(router.target)
+    with http_door(tools_model, logs) as (_, router):
         yield router
 
 
@@ -253,11 +249,7 @@ def test_auto_for_a_model_of_unknown_format_is_a_400_naming_tool_choice(
 @pytest.fixture(scope="module")
 def smollm2_servers(smollm2_dir: Path, tmp_path_factory) -> Iterator[ServerProcess]:  # type: ignore[no-untyped-def]
     logs = tmp_path_factory.mktemp("http-tools-smollm2")
-    with (
-        start_worker(smollm2_dir, logs) as worker,
-        start_router([worker.target], "--http-port", "0", log_path=logs / "router.log") as router,
-    ):
-        assert wait_serving(router.target)
+    with http_door(smollm2_dir, logs) as (_, router):
         yield router
 
 
