@@ -246,6 +246,9 @@ class WorkerLink:
             await asyncio.sleep(backoff_s)
 
     async def _watch_load(self) -> None:
+        # Wait for the channel itself: a call made while it is between reconnect attempts
+        # would fail at once, and the link's backoff would then add to gRPC's.
+        await self.channel.channel_ready()
         interval = duration(self.config.load_interval_s)
         request = worker_pb2.WatchLoadRequest(interval=interval)
         call = self._control.WatchLoad(request, metadata=self.metadata)
@@ -331,8 +334,8 @@ _REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 #: The router's channel to a worker: the SDK's settings, pinging every 10 s so a worker that
 #: vanished without closing its connection is noticed even between load reports, and
-#: reconnecting at least every 2 s (gRPC's own backoff grows to 2 minutes), so a worker that
-#: restarts is back in rotation within about the link's own backoff.
+#: reconnecting at least every 2 s (gRPC's own backoff grows to 2 minutes, and jitters by
+#: 20%), so a worker that restarts is back in rotation within 2.4 s plus a handshake.
 _LINK_OPTIONS = [
     *[(key, value) for key, value in CHANNEL_OPTIONS if key != "grpc.keepalive_time_ms"],
     ("grpc.keepalive_time_ms", 10_000),
