@@ -104,11 +104,17 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine with overlap_steps (two steps in flight, a device thread)",
     )
     add(
+        "--noisy-neighbour",
+        action="store_true",
+        help="also run beside a busy loop on one CPU: adaptive threads against quiet, one "
+        "thread and a fixed count (median of --rounds)",
+    )
+    add(
         "--rounds",
         type=int,
         default=3,
-        help="with --sampled: greedy and sampled runs alternate this many times; the ratio is "
-        "the median of each round's (a shared host's speed drifts between runs)",
+        help="with --sampled or --noisy-neighbour: the runs alternate this many times; each "
+        "ratio is the median of the rounds' (a shared host's speed drifts between runs)",
     )
     add_kernel_backend_argument(parser)
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")

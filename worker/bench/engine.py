@@ -21,6 +21,7 @@ With ``--baseline hf`` each transformers mode runs the same prompts and output l
 ``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's: the
 median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed drifts.
 ``--profile`` splits the decode steps into phases (`headrace.worker.bench.profile`).
+``--noisy-neighbour`` runs it beside a busy loop on one CPU (`headrace.worker.bench.neighbour`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from headrace.worker.bench.common import (
     quantile,
 )
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
+from headrace.worker.bench.neighbour import run_noisy_neighbour
 from headrace.worker.bench.profile import StepProfile
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
@@ -161,17 +163,16 @@ def _workload_shape(args: argparse.Namespace) -> tuple[int, tuple[int, int], int
 
 def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary:
     num_requests, prompt_lens, max_tokens = _workload_shape(args)
-    engine = Engine(
-        EngineConfig(
-            model=str(model_path),
-            dtype=args.dtype,
-            device=args.device,
-            max_num_seqs=max(256, num_requests),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kernel_backend=args.kernel_backend,
-            overlap_steps=args.overlap_steps,
-        )
+    config = EngineConfig(
+        model=str(model_path),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max(256, num_requests),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kernel_backend=args.kernel_backend,
+        overlap_steps=args.overlap_steps,
     )
+    engine = Engine(config)
     workload = make_workload(
         engine.vocab_size, num_requests, prompt_lens, (max_tokens, max_tokens), args.seed
     )
@@ -201,6 +202,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     engine.close()
+    if args.noisy_neighbour:
+        summary.update(run_noisy_neighbour(config, workload, args.rounds))
     return summary
 
 
