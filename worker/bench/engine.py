@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from headrace.sdk.config import GenerationConfig
+from headrace.worker.bench.bandwidth import compare_with_read
 from headrace.worker.bench.common import (
     TINY_MODEL,
     Report,
@@ -193,6 +194,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     print("  (host overhead: a decode step's time minus the model's forward and LM head)")
     summary: Summary = {"bench": "engine", "model": model_name, "dtype": args.dtype}
     summary.update(ours.summary())
+    if num_requests == 1 and ours.decode_step_s:  # a single stream: each step reads it all
+        summary.update(compare_with_read(engine.runner.model, quantile(ours.decode_step_s, 0.5)))
     if profile is not None:
         print(profile.describe())
         summary.update(profile.summary())

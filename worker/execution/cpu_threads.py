@@ -145,7 +145,7 @@ class ThreadGovernor:
     budget: int
     #: Seconds between two looks at the CPUs; None keeps the count at `budget` (a count the
     #: user fixed with --cpu-threads).
-    interval_s: float | None = 1.0
+    interval_s: float | None = 0.5
     #: The CPUs it may use (the affinity mask).
     cpus: list[int] = field(default_factory=allowed_cpus)
     #: Reads the CPUs' busy time and this process's (`sample`; tests give their own).
