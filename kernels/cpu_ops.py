@@ -6,9 +6,10 @@ into a padded batch each layer, which dominated decode on CPU. `linear` multipli
 step's few rows in C (each weight read from memory once, every output summed in a fixed
 order); more rows go to torch's GEMM. The sampler's seeded draw (`draw_tokens`, noise made
 only for the tokens that can still win), its grammar bitmask and the greedy head's running
-argmax are C too. RMSNorm, rotary and LoRA are the reference functions (torch's CPU ops are
-already fused enough), and so is any call a C kernel does not take (another dtype or
-device, a draw its race leaves unsettled).
+argmax are C too, and so are the fused residual add + RMSNorm and rotary: at a decode step's
+few rows their dozen torch calls per layer cost more than their arithmetic. LoRA is the
+reference's, and so is any call a C kernel does not take (another dtype or device, a draw
+its race leaves unsettled).
 `available()` says whether the library could be built; `select_kernels` falls back to the
 reference otherwise.
 """
@@ -23,7 +24,7 @@ from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype
 from headrace.kernels.precision import linear as torch_linear
-from headrace.kernels.reference import apply_rotary, extend, rms_norm
+from headrace.kernels.reference import extend
 
 NAME = "cpu"
 
@@ -196,6 +197,90 @@ def linear(
         out.stride(0),
     )
     return out if out_dtype in (None, torch.float32) else out.to(out_dtype)
+
+
+#: Widest row `rms_norm` takes in C (its row buffer lives on the stack); wider go to torch.
+RMS_NORM_MAX_COLS = 8192
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, x + residual)
+    """The reference's fused residual add + RMSNorm in one C pass per row (rounded as the
+    reference rounds); shapes, dtypes or layouts it does not take go to the reference."""
+    cols = x.shape[-1]
+    rows = _as_rows(x)
+    other = None if residual is None else _as_rows(residual)
+    fits = x.dtype in _DTYPE_CODES and weight.dtype == x.dtype and cols <= RMS_NORM_MAX_COLS
+    if not fits or rows is None or (residual is not None and other is None):
+        return reference.rms_norm(x, weight, eps, residual)
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    total = torch.empty(x.shape, dtype=x.dtype) if residual is not None else x
+    _library().headrace_rms_norm(
+        _ptr(rows),
+        rows.stride(0),
+        None if other is None else _ptr(other),
+        0 if other is None else other.stride(0),
+        _ptr(weight),
+        eps,
+        _ptr(out),
+        None if residual is None else _ptr(total),
+        rows.shape[0],
+        cols,
+        _DTYPE_CODES[x.dtype],
+    )
+    return out, total
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, cols] with unit column stride, without a copy; None if it cannot be."""
+    if x.device.type != "cpu" or x.stride(-1) != 1:
+        return None
+    if x.dim() == 2:
+        return x
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+
+
+def apply_rotary(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, 1, head_dim]: both halves equal (neox layout)
+    sin: torch.Tensor,  # [T, 1, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's neox rotary in one C pass over the query and key heads, each op
+    rounded as the reference rounds it; into new contiguous tensors."""
+    head_dim = query.shape[-1]
+    same = query.dtype == key.dtype == cos.dtype == sin.dtype and query.dtype in _DTYPE_CODES
+    if not (same and query.device.type == "cpu" and head_dim % 2 == 0 and head_dim <= 1024):
+        return reference.apply_rotary(query, key, cos, sin)
+    query, key = _rows(query), _rows(key)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    query_out, key_out = (
+        torch.empty(query.shape, dtype=query.dtype),
+        torch.empty(key.shape, dtype=key.dtype),
+    )
+    _library().headrace_apply_rotary(
+        _ptr(query),
+        query.stride(0),
+        query.stride(1),
+        query.shape[1],
+        _ptr(key),
+        key.stride(0),
+        key.stride(1),
+        key.shape[1],
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(query_out),
+        _ptr(key_out),
+        query.shape[0],
+        head_dim,
+        _DTYPE_CODES[query.dtype],
+    )
+    return query_out, key_out
 
 
 def argmax_update(

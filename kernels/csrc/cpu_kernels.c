@@ -18,6 +18,8 @@
      from memory once and every output summed in one fixed order (a row's result does not
      depend on the other rows).
    - apply_token_bitmask: -inf for each token an output constraint's bitmask forbids, in place.
+   - rms_norm, apply_rotary: the residual add + RMSNorm and neox rotary, one pass per row,
+     rounding as the torch references round in each dtype.
 
    Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention computes in float32 whatever the storage
    dtype (softmax statistics, scores and the weighted sum of V all in float32).
@@ -990,4 +992,93 @@ void headrace_apply_token_bitmask(float *x, int64_t row_stride, int64_t num_cols
             }
         }
     }
+}
+
+/* ---- RMSNorm and rotary ------------------------------------------------------------------- */
+
+/* A value as the activation dtype holds it: float32 as is, bf16 / fp16 rounded to nearest
+   even (what torch does after each elementwise op in those dtypes). */
+static inline float in_dtype(float value, int dtype) {
+    if (dtype == BF16) return bf16_to_float(float_to_bf16(value));
+    if (dtype == F16) return (float)(_Float16)value;
+    return value;
+}
+
+/* Rows above which a row-wise kernel splits its rows over threads: below, one thread (an
+   OpenMP region costs more than a decode step's few rows). */
+#define ROWWISE_PARALLEL_ELEMENTS (1 << 16)
+
+/* out = weight * normalised(x + residual), and sum = x + residual, row by row, rounding as
+   the torch reference does (Hugging Face's LlamaRMSNorm): the add in the activation dtype,
+   the mean of squares and the scaling in float32, the scaled row rounded to the activation
+   dtype, then the product with the weight rounded again. residual / sum may be NULL (no add;
+   the row is x). Each row's sum of squares runs in one fixed order: a row's result does not
+   depend on the other rows. cols <= RMS_NORM_MAX_COLS. */
+#define RMS_NORM_MAX_COLS 8192
+void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
+                       int64_t residual_stride, const void *weight, float eps, void *out,
+                       void *sum, int64_t num_rows, int64_t cols, int dtype) {
+    const size_t size = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float row[RMS_NORM_MAX_COLS], other[RMS_NORM_MAX_COLS];
+        load_row((const char *)x + r * x_stride * size, dtype, row, (int)cols);
+        if (residual != NULL) {
+            load_row((const char *)residual + r * residual_stride * size, dtype, other, (int)cols);
+            for (int64_t i = 0; i < cols; i++) row[i] = in_dtype(row[i] + other[i], dtype);
+            store_row((char *)sum + r * cols * size, dtype, row, (int)cols);
+        }
+        v16 squares = splat(0.0f);
+        int64_t i = 0;
+        for (; i + LANES <= cols; i += LANES) {
+            const v16 v = *(const v16u *)(row + i);
+            squares += v * v;
+        }
+        float total = hsum(squares);
+        for (; i < cols; i++) total += row[i] * row[i];
+        const float scale = 1.0f / sqrtf(total / (float)cols + eps);
+        load_row(weight, dtype, other, (int)cols);
+        for (int64_t j = 0; j < cols; j++) {
+            row[j] = in_dtype(other[j] * in_dtype(row[j] * scale, dtype), dtype);
+        }
+        store_row((char *)out + r * cols * size, dtype, row, (int)cols);
+    }
+}
+
+/* Neox rotary of one row of heads: out = x cos + rotate_half(x) sin, where rotate_half(x) is
+   (-x[half:], x[:half]); each product and the sum rounded to the activation dtype as the
+   torch reference's three ops round them. x rows may be strided (a view into the fused qkv
+   output); out is [num_rows, num_heads, head_dim] contiguous. */
+static void rotate_rows(const void *x, int64_t x_stride_token, int64_t x_stride_head,
+                        const void *cos, const void *sin, void *out, int64_t num_rows,
+                        int64_t num_heads, int64_t head_dim, int dtype) {
+    const size_t size = dtype_size(dtype);
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim >= ROWWISE_PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < num_rows; t++) {
+        float c[1024], s[1024], v[1024], o[1024];
+        load_row((const char *)cos + t * head_dim * size, dtype, c, (int)head_dim);
+        load_row((const char *)sin + t * head_dim * size, dtype, s, (int)head_dim);
+        for (int64_t h = 0; h < num_heads; h++) {
+            load_row((const char *)x + (t * x_stride_token + h * x_stride_head) * size, dtype, v,
+                     (int)head_dim);
+            for (int64_t i = 0; i < head_dim; i++) {
+                const float rotated = i < half ? -v[i + half] : v[i - half];
+                o[i] = in_dtype(in_dtype(v[i] * c[i], dtype) + in_dtype(rotated * s[i], dtype), dtype);
+            }
+            store_row((char *)out + (t * num_heads + h) * head_dim * size, dtype, o, (int)head_dim);
+        }
+    }
+}
+
+/* rotate_rows for the query and the key heads of a step. head_dim <= 1024, even. */
+void headrace_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_stride_head,
+                           int64_t num_heads, const void *key, int64_t k_stride_token,
+                           int64_t k_stride_head, int64_t num_kv_heads, const void *cos,
+                           const void *sin, void *query_out, void *key_out, int64_t num_rows,
+                           int64_t head_dim, int dtype) {
+    rotate_rows(query, q_stride_token, q_stride_head, cos, sin, query_out, num_rows, num_heads,
+                head_dim, dtype);
+    rotate_rows(key, k_stride_token, k_stride_head, cos, sin, key_out, num_rows, num_kv_heads,
+                head_dim, dtype);
 }
