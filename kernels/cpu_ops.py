@@ -6,10 +6,10 @@ into a padded batch each layer, which dominated decode on CPU. `linear` multipli
 step's few rows in C (each weight read from memory once, every output summed in a fixed
 order); more rows go to torch's GEMM. The sampler's seeded draw (`draw_tokens`, noise made
 only for the tokens that can still win), its grammar bitmask and the greedy head's running
-argmax are C too, and so are the fused residual add + RMSNorm and rotary: at a decode step's
-few rows their dozen torch calls per layer cost more than their arithmetic. LoRA is the
-reference's, and so is any call a C kernel does not take (another dtype or device, a draw
-its race leaves unsettled).
+argmax are C too, and so are the fused residual add + RMSNorm, rotary and silu * up: at a
+decode step's few rows their dozen torch calls per layer cost more than their arithmetic.
+LoRA is the reference's, and so is any call a C kernel does not take (another dtype or
+device, a draw its race leaves unsettled).
 `available()` says whether the library could be built; `select_kernels` falls back to the
 reference otherwise.
 """
@@ -39,6 +39,7 @@ __all__ = [
     "lora_shrink",
     "paged_attention",
     "rms_norm",
+    "silu_and_mul",
     "write_kv_cache",
 ]
 
@@ -281,6 +282,21 @@ def apply_rotary(
         _DTYPE_CODES[query.dtype],
     )
     return query_out, key_out
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor,  # [T, 2 * intermediate]: the gate's columns, then up's
+) -> torch.Tensor:  # [T, intermediate]
+    """The reference's silu(gate) * up in one C pass, rounded as the reference rounds."""
+    in_kernel = gate_up.dim() == 2 and gate_up.dtype in _DTYPE_CODES and gate_up.stride(1) == 1
+    if not in_kernel or gate_up.device.type != "cpu":
+        return reference.silu_and_mul(gate_up)
+    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, cols, dtype=gate_up.dtype)
+    _library().headrace_silu_and_mul(
+        _ptr(gate_up), gate_up.stride(0), _ptr(out), rows, cols, _DTYPE_CODES[gate_up.dtype]
+    )
+    return out
 
 
 def argmax_update(

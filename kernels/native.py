@@ -53,6 +53,7 @@ _SIGNATURES = {
     "headrace_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),
     "headrace_skinny_linear": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64], None),
     "headrace_rms_norm": ([_P, _I64, _P, _I64, _P, ctypes.c_float, _P, _P, _I64, _I64, _INT], None),
+    "headrace_silu_and_mul": ([_P, _I64, _P, _I64, _I64, _INT], None),
     "headrace_apply_rotary": (
         [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64] + [_P] * 4 + [_I64, _I64, _INT],
         None,

@@ -1082,3 +1082,26 @@ void headrace_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_
     rotate_rows(key, k_stride_token, k_stride_head, cos, sin, key_out, num_rows, num_kv_heads,
                 head_dim, dtype);
 }
+
+/* The gated MLP's activation: out [rows, cols] = silu(gate) * up, where each row of gate_up is
+   gate's cols values then up's; silu and the product each rounded to the activation dtype, as
+   the reference's two ops round them. gate_up rows may be strided; out is contiguous. */
+void headrace_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
+                           int64_t cols, int dtype) {
+    const size_t size = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float gate[RMS_NORM_MAX_COLS], up[RMS_NORM_MAX_COLS];
+        for (int64_t first = 0; first < cols; first += RMS_NORM_MAX_COLS) {
+            const int n = (int)(cols - first < RMS_NORM_MAX_COLS ? cols - first : RMS_NORM_MAX_COLS);
+            const char *row = (const char *)gate_up + r * stride * size;
+            load_row(row + first * size, dtype, gate, n);
+            load_row(row + (cols + first) * size, dtype, up, n);
+            for (int i = 0; i < n; i++) {
+                const float silu = in_dtype(gate[i] / (1.0f + expf(-gate[i])), dtype);
+                gate[i] = in_dtype(silu * up[i], dtype);
+            }
+            store_row((char *)out + (r * cols + first) * size, dtype, gate, n);
+        }
+    }
+}

@@ -1,10 +1,12 @@
-"""The CPU backend's fused residual add + RMSNorm and its rotary equal the torch references.
+"""The CPU backend's fused residual add + RMSNorm, its rotary and the gated MLP's silu * up
+equal the torch references.
 
 Rotary rounds each product and the sum as the reference's three ops do: bit for bit in every
 dtype. RMSNorm rounds as the reference too, but sums each row's squares in its own fixed
 order, so float32 agrees to float rounding (a few ulp) and bf16 / fp16 to one unit of their
 last place; the residual sum (one rounded add) is bit for bit. A row's result does not depend
-on the other rows, also where the rows are split over threads.
+on the other rows, also where the rows are split over threads. silu * up rounds as the
+reference's two ops: bit for bit in bf16 / fp16, within an ulp in float32 (another exp).
 """
 
 from __future__ import annotations
@@ -85,3 +87,17 @@ def test_rotary_equals_the_reference_bit_for_bit(dtype, num_rows, head_dim) -> N
     got = cpu_ops.apply_rotary(query, key, cos, sin)
     expected = reference.apply_rotary(query, key, cos, sin)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", [1, 3, 200])
+def test_silu_and_mul_equals_the_reference(dtype, num_rows) -> None:  # type: ignore[no-untyped-def]
+    wide = _rows(num_rows, 2 * 1536 + 7, dtype, 10) * 3
+    gate_up = wide[:, : 2 * 1536]  # rows strided, as a view of a wider projection
+    got = cpu_ops.silu_and_mul(gate_up)
+    expected = reference.silu_and_mul(gate_up)
+    assert got.shape == (num_rows, 1536)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=2 * ULP[dtype], atol=1e-6)
+    else:
+        assert torch.equal(got, expected)
