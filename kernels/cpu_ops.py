@@ -4,11 +4,11 @@ Decode and prefill attention read K/V block by block from the paged cache in pla
 online softmax per row: the torch reference instead gathers every sequence's whole context
 into a padded batch each layer, which dominated decode on CPU. `linear` multiplies a decode
 step's few rows in C (each weight read from memory once, float32 or bf16 / fp16 widened in
-registers, every output summed in float32 in a fixed order); more rows go to torch's GEMM. The sampler's seeded draw (`draw_tokens`, noise made
-only for the tokens that can still win), its grammar bitmask and the greedy head's running
-argmax are C too. RMSNorm, rotary and LoRA are the reference functions (torch's CPU ops are
-already fused enough), and so is any call a C kernel does not take (another dtype or
-device, a draw its race leaves unsettled).
+registers, every output summed in float32 in a fixed order); more rows go to torch's GEMM.
+The sampler's seeded draw (`draw_tokens`, noise made only for the tokens that can still
+win), its grammar bitmask and the greedy head's running argmax are C too. RMSNorm, rotary and
+LoRA are the reference functions (torch's CPU ops are already fused enough), and so is any
+call a C kernel does not take (another dtype or device, a draw its race leaves unsettled).
 `available()` says whether the library could be built; `select_kernels` falls back to the
 reference otherwise.
 """
