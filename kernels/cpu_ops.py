@@ -192,7 +192,9 @@ def linear(
         x = x.contiguous()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    out_dtype = out_dtype or x.dtype
+    store_dtype = out_dtype if out_dtype in _DTYPE_CODES else torch.float32
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=store_dtype)
     status = _library().headrace_skinny_linear(
         _ptr(x),
         x.stride(0),
@@ -205,11 +207,11 @@ def linear(
         None if bias is None else _ptr(bias),
         _ptr(out),
         out.stride(0),
+        _DTYPE_CODES[store_dtype],
     )
     if status != 0:
         raise MemoryError("the skinny linear could not allocate its float32 copy of x")
-    out_dtype = out_dtype or x.dtype
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return out.to(out_dtype)
 
 
 def skinny_max_rows(weight_dtype: torch.dtype) -> int:

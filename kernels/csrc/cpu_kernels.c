@@ -898,7 +898,7 @@ static inline void store_totals(v16 a, v16 b, v16 c, v16 d, const float *bias, f
 }
 
 /* One call's operands: x [M, K] float32 (rows strided), w [N, K] contiguous in w_dtype,
-   bias [N] float32 or NULL, y [M, N] float32 (rows strided); how many whole 6-row blocks
+   bias [N] float32 or NULL, y [M, N] in y_dtype (rows strided); how many whole 6-row blocks
    of x there are, and how many rows of the next tile's weights each of them prefetches. */
 typedef struct {
     const float *x;
@@ -906,9 +906,17 @@ typedef struct {
     const void *w;
     int64_t N, K;
     const float *bias;
-    float *y;
-    int64_t y_stride, full_blocks, share;
+    void *y;
+    int64_t y_stride;
+    int y_dtype;
+    int64_t full_blocks, share;
 } Skinny;
+
+/* Store n float32 sums as outputs [m, n0, n0 + n) of y, rounded once to y's dtype. */
+static inline void store_outputs(const Skinny *s, int64_t m, int64_t n0, const float *sums, int n) {
+    store_row((char *)s->y + (m * s->y_stride + n0) * (int64_t)dtype_size(s->y_dtype), s->y_dtype,
+              sums, n);
+}
 
 /* Prefetch weight rows [next, next + rows) at column k (for bf16 / float16 every other
    line twice: prefetching each line once measured no faster). */
@@ -938,8 +946,11 @@ static inline __attribute__((always_inline)) void skinny_full_tile(
         }
     }
     const float *bias = s->bias != NULL ? s->bias + n0 : NULL;
-    for (int m = 0; m < SKINNY_ROWS; m++)
-        store_totals(acc[m][0], acc[m][1], acc[m][2], acc[m][3], bias, s->y + (m0 + m) * s->y_stride + n0);
+    for (int m = 0; m < SKINNY_ROWS; m++) {
+        float sums[SKINNY_COLS];
+        store_totals(acc[m][0], acc[m][1], acc[m][2], acc[m][3], bias, sums);
+        store_outputs(s, m0 + m, n0, sums, SKINNY_COLS);
+    }
 }
 
 /* The first width (< 16) of 16 floats, the other lanes zero. */
@@ -985,12 +996,10 @@ static inline __attribute__((always_inline)) void skinny_edge_tile(
         skinny_edge_step(s, x, rows, n0, cols, k, LANES, next, prefetch_rows, w_dtype, acc);
     if (k < K) skinny_edge_step(s, x, rows, n0, cols, k, K - k, next, prefetch_rows, w_dtype, acc);
     for (int m = 0; m < rows; m++) {
-        float totals[SKINNY_COLS]; /* all 4 (constant indices keep acc in registers) */
-        for (int c = 0; c < SKINNY_COLS; c++) totals[c] = lane_total(acc[m][c]);
-        for (int c = 0; c < cols; c++) {
-            const float b = s->bias != NULL ? s->bias[n0 + c] : 0.0f;
-            s->y[(m0 + m) * s->y_stride + n0 + c] = totals[c] + b;
-        }
+        float sums[SKINNY_COLS]; /* all 4 (constant indices keep acc in registers) */
+        for (int c = 0; c < SKINNY_COLS; c++) sums[c] = lane_total(acc[m][c]);
+        for (int c = 0; c < cols; c++) sums[c] += s->bias != NULL ? s->bias[n0 + c] : 0.0f;
+        store_outputs(s, m0 + m, n0, sums, cols);
     }
 }
 
@@ -1047,11 +1056,12 @@ static void (*const SKINNY_TILE[])(const Skinny *, int64_t) = {
    its tile of 4 rows meets every row of x from cache. Every output is lane sums over k mod
    16, then one fixed reduction: a row's result does not depend on the batch's other rows,
    nor on the dtypes the same values are stored in. x (x_dtype) is widened to float32 once
-   up front unless it is float32. Rows of x and y may be strided; w is contiguous. Returns
-   0, or -1 when the widened x could not be allocated. */
+   up front unless it is float32; each output is rounded once to y_dtype as it is stored.
+   Rows of x and y may be strided; w is contiguous. Returns 0, or -1 when the widened x
+   could not be allocated. */
 int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
-                           int w_dtype, int64_t N, int64_t K, const float *bias, float *y,
-                           int64_t y_stride) {
+                           int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
+                           int64_t y_stride, int y_dtype) {
     float *wide_x = NULL;
     if (x_dtype != F32) {
         wide_x = malloc((size_t)(M * K) * sizeof(float));
@@ -1064,8 +1074,18 @@ int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t
     const int64_t share = full_blocks >= SKINNY_COLS ? 1
                           : full_blocks > 0          ? (SKINNY_COLS + full_blocks - 1) / full_blocks
                                                      : 0;
-    const Skinny s = {wide_x != NULL ? wide_x : (const float *)x, wide_x != NULL ? K : x_stride,
-                      M, w, N, K, bias, y, y_stride, full_blocks, share};
+    const Skinny s = {.x = wide_x != NULL ? wide_x : (const float *)x,
+                      .x_stride = wide_x != NULL ? K : x_stride,
+                      .M = M,
+                      .w = w,
+                      .N = N,
+                      .K = K,
+                      .bias = bias,
+                      .y = y,
+                      .y_stride = y_stride,
+                      .y_dtype = y_dtype,
+                      .full_blocks = full_blocks,
+                      .share = share};
     void (*const tile)(const Skinny *, int64_t) = SKINNY_TILE[w_dtype];
     const int64_t num_tiles = (N + SKINNY_COLS - 1) / SKINNY_COLS;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 15))

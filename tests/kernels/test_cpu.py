@@ -220,12 +220,14 @@ def test_reduced_linear_is_the_float32_kernel_on_the_widened_values(
     rows, out_features, in_features, weight_dtype, reduced_rows_in_kernel
 ):
     """Only the loads differ: the same values stored as bf16 / fp16 give the float32 kernel's
-    bits (one summation order whatever the storage dtype)."""
+    bits (one summation order whatever the storage dtype), and outputs stored in x's dtype
+    are those rounded once."""
     gen = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, in_features, generator=gen).to(weight_dtype)
     weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
     got = cpu_ops.linear(x, weight, out_dtype=torch.float32)
     assert torch.equal(got, cpu_ops.linear(x.float(), weight.float()))
+    assert torch.equal(cpu_ops.linear(x, weight), got.to(weight_dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
