@@ -1063,7 +1063,7 @@ int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t
                            int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
                            int64_t y_stride, int y_dtype) {
     float *wide_x = NULL;
-    if (x_dtype != F32) {
+    if (x_dtype != F32 && M * K > 0) { /* (malloc(0) may return NULL) */
         wide_x = malloc((size_t)(M * K) * sizeof(float));
         if (wide_x == NULL) return -1;
         for (int64_t m = 0; m < M; m++)
