@@ -3,13 +3,14 @@
 Decode and prefill attention read K/V block by block from the paged cache in place, with an
 online softmax per row: the torch reference instead gathers every sequence's whole context
 into a padded batch each layer, which dominated decode on CPU. `linear` multiplies a decode
-step's few rows in C (each weight read from memory once, every output summed in a fixed
-order); more rows go to torch's GEMM. The sampler's seeded draw (`draw_tokens`, noise made
-only for the tokens that can still win), its grammar bitmask and the greedy head's running
-argmax are C too, and so are the fused residual add + RMSNorm, rotary and silu * up: at a
-decode step's few rows their dozen torch calls per layer cost more than their arithmetic.
-LoRA is the reference's, and so is any call a C kernel does not take (another dtype or
-device, a draw its race leaves unsettled).
+step's few rows in C (each weight read from memory once, float32 or bf16 / fp16 widened in
+registers, every output summed in float32 in a fixed order); more rows go to torch's GEMM.
+The sampler's seeded draw (`draw_tokens`, noise made only for the tokens that can still
+win), its grammar bitmask and the greedy head's running argmax are C too, and so are the
+fused residual add + RMSNorm, rotary and silu * up: at a decode step's few rows their dozen
+torch calls per layer cost more than their arithmetic. LoRA is the reference's, and so is
+any call a C kernel does not take (another dtype or device, a draw its race leaves
+unsettled).
 `available()` says whether the library could be built; `select_kernels` falls back to the
 reference otherwise.
 """
@@ -56,6 +57,17 @@ LONG_PREFILL = 512
 #: 120 matmuls of a step (2 cores, float32): 1 row 16.6 ms, torch 16.6; 4: 18.1 vs 28.0;
 #: 24: 26.9 vs 44.5; 64: 61.3 vs 60.4, where torch takes over.
 SKINNY_MAX_ROWS = 48
+#: The same for bf16 / float16 weights where torch's GEMM of the dtype is native (bf16 on
+#: AVX512-BF16 or AMX): it computes at twice the float32 rate, so it takes over sooner.
+#: Measured 2026-11-24 on the 2-core AVX512-BF16 machine (no AMX), SmolLM2-135M's 120 layer
+#: matmuls of a step in bf16 on one thread (the machine was shared: two threads measured
+#: mostly the neighbours' load), C vs torch:
+#: 1 row 33.5 vs 48.6 ms, 4: 32.3 vs 47.6, 8: 41.6 vs 57.4 (37.0 vs 41.1 again), 12: 68.8
+#: vs 71.4 (39.8 vs 60.8), 16: 74.5 vs 76.4 (100.5 vs 73.2), 24: 139 vs 80; the LM head
+#: (49152x576): 8 rows 10.5 vs 14.4 ms, 12: 19.6 vs 15.8. Where torch would widen the
+#: weights to float32 first (`precision.compute_dtype`), its GEMM is float32's plus a pass
+#: over the weights: `SKINNY_MAX_ROWS` holds.
+SKINNY_MAX_ROWS_BF16 = 8
 
 
 def available() -> bool:
@@ -174,30 +186,50 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
-    """x Wᵀ + b: a float32 matmul of at most `SKINNY_MAX_ROWS` rows in the C kernel (each
-    output's sum in a fixed order, whatever the other rows), else torch's (`precision.linear`)."""
-    plain = compute_dtype(weight.dtype, weight.device) == torch.float32 == weight.dtype == x.dtype
-    few_rows = x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
-    if not (plain and few_rows and weight.is_contiguous()):
+    """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`) in the C kernel, float32
+    arithmetic over float32, bf16 or float16 weights (each output's sum in a fixed order,
+    whatever the other rows), else torch's (`precision.linear`)."""
+    if not _takes_skinny(x, weight):
         return torch_linear(x, weight, bias, out_dtype)
-    rows = x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    _library().headrace_skinny_linear(
+    out_dtype = out_dtype or x.dtype
+    store_dtype = out_dtype if out_dtype in _DTYPE_CODES else torch.float32
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=store_dtype)
+    status = _library().headrace_skinny_linear(
         _ptr(x),
         x.stride(0),
-        rows,
+        _DTYPE_CODES[x.dtype],
+        x.shape[0],
         _ptr(weight),
+        _DTYPE_CODES[weight.dtype],
         weight.shape[0],
         weight.shape[1],
         None if bias is None else _ptr(bias),
         _ptr(out),
         out.stride(0),
+        _DTYPE_CODES[store_dtype],
     )
-    return out if out_dtype in (None, torch.float32) else out.to(out_dtype)
+    if status != 0:
+        raise MemoryError("the skinny linear could not allocate its float32 copy of x")
+    return out.to(out_dtype)
+
+
+def skinny_max_rows(weight_dtype: torch.dtype) -> int:
+    """Rows up to which `linear` runs the C kernel for weights of this dtype (0: never)."""
+    if weight_dtype not in _DTYPE_CODES:
+        return 0
+    in_float32 = compute_dtype(weight_dtype, torch.device("cpu")) == torch.float32
+    return SKINNY_MAX_ROWS if in_float32 else SKINNY_MAX_ROWS_BF16
+
+
+def _takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    on_cpu = x.device.type == weight.device.type == "cpu"
+    rows = x.shape[0] if x.dim() == 2 else 0
+    in_kernel = on_cpu and x.dtype in _DTYPE_CODES and weight.is_contiguous()
+    return in_kernel and 0 < rows <= skinny_max_rows(weight.dtype)
 
 
 #: Widest row `rms_norm` takes in C (its row buffer lives on the stack); wider go to torch.
