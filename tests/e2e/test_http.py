@@ -350,24 +350,32 @@ def test_a_full_queue_is_a_429_with_retry_after(servers, model: str, tmp_path: P
             "--max-queued-requests", "1"]  # fmt: skip
     with start_router([worker.target], *args, log_path=tmp_path / "router.log") as router:
         assert wait_serving(router.target)
-        reply = asyncio.run(_overload(router, model))
+        reply = asyncio.run(_overload(router, worker, model))
     assert reply.status_code == 429
     assert reply.headers["retry-after"] == "1"
     error = reply.json()["error"]
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
 
 
-async def _overload(router: ServerProcess, model: str) -> httpx.Response:
+async def _overload(router: ServerProcess, worker: ServerProcess, model: str) -> httpx.Response:
     url = f"{base_url(router)}/completions"
     body = {"model": model, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True,
             "stream": True}  # fmt: skip
     async with httpx.AsyncClient(timeout=60) as http, http.stream("POST", url, json=body):
-        # The first request streams (it is on the worker); the second waits in the queue.
-        queued = asyncio.create_task(http.post(url, json=body))
-        while _gauge(router, "headrace_router_requests_queued") < 1:
-            await asyncio.sleep(0.01)
-        reply = await http.post(url, json=body)
-        queued.cancel()
+        # The first request streams (it is on the worker), stopped there so that it cannot
+        # finish (a tiny model's 500 tokens take under a second); the second waits in the
+        # queue.
+        worker.proc.send_signal(signal.SIGSTOP)
+        try:
+            queued = asyncio.create_task(http.post(url, json=body))
+            deadline = time.monotonic() + 30
+            while _gauge(router, "headrace_router_requests_queued") < 1:
+                assert time.monotonic() < deadline, "the second request was never queued"
+                await asyncio.sleep(0.01)
+            reply = await http.post(url, json=body)
+            queued.cancel()
+        finally:
+            worker.proc.send_signal(signal.SIGCONT)
     return reply
 
 

@@ -341,6 +341,9 @@ def test_a_failover_never_resumes_a_request_on_other_weights(
         request.wait_for_tokens(5)
         (holder,) = [w for w in workers if load_report(w.target).running_requests == 1]
         (other,) = [w for w in workers if w is not holder]
+        # Stopped, so the request cannot finish while B changes version (400 tokens of a tiny
+        # model take about a second).
+        holder.proc.send_signal(signal.SIGSTOP)
         with Client(other.target) as direct:
             direct.update_weights(str(checkpoint_b), "b")
         time.sleep(0.5)  # the router's load reports catch up
