@@ -78,6 +78,52 @@ def parse_lengths(text: str) -> tuple[int, int]:
     return bounds
 
 
+def parse_cpus(text: str) -> list[int]:
+    """``"0-3"``, ``"0,2"`` or ``"0-1,4"`` as a list of CPU numbers."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        try:
+            cpus.extend(range(int(low), int(high or low) + 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a CPU list, e.g. 0-1 or 0,2"
+            ) from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{text!r} names no CPU")
+    return cpus
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadPreset:
+    """``bench engine --workload``: values for the workload flags (a flag given wins)."""
+
+    num_requests: int
+    prompt_lens: tuple[int, int]
+    max_tokens: int
+    #: What it is for, in --help.
+    purpose: str
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(requests, shortest prompt, longest prompt, new tokens)."""
+        return self.num_requests, *self.prompt_lens, self.max_tokens
+
+    def describe(self) -> str:
+        low, high = self.prompt_lens
+        prompts = f"{low}" if low == high else f"{low}-{high}"
+        requests = f"{self.num_requests} request" + ("s" if self.num_requests > 1 else "")
+        return f"{requests}, prompts {prompts}, {self.max_tokens} new ({self.purpose})"
+
+
+WORKLOADS = {
+    "a": WorkloadPreset(24, (32, 256), 64, "a small mixed batch"),
+    "b": WorkloadPreset(64, (32, 512), 128, "the default"),
+    "c": WorkloadPreset(16, (128, 128), 128, "a batch for llama.cpp's parallel slots"),
+    "d": WorkloadPreset(1, (128, 128), 256, "a single stream: also ms per token"),
+}
+
+
 # --- the flags of each bench -----------------------------------------------------------------
 
 
@@ -91,7 +137,39 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-prompt-len", type=int, help="default: 512 (64 with --tiny)")
     add("--max-tokens", type=int, help="new tokens per request; default: 128 (64 with --tiny)")
     add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
-    add("--baseline", choices=["none", "hf"], default="none", help="also run transformers")
+    add(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        help="a preset of the four flags above (a flag given wins): "
+        + "; ".join(f"{name} = {preset.describe()}" for name, preset in WORKLOADS.items()),
+    )
+    add(
+        "--baseline",
+        choices=["none", "hf", "vllm", "llama.cpp"],
+        default="none",
+        help="also run transformers (hf, in this process), or a peer engine in its own process "
+        "and venv (vllm: vLLM's CPU backend; llama.cpp: llama-cpp-python; `make bench-peers` "
+        "makes both): same prompts, greedy, runs alternating with headrace's (--rounds)",
+    )
+    add(
+        "--peer-python",
+        metavar="PATH",
+        help="the peer venv's python (default: the venv `make bench-peers` made under "
+        "$HEADRACE_CACHE/peers, ~/.cache/headrace/peers)",
+    )
+    add(
+        "--peer-cpus",
+        type=parse_cpus,
+        metavar="LIST",
+        help="CPUs the peer's threads run on, e.g. 0-1 (default: all this process may use)",
+    )
+    add(
+        "--peer-gguf",
+        metavar="PATH",
+        help="llama.cpp's model: a GGUF file, or 'shipped' for the quantized one the model's "
+        "package ships (default: the GGUF of --dtype that `make bench-peers` converted)",
+    )
+    add("--peer-kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     add("--profile", action="store_true", help="split decode steps into phases")
     add(
         "--sampled",
@@ -107,8 +185,9 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=3,
-        help="with --sampled: greedy and sampled runs alternate this many times; the ratio is "
-        "the median of each round's (a shared host's speed drifts between runs)",
+        help="with --sampled: greedy and sampled runs alternate this many times; with a peer "
+        "--baseline: headrace's and the peer's; the ratio is the median of each round's (a "
+        "shared host's speed drifts between runs)",
     )
     add_kernel_backend_argument(parser)
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -234,7 +313,8 @@ class BenchCommand:
 BENCHES = (
     BenchCommand(
         "engine",
-        "in-process engine: tok/s, TTFT, decode step and host overhead (--baseline hf)",
+        "in-process engine: tok/s, TTFT, decode step and host overhead (--baseline hf, vllm, "
+        "llama.cpp)",
         engine_arguments,
         "headrace.worker.bench.engine",
     ),

@@ -48,6 +48,9 @@ class Report:
     #: Step time minus the time in the model's forward and LM head: what the engine's own
     #: Python costs each step (scheduling, batch building, sampling, detokenizing, outputs).
     host_overhead_s: list[float] = field(default_factory=list)
+    #: Generated tokens of each request, in the workload's order, where the run keeps them
+    #: (to compare greedy outputs with a peer's).
+    token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:

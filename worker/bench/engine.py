@@ -5,6 +5,8 @@
     headrace bench engine --tiny               # a tiny model: what the engine itself costs
     headrace bench engine --tiny --profile     # where a decode step's time goes, by phase
     headrace bench engine --tiny --sampled     # plus the same run sampled: its step vs greedy's
+    headrace bench engine --workload d --dtype float32 --baseline vllm   # against vLLM's CPU
+    headrace bench engine --workload c --dtype float32 --baseline llama.cpp
 
 Every request runs to its output length (greedy, ignore_eos; with ``--sampled`` a second run
 samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Figures:
@@ -18,6 +20,10 @@ samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Fig
 
 With ``--baseline hf`` each transformers mode runs the same prompts and output length, and
 ``ratio_hf_generate`` / ``ratio_hf_generate_batch`` are headrace's tok/s over theirs.
+With ``--baseline vllm`` or ``llama.cpp`` the peer engine runs in a process and venv of its own
+(`headrace.worker.bench.peers`), its runs alternating with headrace's: ``ratio_vllm`` /
+``ratio_llama_cpp`` is the median pair's headrace tok/s over the peer's, and ``*_agreement``
+the fraction of requests whose greedy tokens are identical in every pair.
 ``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's: the
 median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed drifts.
 ``--profile`` splits the decode steps into phases (`headrace.worker.bench.profile`).
@@ -26,6 +32,7 @@ median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +40,7 @@ from typing import Any
 
 import torch
 from headrace.sdk.config import GenerationConfig
+from headrace.worker.bench.cli import WORKLOADS
 from headrace.worker.bench.common import (
     TINY_MODEL,
     Report,
@@ -43,6 +51,14 @@ from headrace.worker.bench.common import (
     quantile,
 )
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
+from headrace.worker.bench.peers import (
+    PEER_VENVS,
+    PeerSetup,
+    compare_with_peer,
+    default_peer_python,
+    peer_model,
+    start_peer,
+)
 from headrace.worker.bench.profile import StepProfile
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
@@ -107,6 +123,7 @@ def run_headrace(
         engine.add_request(f"bench-{i}", prompt, config)
     report = Report(name, 0.0, 0)
     first_token: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {f"bench-{i}": [] for i in range(len(workload.prompts))}
     while engine.has_unfinished_requests():
         timed.seconds = 0.0
         if profile is not None:
@@ -119,6 +136,7 @@ def run_headrace(
             raise RuntimeError(f"bench request {failed.request_id} failed: {failed.error}")
         for output in outputs:
             first_token.setdefault(output.request_id, now - start)
+            tokens[output.request_id].extend(t for d in output.samples for t in d.token_ids)
         plan = engine.last_step
         # Every scheduled sequence decoded one token: a pure decode step.
         is_decode = plan is not None and plan.chunks and plan.num_decode_seqs == len(plan.chunks)
@@ -129,6 +147,7 @@ def run_headrace(
             profile.end_step(now - step_start, bool(is_decode))
     report.seconds = time.perf_counter() - start
     report.ttft_s = list(first_token.values())
+    report.token_ids = list(tokens.values())
     engine.runner.model = timed._model
     return report
 
@@ -147,7 +166,12 @@ def run(args: argparse.Namespace) -> Summary:
 
 
 def _workload_shape(args: argparse.Namespace) -> tuple[int, tuple[int, int], int]:
-    defaults = (256, 16, 64, 64) if args.tiny else (64, 32, 512, 128)
+    """(requests, prompt lengths, new tokens): each flag given, else ``--workload``'s preset,
+    else the default (`--tiny`'s own)."""
+    if args.workload is not None:
+        defaults = WORKLOADS[args.workload].shape
+    else:
+        defaults = (256, 16, 64, 64) if args.tiny else WORKLOADS["b"].shape
     num_requests, min_len, max_len, max_tokens = (
         value if value is not None else default
         for value, default in zip(
@@ -200,6 +224,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         summary.update(_run_sampled(engine, workload, ours, args.profile, args.rounds))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
+    elif args.baseline in PEER_VENVS:
+        summary.update(_run_peer(args, (model_path, model_name), engine, workload, ours))
     engine.close()
     return summary
 
@@ -256,3 +282,38 @@ def _run_baselines(model_path: Path, engine: Engine, workload: Workload, ours: R
         f"{ours.tokens_per_s / best.tokens_per_s:.2f}x"
     )
     return ratios
+
+
+def _run_peer(
+    args: argparse.Namespace,
+    model: tuple[Path, str],
+    engine: Engine,
+    workload: Workload,
+    ours: Report,
+) -> Summary:
+    """``ours`` and ``args.rounds - 1`` more headrace runs, each followed by the peer's."""
+    peer = args.baseline
+    cpus = tuple(args.peer_cpus or sorted(os.sched_getaffinity(0)))
+    setup = PeerSetup(
+        peer=peer,
+        model=peer_model(peer, *model, args.dtype, args.peer_gguf),
+        dtype=args.dtype,
+        cpus=cpus,
+        # llama.cpp keeps a KV sequence of max_model_len per slot: as many as requests.
+        max_num_seqs=engine.config.max_num_seqs if peer == "vllm" else len(workload.prompts),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max(map(len, workload.prompts)) + max(workload.max_tokens),
+        kv_cache_gib=args.peer_kv_cache_gib,
+    )
+    python = Path(args.peer_python) if args.peer_python else default_peer_python(peer)
+    with start_peer(python, setup) as process:
+        print(
+            f"peer: {process.describe()}, {setup.model}, CPUs {list(cpus)}; loaded in "
+            f"{process.info.get('load_s', 0):.1f} s (headrace: {torch.get_num_threads()} threads)"
+        )
+        key = peer.replace(".", "_")
+        paired = compare_with_peer(
+            process, key, workload, ours, lambda: run_headrace(engine, workload), args.rounds
+        )
+    print(paired.describe())
+    return paired.summary()
