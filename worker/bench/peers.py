@@ -326,7 +326,7 @@ def compare_with_peer(
     """``first`` (headrace's run just made) against the peer's, then ``rounds - 1`` more
     (headrace, peer) pairs. The peer warms up first on a small workload of its own."""
     peer.run(make_workload(1000, 2, (8, 16), (4, 4), 1))
-    name = f"{key} {peer.info.get('version', '')}".strip()
+    name = peer.info.get("version") or key
     paired = PairedRounds(key)
     paired.add(first, peer.run(workload).report(name))
     for _ in range(rounds - 1):
