@@ -225,7 +225,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     elif args.baseline in PEER_VENVS:
-        summary.update(_run_peer(args, (model_path, model_name), engine, workload, ours))
+        summary.update(_run_peer(args, model_path, model_name, engine, workload, ours))
     engine.close()
     return summary
 
@@ -286,7 +286,8 @@ def _run_baselines(model_path: Path, engine: Engine, workload: Workload, ours: R
 
 def _run_peer(
     args: argparse.Namespace,
-    model: tuple[Path, str],
+    model_path: Path,
+    model_name: str,
     engine: Engine,
     workload: Workload,
     ours: Report,
@@ -296,7 +297,7 @@ def _run_peer(
     cpus = tuple(args.peer_cpus or sorted(os.sched_getaffinity(0)))
     setup = PeerSetup(
         peer=peer,
-        model=peer_model(peer, *model, args.dtype, args.peer_gguf),
+        model=peer_model(peer, model_path, model_name, args.dtype, args.peer_gguf),
         dtype=args.dtype,
         cpus=cpus,
         # llama.cpp keeps a KV sequence of max_model_len per slot: as many as requests.

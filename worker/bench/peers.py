@@ -325,7 +325,8 @@ def compare_with_peer(
 ) -> PairedRounds:
     """``first`` (headrace's run just made) against the peer's, then ``rounds - 1`` more
     (headrace, peer) pairs. The peer warms up first on a small workload of its own."""
-    peer.run(make_workload(1000, 2, (8, 16), (4, 4), 1))
+    # No more sequences than the workload's: llama.cpp's context holds that many.
+    peer.run(make_workload(1000, min(2, len(workload.prompts)), (8, 16), (4, 4), 1))
     name = peer.info.get("version") or key
     paired = PairedRounds(key)
     paired.add(first, peer.run(workload).report(name))

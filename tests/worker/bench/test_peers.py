@@ -46,6 +46,9 @@ FAKE_PEER = textwrap.dedent(
           flush=True)
     for number, line in enumerate(sys.stdin, start=1):
         job = json.loads(line)
+        if len(job["prompts"]) > setup["max_num_seqs"]:  # as llama.cpp's context
+            print(json.dumps({"error": "RuntimeError: llama_decode returned -1"}), flush=True)
+            sys.exit(1)
         cut = 1 if mode == "short" else 0
         tokens = [[p[-1] + k + 1 for k in range(n - cut)]
                   for p, n in zip(job["prompts"], job["max_tokens"])]
@@ -63,8 +66,8 @@ def fake_driver(tmp_path: Path) -> Path:
     return path
 
 
-def setup(model: str = "ok") -> PeerSetup:
-    return PeerSetup("vllm", model, "float32", (0,), 8, 2048, 64)
+def setup(model: str = "ok", max_num_seqs: int = 8) -> PeerSetup:
+    return PeerSetup("vllm", model, "float32", (0,), max_num_seqs, 2048, 64)
 
 
 def workload(*prompts: list[int], max_tokens: int = 3) -> Workload:
@@ -81,6 +84,10 @@ def fake_tokens(work: Workload) -> list[list[int]]:
 
 def ours(seconds: float, token_ids: list[list[int]]) -> Report:
     return Report("headrace", seconds, sum(map(len, token_ids)), token_ids=token_ids)
+
+
+def no_more_runs() -> Report:
+    raise AssertionError("one round: headrace's first run is the only one")
 
 
 # --- the driver's answers --------------------------------------------------------------------
@@ -193,6 +200,14 @@ def test_runs_alternate_after_the_peers_warm_up(fake_driver: Path):
     assert paired.agreements == [1.0, 1.0, 1.0]
     assert paired.theirs[0].token_ids == [[102, 103, 104, 105], [201, 202, 203, 204]]
     assert paired.theirs[0].ttft_s == [0.25, 0.25]
+
+
+def test_a_single_stream_peer_warms_up_on_no_more_sequences_than_it_holds(fake_driver: Path):
+    work = workload([100] * 8)
+    first = ours(1.0, fake_tokens(work))
+    with start_peer(Path(sys.executable), setup(max_num_seqs=1), fake_driver) as peer:
+        paired = compare_with_peer(peer, "llama_cpp", work, first, no_more_runs, rounds=1)
+    assert paired.is_single_stream and paired.agreements == [1.0]
 
 
 def test_a_peer_that_fails_at_setup_raises_with_its_log(fake_driver: Path):
