@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from headrace.worker.bench.common import Report, Summary, Workload, make_workload, ms, quantile
+from headrace.worker.bench.common import Report, Summary, Workload, make_workload, quantile
 from headrace.worker.models.store import KNOWN_MODELS, cache_dir, locate_gguf
 
 #: The peers ``--baseline`` names, and the folder under ``peers_dir()`` of each one's venv.
@@ -282,8 +282,10 @@ class PairedRounds:
         if ttfts := [quantile(r.ttft_s, 0.5) for r in self.theirs if r.ttft_s]:
             out[f"{key}_ttft_p50_ms"] = round(quantile(ttfts, 0.5) * 1e3, 3)
         if self.is_single_stream:
-            out["ms_per_token"] = round(_median_ms_per_token(self.ours), 3)
-            out[f"{key}_ms_per_token"] = round(_median_ms_per_token(self.theirs), 3)
+            for prefix, reports in (("", self.ours), (f"{key}_", self.theirs)):
+                out[f"{prefix}ms_per_token"] = round(_median_ms_per_token(reports), 3)
+                if (decode := _median_decode_ms_per_token(reports)) is not None:
+                    out[f"{prefix}decode_ms_per_token"] = round(decode, 3)
         return out
 
     @property
@@ -304,15 +306,27 @@ class PairedRounds:
         lines.append(f"  greedy agreement (requests with identical tokens): {agreements}")
         if self.is_single_stream:
             lines.append(
-                f"  single stream, per token (run's wall time / tokens): headrace "
-                f"{ms(_median_ms_per_token(self.ours) / 1e3)}, {self.theirs[0].name} "
-                f"{ms(_median_ms_per_token(self.theirs) / 1e3)}"
+                "  single stream, ms per token (the run's wall time / tokens; after the first "
+                f"token): headrace {_per_token_text(self.ours)}, {self.theirs[0].name} "
+                f"{_per_token_text(self.theirs)}"
             )
         return "\n".join(lines)
 
 
 def _median_ms_per_token(reports: list[Report]) -> float:
     return quantile([r.seconds / r.num_tokens * 1e3 for r in reports], 0.5)
+
+
+def _median_decode_ms_per_token(reports: list[Report]) -> float | None:
+    """A single stream's time per token after its first (None where the TTFT is unknown)."""
+    if any(not r.ttft_s or r.num_tokens < 2 for r in reports):
+        return None
+    return quantile([(r.seconds - r.ttft_s[0]) / (r.num_tokens - 1) * 1e3 for r in reports], 0.5)
+
+
+def _per_token_text(reports: list[Report]) -> str:
+    decode = _median_decode_ms_per_token(reports)
+    return f"{_median_ms_per_token(reports):.1f}" + ("" if decode is None else f" ({decode:.1f})")
 
 
 def compare_with_peer(

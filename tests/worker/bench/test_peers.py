@@ -170,10 +170,15 @@ def test_paired_rounds_report_the_worst_rounds_agreement():
 
 def test_a_single_stream_also_reports_ms_per_token():
     paired = PairedRounds("vllm")
-    paired.add(ours(2.0, [[1] * 100]), ours(4.0, [[1] * 100]))
+    headrace = ours(2.0, [[1] * 101])
+    headrace.ttft_s = [0.5]  # then 100 tokens in 1.5 s
+    paired.add(headrace, ours(4.04, [[1] * 101]))  # a peer without TTFTs
     summary = paired.summary()
-    assert summary["ms_per_token"] == 20.0 and summary["vllm_ms_per_token"] == 40.0
-    assert "per token" in paired.describe()
+    assert summary["ms_per_token"] == pytest.approx(2000 / 101)
+    assert summary["vllm_ms_per_token"] == pytest.approx(40.0)
+    assert summary["decode_ms_per_token"] == pytest.approx(15.0)
+    assert "vllm_decode_ms_per_token" not in summary
+    assert "ms per token" in paired.describe()
 
 
 # --- the peer process ------------------------------------------------------------------------
