@@ -94,7 +94,7 @@ $(PEERS_DIR)/llamacpp/.installed: $(LLAMA_CPP_SRC)/pyproject.toml
 		$(PEERS_DIR)/llamacpp/bin/pip install --quiet $(LLAMA_CPP_SRC)
 	touch $@
 
-$(PEERS_DIR)/gguf/.converted: install $(PEERS_DIR)/vllm/.installed $(LLAMA_CPP_SRC)/pyproject.toml
+$(PEERS_DIR)/gguf/.converted: $(VENV)/.installed $(PEERS_DIR)/vllm/.installed $(LLAMA_CPP_SRC)/pyproject.toml
 	mkdir -p $(PEERS_DIR)/gguf
 	model=$$($(PY) -c "from headrace.worker.models.store import resolve_model as r; print(r('$(MODEL)'))") && \
 	for type in $(GGUF_TYPES); do \
