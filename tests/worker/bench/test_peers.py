@@ -24,8 +24,10 @@ from headrace.worker.bench.peers import (
     agreement,
     compare_with_peer,
     parse_run,
+    peer_model,
     start_peer,
 )
+from headrace.worker.models.store import CACHE_ENV
 
 #: Answers like the real driver: each request's tokens are its prompt's last token + 1, + 2, ...
 #: and a run's "seconds" is its number (the warm-up is run 1). FAKE_MODE in the setup's model
@@ -243,6 +245,23 @@ def test_a_peer_that_stops_a_request_early_is_an_error(fake_driver: Path):
 def test_a_missing_peer_venv_says_how_to_make_it(tmp_path: Path):
     with pytest.raises(PeerError, match="make bench-peers"):
         PeerProcess(tmp_path / "no-venv" / "bin" / "python", setup(), tmp_path)
+
+
+def test_peers_load_the_checkpoint_or_the_gguf_of_the_dtype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    folder = tmp_path / "models" / "m"
+    assert peer_model("vllm", folder, "m", "float32", None) == str(folder)
+    assert peer_model("llama.cpp", folder, "m", "float32", "/x/m.gguf") == "/x/m.gguf"
+    with pytest.raises(PeerError, match="make bench-peers"):
+        peer_model("llama.cpp", folder, "m", "float32", None)
+    converted = tmp_path / "peers" / "gguf" / "m-bf16.gguf"
+    converted.parent.mkdir(parents=True)
+    converted.touch()
+    assert peer_model("llama.cpp", folder, "m", "bfloat16", None) == str(converted)
+    with pytest.raises(PeerError, match="not a known model"):
+        peer_model("llama.cpp", folder, "m", "float32", "shipped")
 
 
 # --- flags and the driver's pieces -----------------------------------------------------------
