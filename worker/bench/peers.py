@@ -293,7 +293,7 @@ class PairedRounds:
         return len(self.ours[0].token_ids) == 1
 
     def describe(self) -> str:
-        lines = [r.describe() for r in self.theirs[:1]]
+        lines = [r.describe() for r in self.theirs]
         rounds = ", ".join(
             f"{a.tokens_per_s:.1f}/{b.tokens_per_s:.1f}={r:.2f}"
             for a, b, r in zip(self.ours, self.theirs, self.ratios, strict=True)
