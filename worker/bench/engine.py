@@ -57,6 +57,7 @@ from headrace.worker.bench.peers import (
     compare_with_peer,
     default_peer_python,
     peer_model,
+    require_peer_python,
     start_peer,
 )
 from headrace.worker.bench.profile import StepProfile
@@ -204,6 +205,9 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         f"{max_tokens} new tokens; model {model_name}, dtype {args.dtype}, device "
         f"{engine.device}, kernels {engine.kernels.NAME}, threads {torch.get_num_threads()}"
     )
+    peer = None
+    if args.baseline in PEER_VENVS:
+        peer = _peer_setup(args, model_path, model_name, engine, workload)
     warm_up = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
     for sampled in {False, args.sampled}:
         run_headrace(engine, warm_up, "warm-up", sampled=sampled)
@@ -224,8 +228,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         summary.update(_run_sampled(engine, workload, ours, args.profile, args.rounds))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
-    elif args.baseline in PEER_VENVS:
-        summary.update(_run_peer(args, model_path, model_name, engine, workload, ours))
+    elif peer is not None:
+        summary.update(_run_peer(*peer, engine, workload, ours, args.rounds))
     engine.close()
     return summary
 
@@ -284,22 +288,20 @@ def _run_baselines(model_path: Path, engine: Engine, workload: Workload, ours: R
     return ratios
 
 
-def _run_peer(
+def _peer_setup(
     args: argparse.Namespace,
     model_path: Path,
     model_name: str,
     engine: Engine,
     workload: Workload,
-    ours: Report,
-) -> Summary:
-    """``ours`` and ``args.rounds - 1`` more headrace runs, each followed by the peer's."""
+) -> tuple[Path, PeerSetup]:
+    """The peer's python and setup, checked before headrace's runs (which may be long)."""
     peer = args.baseline
-    cpus = tuple(args.peer_cpus or sorted(os.sched_getaffinity(0)))
     setup = PeerSetup(
         peer=peer,
         model=peer_model(peer, model_path, model_name, args.dtype, args.peer_gguf),
         dtype=args.dtype,
-        cpus=cpus,
+        cpus=tuple(args.peer_cpus or sorted(os.sched_getaffinity(0))),
         # llama.cpp keeps a KV sequence of max_model_len per slot: as many as requests.
         max_num_seqs=engine.config.max_num_seqs if peer == "vllm" else len(workload.prompts),
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -307,14 +309,22 @@ def _run_peer(
         kv_cache_gib=args.peer_kv_cache_gib,
     )
     python = Path(args.peer_python) if args.peer_python else default_peer_python(peer)
+    require_peer_python(python, peer)
+    return python, setup
+
+
+def _run_peer(
+    python: Path, setup: PeerSetup, engine: Engine, workload: Workload, ours: Report, rounds: int
+) -> Summary:
+    """``ours`` and ``rounds - 1`` more headrace runs, each followed by the peer's."""
     with start_peer(python, setup) as process:
         print(
-            f"peer: {process.describe()}, {setup.model}, CPUs {list(cpus)}; loaded in "
+            f"peer: {process.describe()}, {setup.model}, CPUs {list(setup.cpus)}; loaded in "
             f"{process.info.get('load_s', 0):.1f} s (headrace: {torch.get_num_threads()} threads)"
         )
-        key = peer.replace(".", "_")
+        key = setup.peer.replace(".", "_")
         paired = compare_with_peer(
-            process, key, workload, ours, lambda: run_headrace(engine, workload), args.rounds
+            process, key, workload, ours, lambda: run_headrace(engine, workload), rounds
         )
     print(paired.describe())
     return paired.summary()

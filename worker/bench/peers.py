@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from headrace.sdk.errors import HeadraceError
 from headrace.worker.bench.common import Report, Summary, Workload, make_workload, quantile
 from headrace.worker.models.store import KNOWN_MODELS, cache_dir, locate_gguf
 
@@ -35,8 +36,9 @@ GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 SHIPPED_GGUF = "shipped"
 
 
-class PeerError(RuntimeError):
-    """The peer could not be started, failed, or answered what the bench did not ask for."""
+class PeerError(HeadraceError):
+    """The peer could not be started, failed, or answered what the bench did not ask for
+    (a HeadraceError, so `headrace bench` prints it as one line of error, not a traceback)."""
 
 
 def peers_dir() -> Path:
@@ -143,6 +145,14 @@ def parse_run(line: str, workload: Workload) -> PeerRun:
     return run
 
 
+def require_peer_python(python: Path, peer: str) -> None:
+    if not python.exists():
+        raise PeerError(
+            f"{python} not found: run `make bench-peers` to make the {peer} venv, or give "
+            f"--peer-python PATH"
+        )
+
+
 class PeerProcess:
     """One peer engine in a process of its own, its model loaded once, run on request.
 
@@ -154,11 +164,7 @@ class PeerProcess:
     def __init__(
         self, python: Path, setup: PeerSetup, workdir: Path, driver: Path = DRIVER
     ) -> None:
-        if not python.exists():
-            raise PeerError(
-                f"{python} not found: run `make bench-peers` to make the {setup.peer} venv, "
-                f"or give --peer-python PATH"
-            )
+        require_peer_python(python, setup.peer)
         self.log_path = workdir / f"{setup.peer}.log"
         self._log = self.log_path.open("w")
         self._process = subprocess.Popen(
