@@ -3,7 +3,8 @@
 Every bench prints human lines and returns a flat summary (`Summary`) that ``--json`` prints
 as one JSON object on the last line: ``tok_s``, ``ttft_p50_ms``, ``ttft_p99_ms``, step and
 overhead figures where the bench measures them, and one ``ratio_*`` key per baseline run in
-the same process (these machines are noisy: read the ratios, not the absolute values).
+the same command, in this process or a peer engine's beside it (these machines are noisy:
+read the ratios, not the absolute values).
 """
 
 from __future__ import annotations
