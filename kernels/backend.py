@@ -58,6 +58,11 @@ class KernelSet(Protocol):
         sin: torch.Tensor,  # [T, 1, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def silu_and_mul(
+        self,
+        gate_up: torch.Tensor,  # [T, 2 * intermediate]: the gate's columns, then up's
+    ) -> torch.Tensor: ...  # [T, intermediate]: silu(gate) * up
+
     def linear(
         self,
         x: torch.Tensor,  # [T, in]

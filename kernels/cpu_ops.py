@@ -3,12 +3,14 @@
 Decode and prefill attention read K/V block by block from the paged cache in place, with an
 online softmax per row: the torch reference instead gathers every sequence's whole context
 into a padded batch each layer, which dominated decode on CPU. `linear` multiplies a decode
-step's few rows in C (each weight read from memory once, every output summed in a fixed
-order); more rows go to torch's GEMM. The sampler's seeded draw (`draw_tokens`, noise made
-only for the tokens that can still win), its grammar bitmask and the greedy head's running
-argmax are C too. RMSNorm, rotary and LoRA are the reference functions (torch's CPU ops are
-already fused enough), and so is any call a C kernel does not take (another dtype or
-device, a draw its race leaves unsettled).
+step's few rows in C (each weight read from memory once, float32 or bf16 / fp16 widened in
+registers, every output summed in float32 in a fixed order); more rows go to torch's GEMM.
+The sampler's seeded draw (`draw_tokens`, noise made only for the tokens that can still
+win), its grammar bitmask and the greedy head's running argmax are C too, and so are the
+fused residual add + RMSNorm, rotary and silu * up: at a decode step's few rows their dozen
+torch calls per layer cost more than their arithmetic. LoRA is the reference's, and so is
+any call a C kernel does not take (another dtype or device, a draw its race leaves
+unsettled).
 `available()` says whether the library could be built; `select_kernels` falls back to the
 reference otherwise.
 """
@@ -23,7 +25,7 @@ from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype
 from headrace.kernels.precision import linear as torch_linear
-from headrace.kernels.reference import apply_rotary, extend, rms_norm
+from headrace.kernels.reference import extend
 
 NAME = "cpu"
 
@@ -38,6 +40,7 @@ __all__ = [
     "lora_shrink",
     "paged_attention",
     "rms_norm",
+    "silu_and_mul",
     "write_kv_cache",
 ]
 
@@ -54,6 +57,17 @@ LONG_PREFILL = 512
 #: 120 matmuls of a step (2 cores, float32): 1 row 16.6 ms, torch 16.6; 4: 18.1 vs 28.0;
 #: 24: 26.9 vs 44.5; 64: 61.3 vs 60.4, where torch takes over.
 SKINNY_MAX_ROWS = 48
+#: The same for bf16 / float16 weights where torch's GEMM of the dtype is native (bf16 on
+#: AVX512-BF16 or AMX): it computes at twice the float32 rate, so it takes over sooner.
+#: Measured 2026-11-24 on the 2-core AVX512-BF16 machine (no AMX), SmolLM2-135M's 120 layer
+#: matmuls of a step in bf16 on one thread (the machine was shared: two threads measured
+#: mostly the neighbours' load), C vs torch:
+#: 1 row 33.5 vs 48.6 ms, 4: 32.3 vs 47.6, 8: 41.6 vs 57.4 (37.0 vs 41.1 again), 12: 68.8
+#: vs 71.4 (39.8 vs 60.8), 16: 74.5 vs 76.4 (100.5 vs 73.2), 24: 139 vs 80; the LM head
+#: (49152x576): 8 rows 10.5 vs 14.4 ms, 12: 19.6 vs 15.8. Where torch would widen the
+#: weights to float32 first (`precision.compute_dtype`), its GEMM is float32's plus a pass
+#: over the weights: `SKINNY_MAX_ROWS` holds.
+SKINNY_MAX_ROWS_BF16 = 8
 
 
 def available() -> bool:
@@ -172,30 +186,149 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
-    """x Wᵀ + b: a float32 matmul of at most `SKINNY_MAX_ROWS` rows in the C kernel (each
-    output's sum in a fixed order, whatever the other rows), else torch's (`precision.linear`)."""
-    plain = compute_dtype(weight.dtype, weight.device) == torch.float32 == weight.dtype == x.dtype
-    few_rows = x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
-    if not (plain and few_rows and weight.is_contiguous()):
+    """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`) in the C kernel, float32
+    arithmetic over float32, bf16 or float16 weights (each output's sum in a fixed order,
+    whatever the other rows), else torch's (`precision.linear`)."""
+    if not _takes_skinny(x, weight):
         return torch_linear(x, weight, bias, out_dtype)
-    rows = x.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    _library().headrace_skinny_linear(
+    out_dtype = out_dtype or x.dtype
+    store_dtype = out_dtype if out_dtype in _DTYPE_CODES else torch.float32
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=store_dtype)
+    status = _library().headrace_skinny_linear(
         _ptr(x),
         x.stride(0),
-        rows,
+        _DTYPE_CODES[x.dtype],
+        x.shape[0],
         _ptr(weight),
+        _DTYPE_CODES[weight.dtype],
         weight.shape[0],
         weight.shape[1],
         None if bias is None else _ptr(bias),
         _ptr(out),
         out.stride(0),
+        _DTYPE_CODES[store_dtype],
     )
-    return out if out_dtype in (None, torch.float32) else out.to(out_dtype)
+    if status != 0:
+        raise MemoryError("the skinny linear could not allocate its float32 copy of x")
+    return out.to(out_dtype)
+
+
+def skinny_max_rows(weight_dtype: torch.dtype) -> int:
+    """Rows up to which `linear` runs the C kernel for weights of this dtype (0: never)."""
+    if weight_dtype not in _DTYPE_CODES:
+        return 0
+    in_float32 = compute_dtype(weight_dtype, torch.device("cpu")) == torch.float32
+    return SKINNY_MAX_ROWS if in_float32 else SKINNY_MAX_ROWS_BF16
+
+
+def _takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    on_cpu = x.device.type == weight.device.type == "cpu"
+    rows = x.shape[0] if x.dim() == 2 else 0
+    in_kernel = on_cpu and x.dtype in _DTYPE_CODES and weight.is_contiguous()
+    return in_kernel and 0 < rows <= skinny_max_rows(weight.dtype)
+
+
+#: Widest row `rms_norm` takes in C (its row buffer lives on the stack); wider go to torch.
+RMS_NORM_MAX_COLS = 8192
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, x + residual)
+    """The reference's fused residual add + RMSNorm in one C pass per row (rounded as the
+    reference rounds); shapes, dtypes or layouts it does not take go to the reference."""
+    cols = x.shape[-1]
+    rows = _as_rows(x)
+    other = None if residual is None else _as_rows(residual)
+    fits = x.dtype in _DTYPE_CODES and weight.dtype == x.dtype and cols <= RMS_NORM_MAX_COLS
+    if not fits or rows is None or (residual is not None and other is None):
+        return reference.rms_norm(x, weight, eps, residual)
+    weight = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    total = torch.empty(x.shape, dtype=x.dtype) if residual is not None else x
+    _library().headrace_rms_norm(
+        _ptr(rows),
+        rows.stride(0),
+        None if other is None else _ptr(other),
+        0 if other is None else other.stride(0),
+        _ptr(weight),
+        eps,
+        _ptr(out),
+        None if residual is None else _ptr(total),
+        rows.shape[0],
+        cols,
+        _DTYPE_CODES[x.dtype],
+    )
+    return out, total
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, cols] with unit column stride, without a copy; None if it cannot be."""
+    if x.device.type != "cpu" or x.stride(-1) != 1:
+        return None
+    if x.dim() == 2:
+        return x
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+
+
+def apply_rotary(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, 1, head_dim]: both halves equal (neox layout)
+    sin: torch.Tensor,  # [T, 1, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's neox rotary in one C pass over the query and key heads, each op
+    rounded as the reference rounds it; into new contiguous tensors."""
+    head_dim = query.shape[-1]
+    same = query.dtype == key.dtype == cos.dtype == sin.dtype and query.dtype in _DTYPE_CODES
+    if not (same and query.device.type == "cpu" and head_dim % 2 == 0 and head_dim <= 1024):
+        return reference.apply_rotary(query, key, cos, sin)
+    query, key = _rows(query), _rows(key)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    query_out, key_out = (
+        torch.empty(query.shape, dtype=query.dtype),
+        torch.empty(key.shape, dtype=key.dtype),
+    )
+    _library().headrace_apply_rotary(
+        _ptr(query),
+        query.stride(0),
+        query.stride(1),
+        query.shape[1],
+        _ptr(key),
+        key.stride(0),
+        key.stride(1),
+        key.shape[1],
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(query_out),
+        _ptr(key_out),
+        query.shape[0],
+        head_dim,
+        _DTYPE_CODES[query.dtype],
+    )
+    return query_out, key_out
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor,  # [T, 2 * intermediate]: the gate's columns, then up's
+) -> torch.Tensor:  # [T, intermediate]
+    """The reference's silu(gate) * up in one C pass, rounded as the reference rounds."""
+    in_kernel = gate_up.dim() == 2 and gate_up.dtype in _DTYPE_CODES and gate_up.stride(1) == 1
+    if not in_kernel or gate_up.device.type != "cpu":
+        return reference.silu_and_mul(gate_up)
+    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, cols, dtype=gate_up.dtype)
+    _library().headrace_silu_and_mul(
+        _ptr(gate_up), gate_up.stride(0), _ptr(out), rows, cols, _DTYPE_CODES[gate_up.dtype]
+    )
+    return out
 
 
 def argmax_update(

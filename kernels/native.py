@@ -51,7 +51,16 @@ _SIGNATURES = {
     "headrace_argmax_update": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
     "headrace_draw_tokens": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], None),
     "headrace_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),
-    "headrace_skinny_linear": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64], None),
+    "headrace_skinny_linear": (
+        [_P, _I64, _INT, _I64, _P, _INT, _I64, _I64, _P, _P, _I64, _INT],
+        _INT,
+    ),
+    "headrace_rms_norm": ([_P, _I64, _P, _I64, _P, ctypes.c_float, _P, _P, _I64, _I64, _INT], None),
+    "headrace_silu_and_mul": ([_P, _I64, _P, _I64, _I64, _INT], None),
+    "headrace_apply_rotary": (
+        [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64] + [_P] * 4 + [_I64, _I64, _INT],
+        None,
+    ),
 }
 
 

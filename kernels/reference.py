@@ -34,6 +34,7 @@ __all__ = [
     "lora_shrink",
     "paged_attention",
     "rms_norm",
+    "silu_and_mul",
     "write_kv_cache",
 ]
 
@@ -81,6 +82,14 @@ def apply_rotary(
     query = query * cos + _rotate_half(query) * sin
     key = key * cos + _rotate_half(key) * sin
     return query, key
+
+
+def silu_and_mul(
+    gate_up: torch.Tensor,  # [T, 2 * intermediate]: the gate's columns, then up's
+) -> torch.Tensor:  # [T, intermediate]
+    """The gated MLP's activation: silu(gate) * up, each op rounded in the activation dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

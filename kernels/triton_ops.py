@@ -1,7 +1,12 @@
 """The Triton backend: a `KernelSet` with the reference module's functions and signatures."""
 
 from headrace.kernels.precision import linear  # cuBLAS: torch's own
-from headrace.kernels.reference import apply_token_bitmask, argmax_update, draw_tokens  # torch's
+from headrace.kernels.reference import (  # torch's
+    apply_token_bitmask,
+    argmax_update,
+    draw_tokens,
+    silu_and_mul,
+)
 from headrace.kernels.triton_attention import paged_attention
 from headrace.kernels.triton_cache import write_kv_cache
 from headrace.kernels.triton_lora import lora_expand, lora_shrink
@@ -21,5 +26,6 @@ __all__ = [
     "lora_shrink",
     "paged_attention",
     "rms_norm",
+    "silu_and_mul",
     "write_kv_cache",
 ]

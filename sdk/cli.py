@@ -171,6 +171,8 @@ def _worker(args: argparse.Namespace) -> int:
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
         overlap_steps=args.overlap_steps,
+        cpu_threads=args.cpu_threads,
+        cpu_bind=args.cpu_bind,
         max_prompt_bytes=args.max_prompt_bytes,
         weight_version=args.weight_version,
         enable_lora=args.enable_lora,
@@ -268,6 +270,14 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
         help="one rank: run steps on a device thread, two in flight over different sequences, "
         "so host work hides under device work (for GPUs; a loss on a small CPU)",
     )
+    add(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="on a CPU: threads per step (default 0: the CPUs the worker may use, within its "
+        "cgroup quota, one fewer for each core other processes keep busy)",
+    )
+    add("--cpu-bind", default="", metavar="CPUS", help='on a CPU: pin the worker, e.g. "0-3,8"')
     add("--max-message-mib", type=int, default=16, help="largest gRPC message, in MiB")
     add(
         "--max-prompt-bytes",

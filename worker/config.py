@@ -16,6 +16,7 @@ from headrace.kernels.precision import compute_dtype
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.weights import check_version
 from headrace.worker.distributed.parallel import check_parallel_sizes
+from headrace.worker.execution.cpu_threads import parse_cpu_list
 
 #: Every spelling users reach for (torch's, NumPy's and the usual short ones).
 _DTYPES = {
@@ -84,6 +85,14 @@ class EngineConfig:
     #: wait for the running step (one stream); hiding them too needs pinned buffers and a
     #: copy stream. Not with LoRA yet (building a step may refill an adapter's device slot).
     overlap_steps: bool = False
+    #: On a CPU: threads computing each step (torch's and the C kernels' one OpenMP pool).
+    #: 0 adapts: at most the CPUs the process may use (its affinity, within a cgroup CPU
+    #: quota), one fewer for each core other processes keep busy (execution/cpu_threads.py).
+    #: One rank only; the ranks of a parallel worker split the CPUs evenly.
+    cpu_threads: int = 0
+    #: On a CPU: the CPUs to pin the worker to, as Linux lists them ("0-3,8"); "" keeps the
+    #: affinity it was started with.
+    cpu_bind: str = ""
     #: Longest text prompt in UTF-8 bytes; None: as long as could fit the context (the
     #: context times the longest token's bytes). Longer prompts are refused untokenized.
     max_prompt_bytes: int | None = None
@@ -152,6 +161,13 @@ class EngineConfig:
                 "cannot be combined with LoRA yet: building a step may refill an adapter slot "
                 "the step on the device thread still reads",
             )
+        if self.cpu_threads < 0:
+            raise InvalidArgumentError("cpu_threads", f"must be >= 0, got {self.cpu_threads}")
+        if self.cpu_bind:
+            try:
+                parse_cpu_list(self.cpu_bind)
+            except ValueError as error:
+                raise InvalidArgumentError("cpu_bind", str(error)) from None
         if self.max_prompt_bytes is not None and self.max_prompt_bytes < 1:
             raise InvalidArgumentError(
                 "max_prompt_bytes", f"must be >= 1, got {self.max_prompt_bytes}"

@@ -15,12 +15,15 @@
      tokens that could still win, then the top-p test on the best few. About 1 ns per token
      on one core (AVX-512), 3.8 ms for 256 rows of a 49k vocabulary on two.
    - skinny_linear: y = x W^T (+ b) in float32 for a decode step's few rows, each weight read
-     from memory once and every output summed in one fixed order (a row's result does not
-     depend on the other rows).
+     from memory once (float32, or bf16 / float16 widened to float32 in registers) and every
+     output summed in one fixed order (a row's result does not depend on the other rows).
    - apply_token_bitmask: -inf for each token an output constraint's bitmask forbids, in place.
+   - rms_norm, apply_rotary: the residual add + RMSNorm and neox rotary, one pass per row,
+     rounding as the torch references round in each dtype.
 
-   Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention computes in float32 whatever the storage
-   dtype (softmax statistics, scores and the weighted sum of V all in float32).
+   Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention and the skinny linear compute in float32
+   whatever the storage dtype (softmax statistics, scores and the weighted sum of V; every
+   product and sum of the matmul).
 */
 
 #include <math.h>
@@ -837,6 +840,37 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 #define SKINNY_ROWS 6
 #define SKINNY_COLS 4
 
+/* 16 bf16 or float16 values from any 2-byte-aligned address. */
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
+
+/* The address of element i of an array of dtype. */
+static inline const void *element(const void *base, int64_t i, int dtype) {
+    return (const char *)base + i * (int64_t)dtype_size(dtype);
+}
+
+/* The weight loader: elements [i, i + 16) of weights stored in dtype, widened to float32
+   exactly (bf16 is a float32's top half: a shift; float16 converts in one instruction where
+   there is F16C). Reduced-precision products are never formed: the sums are float32's. */
+static inline __attribute__((always_inline)) v16 load_weights(const void *w, int64_t i, int dtype) {
+    if (dtype == F32) return *(const v16u *)element(w, i, F32);
+#ifdef __AVX512F__ /* gcc widens the generic forms below in 256-bit halves (or lane by lane) */
+    const __m256i halves = _mm256_loadu_si256((const __m256i *)element(w, i, dtype));
+    if (dtype == BF16) return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+    return (v16)_mm512_cvtph_ps(halves);
+#else
+    if (dtype == BF16) return (v16)(__builtin_convertvector(*(const v16h *)element(w, i, BF16), v16w) << 16);
+    return __builtin_convertvector(*(const v16f16 *)element(w, i, F16), v16);
+#endif
+}
+
+/* The first width (< 16) of those elements, the other lanes zero. */
+static inline v16 load_weights_partial(const void *w, int64_t i, int64_t width, int dtype) {
+    float lanes[LANES] = {0};
+    load_row(element(w, i, dtype), dtype, lanes, (int)width);
+    return *(const v16u *)lanes;
+}
+
 /* The sum of an accumulator's 16 lanes in the order `store_totals` adds them: lanes i and
    i + 8, then neighbours, then pairs of pairs, then the two halves. */
 static inline float lane_total(v16 a) {
@@ -865,105 +899,201 @@ static inline void store_totals(v16 a, v16 b, v16 c, v16 d, const float *bias, f
 #endif
 }
 
-/* A whole tile: rows [0, 6) of x against weight rows [0, 4) of w, y [6, 4] (+ bias). While
-   it computes, it prefetches prefetch_rows rows of the weights that come next (`next`): the
-   weights stream from memory once, so their reads must overlap the arithmetic. */
-static inline void skinny_full_tile(const float *x, int64_t x_stride, const float *w, int64_t K,
-                                    const float *bias, float *y, int64_t y_stride,
-                                    const float *next, int prefetch_rows) {
+/* One call's operands: x [M, K] float32 (rows strided), w [N, K] contiguous in w_dtype,
+   bias [N] float32 or NULL, y [M, N] in y_dtype (rows strided); how many whole 6-row blocks
+   of x there are, and how many rows of the next tile's weights each of them prefetches. */
+typedef struct {
+    const float *x;
+    int64_t x_stride, M;
+    const void *w;
+    int64_t N, K;
+    const float *bias;
+    void *y;
+    int64_t y_stride;
+    int y_dtype;
+    int64_t full_blocks, share;
+} Skinny;
+
+/* Store n float32 sums as outputs [m, n0, n0 + n) of y, rounded once to y's dtype. */
+static inline void store_outputs(const Skinny *s, int64_t m, int64_t n0, const float *sums, int n) {
+    store_row((char *)s->y + (m * s->y_stride + n0) * (int64_t)dtype_size(s->y_dtype), s->y_dtype,
+              sums, n);
+}
+
+/* Prefetch weight rows [next, next + rows) at column k (for bf16 / float16 every other
+   line twice: prefetching each line once measured no faster). */
+static inline __attribute__((always_inline)) void prefetch_weights(const Skinny *s, int64_t next,
+                                                                   int rows, int64_t k, int w_dtype) {
+    for (int c = 0; c < rows; c++) __builtin_prefetch(element(s->w, (next + c) * s->K + k, w_dtype));
+}
+
+/* A whole tile: rows [m0, m0 + 6) of x against weight rows [n0, n0 + 4), into y (+ bias).
+   While it computes, it prefetches prefetch_rows rows of the weights that come next (from
+   weight row `next`): the weights stream from memory once, so their reads must overlap the
+   arithmetic. */
+static inline __attribute__((always_inline)) void skinny_full_tile(
+    const Skinny *s, int64_t m0, int64_t n0, int64_t next, int prefetch_rows, int w_dtype) {
+    const int64_t K = s->K;
+    const float *x = s->x + m0 * s->x_stride;
     v16 acc[SKINNY_ROWS][SKINNY_COLS];
     for (int m = 0; m < SKINNY_ROWS; m++)
         for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
-    for (int64_t k = 0; k < K; k += LANES) { /* K % 16 == 0 (the caller's test) */
+    for (int64_t k = 0; k < K; k += LANES) { /* K % 16 == 0 (full_blocks' test) */
         v16 wv[SKINNY_COLS];
-        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = *(const v16u *)(w + c * K + k);
-        for (int c = 0; c < prefetch_rows; c++) __builtin_prefetch(next + c * K + k);
+        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_weights(s->w, (n0 + c) * K + k, w_dtype);
+        prefetch_weights(s, next, prefetch_rows, k, w_dtype);
         for (int m = 0; m < SKINNY_ROWS; m++) {
-            const v16 xv = *(const v16u *)(x + m * x_stride + k);
+            const v16 xv = *(const v16u *)(x + m * s->x_stride + k);
             for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] += xv * wv[c];
         }
     }
-    for (int m = 0; m < SKINNY_ROWS; m++)
-        store_totals(acc[m][0], acc[m][1], acc[m][2], acc[m][3], bias, y + m * y_stride);
+    const float *bias = s->bias != NULL ? s->bias + n0 : NULL;
+    for (int m = 0; m < SKINNY_ROWS; m++) {
+        float sums[SKINNY_COLS];
+        store_totals(acc[m][0], acc[m][1], acc[m][2], acc[m][3], bias, sums);
+        store_outputs(s, m0 + m, n0, sums, SKINNY_COLS);
+    }
+}
+
+/* The first width (< 16) of 16 floats, the other lanes zero. */
+static inline v16 load_floats_partial(const float *x, int64_t width) {
+    float lanes[LANES] = {0};
+    memcpy(lanes, x, (size_t)width * sizeof(float));
+    return *(const v16u *)lanes;
+}
+
+/* One step of an edge tile: acc[m][c] += x_m[k, k + width) w_c[k, k + width) lane by lane
+   (width <= 16; missing lanes, rows and columns add zeros), prefetching as the whole tile. */
+static inline __attribute__((always_inline)) void skinny_edge_step(
+    const Skinny *s, const float *x, int rows, int64_t n0, int cols, int64_t k, int64_t width,
+    int64_t next, int prefetch_rows, int w_dtype, v16 acc[SKINNY_ROWS][SKINNY_COLS]) {
+    const int64_t K = s->K;
+    prefetch_weights(s, next, prefetch_rows, k, w_dtype);
+    v16 wv[SKINNY_COLS];
+    for (int c = 0; c < SKINNY_COLS; c++) {
+        const int64_t i = (n0 + c) * K + k;
+        wv[c] = c >= cols         ? splat(0.0f)
+                : width == LANES ? load_weights(s->w, i, w_dtype)
+                                 : load_weights_partial(s->w, i, width, w_dtype);
+    }
+    for (int m = 0; m < rows; m++) {
+        const float *xm = x + m * s->x_stride + k;
+        const v16 xv = width == LANES ? *(const v16u *)xm : load_floats_partial(xm, width);
+        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] += xv * wv[c];
+    }
 }
 
 /* Any tile at the edges (rows <= 6, cols <= 4, any K): each output the same sum, in the same
-   order, as a whole tile gives it (missing lanes add zeros). Prefetches as the whole tile. */
-static void skinny_edge_tile(const float *x, int64_t x_stride, int rows, const float *w,
-                             int64_t K, int cols, const float *bias, float *y, int64_t y_stride,
-                             const float *next, int prefetch_rows) {
+   order, as a whole tile gives it. */
+static inline __attribute__((always_inline)) void skinny_edge_tile(
+    const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t next, int prefetch_rows,
+    int w_dtype) {
+    const int64_t K = s->K;
+    const float *x = s->x + m0 * s->x_stride;
     v16 acc[SKINNY_ROWS][SKINNY_COLS];
     for (int m = 0; m < SKINNY_ROWS; m++)
         for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
-    for (int64_t k = 0; k < K; k += LANES) {
-        const int64_t width = K - k < LANES ? K - k : LANES;
-        for (int c = 0; c < prefetch_rows; c++) __builtin_prefetch(next + c * K + k);
-        v16 wv[SKINNY_COLS];
-        for (int c = 0; c < SKINNY_COLS; c++) {
-            wv[c] = splat(0.0f);
-            if (c >= cols) continue;
-            if (width == LANES) {
-                wv[c] = *(const v16u *)(w + c * K + k);
-            } else {
-                for (int64_t i = 0; i < width; i++) wv[c][i] = w[c * K + k + i];
-            }
-        }
-        for (int m = 0; m < rows; m++) {
-            v16 xv = splat(0.0f);
-            if (width == LANES) {
-                xv = *(const v16u *)(x + m * x_stride + k);
-            } else {
-                for (int64_t i = 0; i < width; i++) xv[i] = x[m * x_stride + k + i];
-            }
-            for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] += xv * wv[c];
-        }
-    }
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES)
+        skinny_edge_step(s, x, rows, n0, cols, k, LANES, next, prefetch_rows, w_dtype, acc);
+    if (k < K) skinny_edge_step(s, x, rows, n0, cols, k, K - k, next, prefetch_rows, w_dtype, acc);
     for (int m = 0; m < rows; m++) {
-        for (int c = 0; c < cols; c++) {
-            y[m * y_stride + c] = lane_total(acc[m][c]) + (bias != NULL ? bias[c] : 0.0f);
-        }
+        float sums[SKINNY_COLS]; /* all 4 (constant indices keep acc in registers) */
+        for (int c = 0; c < SKINNY_COLS; c++) sums[c] = lane_total(acc[m][c]);
+        for (int c = 0; c < cols; c++) sums[c] += s->bias != NULL ? s->bias[n0 + c] : 0.0f;
+        store_outputs(s, m0 + m, n0, sums, cols);
     }
 }
 
-/* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]), float32, for the few rows of a decode step:
-   each weight is read from memory once; its tile of 4 rows meets every row of x from cache.
-   Every output is lane sums over k mod 16, then one fixed reduction: a row's result does not
-   depend on the batch's other rows. Rows of x and y may be strided; w is contiguous. */
-void headrace_skinny_linear(const float *x, int64_t x_stride, int64_t M, const float *w,
-                            int64_t N, int64_t K, const float *bias, float *y, int64_t y_stride) {
-    const int64_t num_tiles = (N + SKINNY_COLS - 1) / SKINNY_COLS;
+/* skinny_edge_tile with its row count a constant: the compiler then unrolls the rows and
+   keeps their accumulators in registers (a decode step of 1 to 5 rows is all edge tiles). */
+static inline __attribute__((always_inline)) void skinny_edge_rows(
+    const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t next, int prefetch_rows,
+    int w_dtype) {
+    switch (rows) {
+    case 1: skinny_edge_tile(s, m0, 1, n0, cols, next, prefetch_rows, w_dtype); break;
+    case 2: skinny_edge_tile(s, m0, 2, n0, cols, next, prefetch_rows, w_dtype); break;
+    case 3: skinny_edge_tile(s, m0, 3, n0, cols, next, prefetch_rows, w_dtype); break;
+    case 4: skinny_edge_tile(s, m0, 4, n0, cols, next, prefetch_rows, w_dtype); break;
+    case 5: skinny_edge_tile(s, m0, 5, n0, cols, next, prefetch_rows, w_dtype); break;
+    default: skinny_edge_tile(s, m0, SKINNY_ROWS, n0, cols, next, prefetch_rows, w_dtype);
+    }
+}
+
+/* Weight tile t (weight rows [4t, 4t + 4)) against every row of x: whole 6-row blocks, then
+   the rows left at the edge. Each whole block prefetches its share of the next tile's rows. */
+static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, int64_t t, int w_dtype) {
+    const int64_t N = s->N, M = s->M, n0 = t * SKINNY_COLS;
+    const int cols = N - n0 < SKINNY_COLS ? (int)(N - n0) : SKINNY_COLS;
+    /* the weight rows of the next tile, which this tile's blocks prefetch (<= 0: none) */
+    const int64_t next = n0 + cols;
+    const int64_t next_rows = N - next < SKINNY_COLS ? N - next : SKINNY_COLS;
+    int64_t m0 = 0;
+    if (cols == SKINNY_COLS) {
+        for (int64_t b = 0; b < s->full_blocks; b++, m0 += SKINNY_ROWS) {
+            const int64_t first = b * s->share;
+            const int64_t rows = first >= next_rows             ? 0
+                                 : first + s->share > next_rows ? next_rows - first
+                                                                : s->share;
+            skinny_full_tile(s, m0, n0, next + first, (int)rows, w_dtype);
+        }
+    }
+    for (; m0 < M; m0 += SKINNY_ROWS) {
+        const int rows = M - m0 < SKINNY_ROWS ? (int)(M - m0) : SKINNY_ROWS;
+        /* with no whole block, the first edge block prefetches the next tile alone */
+        const int prefetch_rows = s->full_blocks == 0 && m0 == 0 ? (int)next_rows : 0;
+        skinny_edge_rows(s, m0, rows, n0, cols, next, prefetch_rows, w_dtype);
+    }
+}
+
+/* skinny_tile with the weight loader fixed, one per weight dtype (indexed by dtype code). */
+static void skinny_tile_f32(const Skinny *s, int64_t t) { skinny_tile(s, t, F32); }
+static void skinny_tile_bf16(const Skinny *s, int64_t t) { skinny_tile(s, t, BF16); }
+static void skinny_tile_f16(const Skinny *s, int64_t t) { skinny_tile(s, t, F16); }
+static void (*const SKINNY_TILE[])(const Skinny *, int64_t) = {
+    [F32] = skinny_tile_f32, [BF16] = skinny_tile_bf16, [F16] = skinny_tile_f16};
+
+/* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]) in float32 for the few rows of a decode step:
+   each weight is read from memory once (float32, or bf16 / float16 widened in registers);
+   its tile of 4 rows meets every row of x from cache. Every output is lane sums over k mod
+   16, then one fixed reduction: a row's result does not depend on the batch's other rows,
+   nor on the dtypes the same values are stored in. x (x_dtype) is widened to float32 once
+   up front unless it is float32; each output is rounded once to y_dtype as it is stored.
+   Rows of x and y may be strided; w is contiguous. Returns 0, or -1 when the widened x
+   could not be allocated. */
+int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
+                           int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
+                           int64_t y_stride, int y_dtype) {
+    float *wide_x = NULL;
+    if (x_dtype != F32 && M * K > 0) { /* (malloc(0) may return NULL) */
+        wide_x = malloc((size_t)(M * K) * sizeof(float));
+        if (wide_x == NULL) return -1;
+        for (int64_t m = 0; m < M; m++)
+            load_row(element(x, m * x_stride, x_dtype), x_dtype, wide_x + m * K, (int)K);
+    }
     const int64_t full_blocks = K % LANES == 0 ? M / SKINNY_ROWS : 0;
     /* Each whole block of rows prefetches its share of the next tile's 4 weight rows. */
     const int64_t share = full_blocks >= SKINNY_COLS ? 1
                           : full_blocks > 0          ? (SKINNY_COLS + full_blocks - 1) / full_blocks
                                                      : 0;
+    const Skinny s = {.x = wide_x != NULL ? wide_x : (const float *)x,
+                      .x_stride = wide_x != NULL ? K : x_stride,
+                      .M = M,
+                      .w = w,
+                      .N = N,
+                      .K = K,
+                      .bias = bias,
+                      .y = y,
+                      .y_stride = y_stride,
+                      .y_dtype = y_dtype,
+                      .full_blocks = full_blocks,
+                      .share = share};
+    void (*const tile)(const Skinny *, int64_t) = SKINNY_TILE[w_dtype];
+    const int64_t num_tiles = (N + SKINNY_COLS - 1) / SKINNY_COLS;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 15))
-    for (int64_t t = 0; t < num_tiles; t++) {
-        const int64_t n0 = t * SKINNY_COLS;
-        const int cols = N - n0 < SKINNY_COLS ? (int)(N - n0) : SKINNY_COLS;
-        const float *tile_bias = bias != NULL ? bias + n0 : NULL;
-        /* the weight rows of the next tile, which this tile's blocks prefetch (<= 0: none) */
-        const float *next = w + (n0 + cols) * K;
-        const int64_t next_rows = N - n0 - cols < SKINNY_COLS ? N - n0 - cols : SKINNY_COLS;
-        int64_t m0 = 0;
-        if (cols == SKINNY_COLS) {
-            for (int64_t b = 0; b < full_blocks; b++, m0 += SKINNY_ROWS) {
-                const int64_t first = b * share;
-                const int64_t rows = first >= next_rows          ? 0
-                                     : first + share > next_rows ? next_rows - first
-                                                                 : share;
-                skinny_full_tile(x + m0 * x_stride, x_stride, w + n0 * K, K, tile_bias,
-                                 y + m0 * y_stride + n0, y_stride, next + first * K, (int)rows);
-            }
-        }
-        for (; m0 < M; m0 += SKINNY_ROWS) {
-            const int rows = M - m0 < SKINNY_ROWS ? (int)(M - m0) : SKINNY_ROWS;
-            /* with no whole block, the first edge block prefetches the next tile alone */
-            const int prefetch_rows = full_blocks == 0 && m0 == 0 ? (int)next_rows : 0;
-            skinny_edge_tile(x + m0 * x_stride, x_stride, rows, w + n0 * K, K, cols, tile_bias,
-                             y + m0 * y_stride + n0, y_stride, next, prefetch_rows);
-        }
-    }
+    for (int64_t t = 0; t < num_tiles; t++) tile(&s, t);
+    free(wide_x);
+    return 0;
 }
 
 /* ---- token bitmasks ----------------------------------------------------------------------- */
@@ -988,6 +1118,118 @@ void headrace_apply_token_bitmask(float *x, int64_t row_stride, int64_t num_cols
             for (int64_t b = 0; b < width; b++) {
                 row[base + b] = ((word >> b) & 1u) ? row[base + b] : -INFINITY;
             }
+        }
+    }
+}
+
+/* ---- RMSNorm and rotary ------------------------------------------------------------------- */
+
+/* A value as the activation dtype holds it: float32 as is, bf16 / fp16 rounded to nearest
+   even (what torch does after each elementwise op in those dtypes). */
+static inline float in_dtype(float value, int dtype) {
+    if (dtype == BF16) return bf16_to_float(float_to_bf16(value));
+    if (dtype == F16) return (float)(_Float16)value;
+    return value;
+}
+
+/* Rows above which a row-wise kernel splits its rows over threads: below, one thread (an
+   OpenMP region costs more than a decode step's few rows). */
+#define ROWWISE_PARALLEL_ELEMENTS (1 << 16)
+
+/* out = weight * normalised(x + residual), and sum = x + residual, row by row, rounding as
+   the torch reference does (Hugging Face's LlamaRMSNorm): the add in the activation dtype,
+   the mean of squares and the scaling in float32, the scaled row rounded to the activation
+   dtype, then the product with the weight rounded again. residual / sum may be NULL (no add;
+   the row is x). Each row's sum of squares runs in one fixed order: a row's result does not
+   depend on the other rows. cols <= RMS_NORM_MAX_COLS. */
+#define RMS_NORM_MAX_COLS 8192
+void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
+                       int64_t residual_stride, const void *weight, float eps, void *out,
+                       void *sum, int64_t num_rows, int64_t cols, int dtype) {
+    const size_t size = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float row[RMS_NORM_MAX_COLS], other[RMS_NORM_MAX_COLS];
+        load_row((const char *)x + r * x_stride * size, dtype, row, (int)cols);
+        if (residual != NULL) {
+            load_row((const char *)residual + r * residual_stride * size, dtype, other, (int)cols);
+            for (int64_t i = 0; i < cols; i++) row[i] = in_dtype(row[i] + other[i], dtype);
+            store_row((char *)sum + r * cols * size, dtype, row, (int)cols);
+        }
+        v16 squares = splat(0.0f);
+        int64_t i = 0;
+        for (; i + LANES <= cols; i += LANES) {
+            const v16 v = *(const v16u *)(row + i);
+            squares += v * v;
+        }
+        float total = hsum(squares);
+        for (; i < cols; i++) total += row[i] * row[i];
+        const float scale = 1.0f / sqrtf(total / (float)cols + eps);
+        load_row(weight, dtype, other, (int)cols);
+        for (int64_t j = 0; j < cols; j++) {
+            row[j] = in_dtype(other[j] * in_dtype(row[j] * scale, dtype), dtype);
+        }
+        store_row((char *)out + r * cols * size, dtype, row, (int)cols);
+    }
+}
+
+/* Neox rotary of one row of heads: out = x cos + rotate_half(x) sin, where rotate_half(x) is
+   (-x[half:], x[:half]); each product and the sum rounded to the activation dtype as the
+   torch reference's three ops round them. x rows may be strided (a view into the fused qkv
+   output); out is [num_rows, num_heads, head_dim] contiguous. */
+static void rotate_rows(const void *x, int64_t x_stride_token, int64_t x_stride_head,
+                        const void *cos, const void *sin, void *out, int64_t num_rows,
+                        int64_t num_heads, int64_t head_dim, int dtype) {
+    const size_t size = dtype_size(dtype);
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim >= ROWWISE_PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < num_rows; t++) {
+        float c[1024], s[1024], v[1024], o[1024];
+        load_row((const char *)cos + t * head_dim * size, dtype, c, (int)head_dim);
+        load_row((const char *)sin + t * head_dim * size, dtype, s, (int)head_dim);
+        for (int64_t h = 0; h < num_heads; h++) {
+            load_row((const char *)x + (t * x_stride_token + h * x_stride_head) * size, dtype, v,
+                     (int)head_dim);
+            for (int64_t i = 0; i < head_dim; i++) {
+                const float rotated = i < half ? -v[i + half] : v[i - half];
+                o[i] = in_dtype(in_dtype(v[i] * c[i], dtype) + in_dtype(rotated * s[i], dtype), dtype);
+            }
+            store_row((char *)out + (t * num_heads + h) * head_dim * size, dtype, o, (int)head_dim);
+        }
+    }
+}
+
+/* rotate_rows for the query and the key heads of a step. head_dim <= 1024, even. */
+void headrace_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_stride_head,
+                           int64_t num_heads, const void *key, int64_t k_stride_token,
+                           int64_t k_stride_head, int64_t num_kv_heads, const void *cos,
+                           const void *sin, void *query_out, void *key_out, int64_t num_rows,
+                           int64_t head_dim, int dtype) {
+    rotate_rows(query, q_stride_token, q_stride_head, cos, sin, query_out, num_rows, num_heads,
+                head_dim, dtype);
+    rotate_rows(key, k_stride_token, k_stride_head, cos, sin, key_out, num_rows, num_kv_heads,
+                head_dim, dtype);
+}
+
+/* The gated MLP's activation: out [rows, cols] = silu(gate) * up, where each row of gate_up is
+   gate's cols values then up's; silu and the product each rounded to the activation dtype, as
+   the reference's two ops round them. gate_up rows may be strided; out is contiguous. */
+void headrace_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
+                           int64_t cols, int dtype) {
+    const size_t size = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float gate[RMS_NORM_MAX_COLS], up[RMS_NORM_MAX_COLS];
+        for (int64_t first = 0; first < cols; first += RMS_NORM_MAX_COLS) {
+            const int n = (int)(cols - first < RMS_NORM_MAX_COLS ? cols - first : RMS_NORM_MAX_COLS);
+            const char *row = (const char *)gate_up + r * stride * size;
+            load_row(row + first * size, dtype, gate, n);
+            load_row(row + (cols + first) * size, dtype, up, n);
+            for (int i = 0; i < n; i++) {
+                const float silu = in_dtype(gate[i] / (1.0f + expf(-gate[i])), dtype);
+                gate[i] = in_dtype(silu * up[i], dtype);
+            }
+            store_row((char *)out + (r * cols + first) * size, dtype, gate, n);
         }
     }
 }

@@ -1,8 +1,9 @@
 """The C kernels of the CPU backend equal the torch references: attention read from the paged
 cache in place (decodes, prefills, mixed; GQA; block sizes that do and do not divide the key
 tile; fp32 / bf16 / fp16; strided queries), the KV-cache write bit for bit, and argmax with
-ties and NaN as numpy breaks them, and the skinny linear against a float64 matmul, bit for bit
-the same for a row alone as in a batch. Also: the build is cached, and a machine without a
+ties and NaN as numpy breaks them, and the skinny linear against a float64 matmul (float32
+weights) or a float32 matmul of the same values (bf16 / fp16 weights), bit for bit the same
+for a row alone as in a batch. Also: the build is cached, and a machine without a
 compiler falls back to the reference kernels.
 
 Tolerances: fp32 agrees to float rounding (1e-5); bf16 / fp16 attention is compared with the
@@ -182,16 +183,67 @@ def test_linear_equals_a_float64_matmul(rows, out_features, in_features, with_bi
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_features**0.5)
 
 
-def test_linear_rows_do_not_depend_on_the_rest_of_the_batch():
+REDUCED = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def reduced_rows_in_kernel(monkeypatch):
+    """Every row count of LINEAR_SHAPES in the C kernel for bf16 / fp16 weights too (where
+    their GEMM is native, torch takes more than a few rows)."""
+    monkeypatch.setattr(cpu_ops, "SKINNY_MAX_ROWS_BF16", cpu_ops.SKINNY_MAX_ROWS)
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
+@pytest.mark.parametrize("weight_dtype", REDUCED)
+@pytest.mark.parametrize("x_is_float32", [False, True])
+def test_reduced_linear_equals_a_float32_matmul_of_the_same_weights(
+    rows, out_features, in_features, weight_dtype, x_is_float32, reduced_rows_in_kernel
+):
+    """bf16 / fp16 weights (and x in their dtype or float32) widened exactly, products and
+    sums in float32: a float32 matmul of the same rounded values, to float32 rounding."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x_dtype = torch.float32 if x_is_float32 else weight_dtype
+    wide_x = torch.randn(rows, in_features + 3, generator=gen).to(x_dtype)
+    x = wide_x[:, 2 : 2 + in_features]  # rows strided
+    weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
+    bias = torch.randn(out_features, generator=gen)
+    got = cpu_ops.linear(x, weight, bias, out_dtype=torch.float32)
+    want = x.float() @ weight.float().T + bias
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * in_features**0.5)
+    assert cpu_ops.linear(x, weight, bias).dtype == x_dtype  # out_dtype defaults to x's
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
+@pytest.mark.parametrize("weight_dtype", REDUCED)
+def test_reduced_linear_is_the_float32_kernel_on_the_widened_values(
+    rows, out_features, in_features, weight_dtype, reduced_rows_in_kernel
+):
+    """Only the loads differ: the same values stored as bf16 / fp16 give the float32 kernel's
+    bits (one summation order whatever the storage dtype), and outputs stored in x's dtype
+    are those rounded once."""
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen).to(weight_dtype)
+    weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
+    got = cpu_ops.linear(x, weight, out_dtype=torch.float32)
+    assert torch.equal(got, cpu_ops.linear(x.float(), weight.float()))
+    assert torch.equal(cpu_ops.linear(x, weight), got.to(weight_dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_rows_do_not_depend_on_the_rest_of_the_batch(dtype, reduced_rows_in_kernel):
     """Every output is summed in one fixed order, in whole tiles and at the edges alike: a row
     alone gives the same bits as in a batch (torch's GEMM picks its kernel by batch size)."""
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(37, 96, generator=gen)
-    x = torch.randn(cpu_ops.SKINNY_MAX_ROWS, 96, generator=gen)
-    batched = cpu_ops.linear(x, weight)
-    for row in (0, 5, 6, 13, cpu_ops.SKINNY_MAX_ROWS - 1):
-        assert torch.equal(cpu_ops.linear(x[row : row + 1], weight)[0], batched[row])
-        assert torch.equal(cpu_ops.linear(x[row : row + 7], weight)[0], batched[row])
+    max_rows = cpu_ops.skinny_max_rows(dtype)
+    weight = torch.randn(37, 96, generator=gen).to(dtype)
+    x = torch.randn(max_rows, 96, generator=gen).to(dtype)
+    batched = cpu_ops.linear(x, weight, out_dtype=torch.float32)
+    for row in (0, 5, 6, 13, max_rows - 1):
+        alone = cpu_ops.linear(x[row : row + 1], weight, out_dtype=torch.float32)[0]
+        assert torch.equal(alone, batched[row])
+        among_seven = cpu_ops.linear(x[row : row + 7], weight, out_dtype=torch.float32)[0]
+        assert torch.equal(among_seven, batched[row])
 
 
 def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
@@ -210,6 +262,21 @@ def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
     assert len(calls) == 1
     big = torch.randn(cpu_ops.SKINNY_MAX_ROWS + 1, 32)
     torch.testing.assert_close(cpu_ops.linear(big, weight), big @ weight.T)
+    wide = cpu_ops.linear(torch.randn(3, 32, dtype=torch.float64), weight.double())
+    assert wide.dtype == torch.float64
+    assert len(calls) == 1
     half = cpu_ops.linear(torch.randn(3, 32, dtype=torch.bfloat16), weight.bfloat16())
     assert half.dtype == torch.bfloat16
-    assert len(calls) == 1
+    assert len(calls) == 2
+    big_half = torch.randn(cpu_ops.skinny_max_rows(torch.bfloat16) + 1, 32, dtype=torch.bfloat16)
+    cpu_ops.linear(big_half, weight.bfloat16())
+    assert len(calls) == 2
+
+
+def test_reduced_weights_take_the_float32_bound_where_torch_would_widen_them(monkeypatch):
+    assert cpu_ops.skinny_max_rows(torch.float32) == cpu_ops.SKINNY_MAX_ROWS
+    assert cpu_ops.skinny_max_rows(torch.float64) == 0
+    monkeypatch.setattr(cpu_ops, "compute_dtype", lambda dtype, device: dtype)
+    assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.SKINNY_MAX_ROWS_BF16
+    monkeypatch.setattr(cpu_ops, "compute_dtype", lambda dtype, device: torch.float32)
+    assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.SKINNY_MAX_ROWS

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from headrace.kernels import AttentionMetadata
+from headrace.kernels import AttentionMetadata, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -34,6 +34,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tests.factories import build_checkpoint, cached_checkpoint, hf_greedy, load_hf_model
+from tests.kernels import needs_c_compiler
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -268,17 +269,27 @@ def test_vocab_shards_cover_the_vocab_once_with_zero_padding():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_rows", [1, 5, 4500])  # 4500 rows: slices of 512 columns
-def test_greedy_head_picks_the_argmax_of_the_logits(dtype, num_rows):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpu", marks=needs_c_compiler)])
+def test_greedy_head_picks_the_argmax_of_the_logits(dtype, num_rows, backend):
     """The greedy head (logits a vocabulary slice at a time, a running argmax) chooses what an
-    argmax of the whole logits chooses, ties included."""
+    argmax of the whole logits chooses, ties included, with torch's matmul or the CPU
+    backend's (whose few-row bf16 logits are float32, never rounded to bf16)."""
+    kernels = select_kernels("cpu", torch.device("cpu")) if backend == "cpu" else None
     torch.manual_seed(3)
     vocab, dim = 5003, 32
-    head = ParallelLMHead(vocab, dim, parallel=ParallelConfig(), dtype=dtype)
+    head = ParallelLMHead(vocab, dim, parallel=ParallelConfig(), dtype=dtype, kernels=kernels)
     weight = torch.randn(vocab, dim).to(dtype)
     weight[4000] = weight[17]  # the same logit for tokens 17 and 4000 in every row
+    # Token 100 is token 50 with its largest weight a step larger: in row 1 it wins by less
+    # than bf16's step at that logit, a tie if the logits were rounded to bf16.
+    weight[100] = weight[50]
+    largest = int(weight[50].argmax())
+    weight[100, largest] = (weight[50, largest].float() * (1 + 2**-7)).to(dtype)
     head.weight_loader(head.weight, weight, None)
     hidden = torch.randn(num_rows, dim).to(dtype)
     hidden[0] = weight[17] * 4  # row 0's maximum is that tie: the first token wins
+    if num_rows > 1:
+        hidden[1] = weight[50] * 4
     with torch.inference_mode():
         want = head(hidden).argmax(dim=-1)
         got = head.greedy(hidden)

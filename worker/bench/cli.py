@@ -80,18 +80,12 @@ def parse_lengths(text: str) -> tuple[int, int]:
 
 def parse_cpus(text: str) -> list[int]:
     """``"0-3"``, ``"0,2"`` or ``"0-1,4"`` as a list of CPU numbers."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        try:
-            cpus.extend(range(int(low), int(high or low) + 1))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a CPU list, e.g. 0-1 or 0,2"
-            ) from None
-    if not cpus:
-        raise argparse.ArgumentTypeError(f"{text!r} names no CPU")
-    return cpus
+    from headrace.worker.execution.cpu_threads import parse_cpu_list  # torch: only when used
+
+    try:
+        return sorted(parse_cpu_list(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,12 +176,19 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine with overlap_steps (two steps in flight, a device thread)",
     )
     add(
+        "--noisy-neighbour",
+        action="store_true",
+        help="also run beside a busy loop on one CPU: adaptive threads against quiet, one "
+        "thread and a fixed count (median of --rounds)",
+    )
+    add(
         "--rounds",
         type=int,
         default=3,
         help="with --sampled: greedy and sampled runs alternate this many times; with a peer "
-        "--baseline: headrace's and the peer's; the ratio is the median of each round's (a "
-        "shared host's speed drifts between runs)",
+        "--baseline: headrace's and the peer's; with --noisy-neighbour: the quiet and noisy "
+        "runs; each ratio is the median of the rounds' (a shared host's speed drifts between "
+        "runs)",
     )
     add_kernel_backend_argument(parser)
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -27,6 +27,7 @@ the fraction of requests whose greedy tokens are identical in every pair.
 ``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's: the
 median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed drifts.
 ``--profile`` splits the decode steps into phases (`headrace.worker.bench.profile`).
+``--noisy-neighbour`` runs it beside a busy loop on one CPU (`headrace.worker.bench.neighbour`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 from headrace.sdk.config import GenerationConfig
+from headrace.worker.bench.bandwidth import compare_with_read
 from headrace.worker.bench.cli import WORKLOADS
 from headrace.worker.bench.common import (
     TINY_MODEL,
@@ -51,6 +53,7 @@ from headrace.worker.bench.common import (
     quantile,
 )
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
+from headrace.worker.bench.neighbour import run_noisy_neighbour
 from headrace.worker.bench.peers import (
     PEER_VENVS,
     PeerSetup,
@@ -186,17 +189,16 @@ def _workload_shape(args: argparse.Namespace) -> tuple[int, tuple[int, int], int
 
 def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary:
     num_requests, prompt_lens, max_tokens = _workload_shape(args)
-    engine = Engine(
-        EngineConfig(
-            model=str(model_path),
-            dtype=args.dtype,
-            device=args.device,
-            max_num_seqs=max(256, num_requests),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            kernel_backend=args.kernel_backend,
-            overlap_steps=args.overlap_steps,
-        )
+    config = EngineConfig(
+        model=str(model_path),
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max(256, num_requests),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kernel_backend=args.kernel_backend,
+        overlap_steps=args.overlap_steps,
     )
+    engine = Engine(config)
     workload = make_workload(
         engine.vocab_size, num_requests, prompt_lens, (max_tokens, max_tokens), args.seed
     )
@@ -220,6 +222,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     print("  (host overhead: a decode step's time minus the model's forward and LM head)")
     summary: Summary = {"bench": "engine", "model": model_name, "dtype": args.dtype}
     summary.update(ours.summary())
+    if num_requests == 1 and ours.decode_step_s:  # a single stream: each step reads it all
+        summary.update(compare_with_read(engine.runner.model, quantile(ours.decode_step_s, 0.5)))
     if profile is not None:
         print(profile.describe())
         summary.update(profile.summary())
@@ -231,6 +235,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     elif peer is not None:
         summary.update(_run_peer(*peer, engine, workload, ours, args.rounds))
     engine.close()
+    if args.noisy_neighbour:
+        summary.update(run_noisy_neighbour(config, workload, args.rounds))
     return summary
 
 

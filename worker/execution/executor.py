@@ -25,7 +25,13 @@ from headrace.kernels import KernelSet
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.executor import start_distributed
 from headrace.worker.distributed.rank_control import RankCommand, RankControl
-from headrace.worker.execution.batch import StepResult
+from headrace.worker.execution.batch import PreparedBatch, StepResult
+from headrace.worker.execution.cpu_threads import (
+    ThreadGovernor,
+    bind_process,
+    parse_cpu_list,
+    start_governor,
+)
 from headrace.worker.execution.host_memory import keep_freed_memory
 from headrace.worker.execution.interface import Executor, InFlightStep
 from headrace.worker.execution.kv_cache import kv_cache_blocks
@@ -39,18 +45,26 @@ from torch import nn
 class UniprocExecutor(Executor):
     """One rank, one thread: a step runs when it is submitted."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, threads: ThreadGovernor | None = None) -> None:
         self.runner = runner
         #: The only rank's side of control commands.
         self.rank_control = RankControl(runner, runner.parallel, None)
+        #: On a CPU: the thread count, applied on each thread before it computes.
+        self.threads = threads
 
     def submit(self, step: SchedulerOutput) -> InFlightStep[Future[StepResult]]:
+        self._apply_threads()
         done: Future[StepResult] = Future()
         done.set_result(self.runner.execute(step))
         return InFlightStep(step, done)
 
     def collect(self, in_flight: InFlightStep[Future[StepResult]]) -> StepResult:
+        self._apply_threads()  # the engine samples on this thread next
         return in_flight.pending.result()
+
+    def _apply_threads(self) -> None:
+        if self.threads is not None:
+            self.threads.apply()
 
     def control(self, command: RankCommand) -> None:
         self.rank_control.run_everywhere(command)
@@ -66,8 +80,8 @@ class UniprocExecutor(Executor):
 class OverlappedExecutor(UniprocExecutor):
     """One rank, whose steps' device work runs in order on a device thread."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        super().__init__(runner)
+    def __init__(self, runner: ModelRunner, threads: ThreadGovernor | None = None) -> None:
+        super().__init__(runner, threads)
         #: Runs the submitted steps' device work one after another; None once closed.
         self.device_thread: ThreadPoolExecutor | None = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="headrace-device"
@@ -76,8 +90,12 @@ class OverlappedExecutor(UniprocExecutor):
     def submit(self, step: SchedulerOutput) -> InFlightStep[Future[StepResult]]:
         assert self.device_thread is not None, "the executor is closed"
         batch = self.runner.prepare(step.chunks)  # now: it reads what the engine changes
-        running = self.device_thread.submit(self.runner.run, step.block_copies, batch)
+        running = self.device_thread.submit(self._run, step.block_copies, batch)
         return InFlightStep(step, running)
+
+    def _run(self, block_copies: list[tuple[int, int]], batch: PreparedBatch) -> StepResult:
+        self._apply_threads()
+        return self.runner.run(block_copies, batch)
 
     def close(self) -> None:
         if self.device_thread is not None:
@@ -95,10 +113,15 @@ def start_executor(
     max_model_len: int,
     hf_config: Any,
 ) -> Executor:
+    if device.type == "cpu" and config.cpu_bind:
+        bind_process(parse_cpu_list(config.cpu_bind))  # before any rank or thread starts
     if config.world_size > 1:
         return start_distributed(config, model_path, dtype, device, max_model_len, hf_config)
+    threads = None
     if device.type == "cpu":
         keep_freed_memory()
+        threads = start_governor(config.cpu_threads)
+        threads.apply()  # loading and warming up compute on this thread
     loaded = load_model(model_path, dtype, device, kernels=kernels)
     lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
@@ -113,4 +136,6 @@ def start_executor(
     )
     if kernels.NAME != "triton" or device.type == "cuda":  # not Triton's CPU interpreter (tests)
         runner.warm_up(max_model_len, config.max_num_batched_tokens)
-    return OverlappedExecutor(runner) if config.overlap_steps else UniprocExecutor(runner)
+    if config.overlap_steps:
+        return OverlappedExecutor(runner, threads)
+    return UniprocExecutor(runner, threads)

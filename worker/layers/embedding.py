@@ -103,6 +103,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         float32 = hidden.dtype == self.weight.dtype == torch.float32
         if out is not None and self.parallel.is_single and float32:
             return torch.mm(hidden, self.weight[: self.num_embeddings].t(), out=out)
+        if self.parallel.is_single:  # the greedy head's matmul: its float32 logits, unrounded
+            return self.matmul(hidden, self.weight, None, torch.float32)
         logits = linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
         logits = all_gather(logits, self.parallel)  # [N, padded vocab]
         return logits[:, : self.num_embeddings].float()

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from headrace.kernels import AttentionMetadata, KernelSet
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.attention import Attention
@@ -113,10 +112,11 @@ class LlamaMLP(nn.Module):
             dtype=dtype,
             kernels=kernels,
         )
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # 2 x [T, intermediate per rank]
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 x intermediate per rank]
+        return self.down_proj(self.kernels.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,168 @@
+"""The CPU worker's thread count: its budget from affinity and cgroup quota, and the governor
+that follows the cores other processes leave it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.config import EngineConfig
+from headrace.worker.execution import cpu_threads
+from headrace.worker.execution.cpu_threads import (
+    CpuSample,
+    ThreadGovernor,
+    cgroup_quota_cores,
+    next_threads,
+    others_cores,
+    parse_cpu_list,
+    sample,
+)
+
+
+def test_cpu_lists_read_as_linux_writes_them() -> None:
+    assert parse_cpu_list("0-3,6,8-9") == {0, 1, 2, 3, 6, 8, 9}
+    assert parse_cpu_list("5") == {5}
+    for bad in ("", "a", "3-1", "-2", "1,,x"):
+        with pytest.raises(ValueError, match="CPU list"):
+            parse_cpu_list(bad)
+
+
+def test_a_bad_cpu_bind_or_thread_count_names_the_field() -> None:
+    with pytest.raises(InvalidArgumentError, match="cpu_bind"):
+        EngineConfig("unused", cpu_bind="0-x")
+    with pytest.raises(InvalidArgumentError, match="cpu_threads"):
+        EngineConfig("unused", cpu_threads=-1)
+
+
+@pytest.mark.parametrize(
+    ("files", "cores"),
+    [
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_the_cgroup_quota_in_cores(tmp_path: Path, files: dict[str, str], cores) -> None:  # type: ignore[no-untyped-def]
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_quota_cores(tmp_path) == cores
+
+
+def test_the_budget_is_the_allowed_cpus_within_the_quota(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(cpu_threads, "allowed_cpus", lambda: [0, 1, 2, 3])
+    assert cpu_threads.cpu_budget(tmp_path) == 4  # no quota
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cpu_threads.cpu_budget(tmp_path) == 2  # 1.5 cores: two threads, throttled together
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert cpu_threads.cpu_budget(tmp_path) == 1
+
+
+def test_others_busy_time_is_the_cpus_busy_time_less_our_own() -> None:
+    before = CpuSample(at=10.0, busy_s=100.0, own_s=5.0)
+    after = CpuSample(at=12.0, busy_s=103.0, own_s=6.0)  # 3 s busy, 1 s of it ours, in 2 s
+    assert others_cores(before, after) == pytest.approx(1.0)
+    assert others_cores(after, after) == 0.0
+
+
+def test_proc_stat_busy_time_counts_only_the_allowed_cpus(tmp_path: Path) -> None:
+    ticks = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text(
+        f"cpu  {9 * ticks} 0 0 0 0 0 0 0 0 0\n"
+        f"cpu0 {ticks} {ticks} {ticks} {50 * ticks} {7 * ticks} 0 0 {ticks} 0 0\n"
+        f"cpu1 {5 * ticks} 0 0 0 0 0 0 0 0 0\n"
+    )
+    assert sample([0], stat).busy_s == pytest.approx(4.0)  # idle and iowait are not busy
+    assert sample([0, 1], stat).busy_s == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize(
+    ("current", "others", "expected"),
+    [
+        (2, 0.0, 2),  # quiet
+        (2, 0.5, 1),  # a busy loop sharing a core with a spinning thread gets half of it
+        (2, 0.3, 2),  # a light neighbour (a router) does not flip the count
+        (1, 1.0, 1),  # the neighbour holds its core: stay at one
+        (1, 0.1, 2),  # it left: a core is free again
+        (1, 0.3, 1),  # between the two thresholds: no change
+        (1, 1.9, 1),  # never below one
+    ],
+)
+def test_threads_follow_the_cores_others_leave(current: int, others: float, expected: int) -> None:
+    assert next_threads(current, budget=2, num_cpus=2, others=others) == expected
+
+
+def test_a_thread_comes_back_only_up_to_the_budget() -> None:
+    assert next_threads(2, budget=2, num_cpus=4, others=0.0) == 2
+
+
+def test_a_fixed_count_is_applied_to_the_calling_thread_and_kept() -> None:
+    before = torch.get_num_threads()
+    try:
+        governor = ThreadGovernor(1, interval_s=None)
+        governor.apply()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        governor.apply()  # something else changed it: set again
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_governor_gives_a_thread_up_and_takes_it_back_as_a_neighbour_comes_and_goes() -> None:
+    # Others' busy cores per interval (own time 0): quiet, a busy loop sharing a core, the
+    # loop alone on its core, quiet again.
+    others = iter([0.0, 0.0, 0.6, 1.0, 1.0, 0.05])
+    clock = {"at": 0.0, "busy": 0.0}
+
+    def read(cpus: list[int]) -> CpuSample:
+        clock["at"] += 1.0
+        clock["busy"] += next(others)
+        return CpuSample(clock["at"], clock["busy"], 0.0)
+
+    governor = ThreadGovernor(2, interval_s=0.0, cpus=[0, 1], read=read)
+    before = torch.get_num_threads()
+    try:
+        counts = []
+        for _ in range(6):
+            governor.apply()
+            counts.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert counts == [2, 2, 1, 1, 1, 2]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_busy_loop_on_a_cpu_takes_a_thread_away() -> None:
+    cpus = sorted(os.sched_getaffinity(0))[-2:]
+    cpu = cpus[-1]
+    governor = ThreadGovernor(2, interval_s=0.3, cpus=cpus)
+    before = torch.get_num_threads()
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(loop.pid, {cpu})
+        assert _settles(governor, 1)
+    finally:
+        loop.kill()
+        loop.wait()
+        torch.set_num_threads(before)
+
+
+def _settles(governor: ThreadGovernor, count: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        governor.apply()
+        if governor.num_threads == count == torch.get_num_threads():
+            return True
+        time.sleep(0.05)
+    return False

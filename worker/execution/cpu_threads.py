@@ -1,0 +1,221 @@
+"""How many threads a CPU worker computes with: as many as the cores it actually gets.
+
+Design note. torch's intra-op threads and the C kernels share one OpenMP pool, and every
+parallel region ends at a barrier: a step is as slow as its slowest thread. When another
+process keeps one of the worker's cores busy, the thread there runs only part of the time
+and every region waits for it (measured on a 2-core machine, a single stream with a busy
+loop on one core: 2 threads 3.6x slower than quiet, 1 thread 1.8x). So the count follows
+the cores the worker gets:
+
+- `cpu_budget()`, at start: the CPUs in the affinity mask (``--cpu-bind`` sets it), capped by
+  the cgroup's CPU quota (a Kubernetes CPU limit), rounded up;
+- `ThreadGovernor`, while running: every `interval_s`, the time other processes were busy on
+  those CPUs (``/proc/stat``'s busy time less this process's own CPU time). When they take
+  more than `DOWN_AT` of a core beyond what the threads leave free, one thread fewer; when
+  a whole core is free again (within `UP_AT`), one more, up to the budget. Other processes
+  keep their fair share of a core even against a spinning thread, so they show up here.
+
+OpenMP's thread count is a per-thread setting (torch keeps it per OS thread too), so the
+executor calls `apply()` on each thread that computes, before it computes
+(`torch.set_num_threads` runs only where the thread's count differs).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Cores of other processes' busy time (beyond the cores the threads leave free) that take a
+#: thread away, and the slack within which a free core gives one back. The gap between
+#: them keeps a steady neighbour of ~0.3 cores (a router beside the worker) from flipping
+#: the count at every interval.
+DOWN_AT = 0.35
+UP_AT = 0.2
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs written as Linux writes them ("0-3,6,8-9")."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        first, dash, last = part.partition("-")
+        try:
+            low, high = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise ValueError(f"not a CPU list: {text!r} (expected e.g. 0-3,6)") from None
+        if low < 0 or high < low:
+            raise ValueError(f"not a CPU list: {text!r} (expected e.g. 0-3,6)")
+        cpus.update(range(low, high + 1))
+    if not cpus:
+        raise ValueError("the CPU list is empty")
+    return cpus
+
+
+def bind_process(cpus: set[int]) -> None:
+    """Pin every thread of this process (and those it starts later) to ``cpus``."""
+    unknown = cpus - set(range(os.cpu_count() or 1))
+    if unknown:
+        raise ValueError(f"--cpu-bind names CPUs this machine lacks: {sorted(unknown)}")
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def cgroup_quota_cores(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in cores (``cpu.max``, or v1's
+    ``cfs_quota_us`` / ``cfs_period_us``); None where there is none."""
+    for path in _cgroup_dirs(root):
+        quota = _read_quota(path)
+        if quota is not None:
+            return quota
+    return None
+
+
+def cpu_budget(root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Threads worth running: the allowed CPUs, capped by the cgroup quota (rounded up, so
+    a limit of 1.5 cores gets 2 threads that the quota throttles together)."""
+    budget = len(allowed_cpus())
+    quota = cgroup_quota_cores(root)
+    if quota is not None:
+        budget = min(budget, max(1, math.ceil(quota)))
+    return budget
+
+
+@dataclass(slots=True)
+class CpuSample:
+    """Busy time on the allowed CPUs and this process's CPU time, in seconds, at a moment."""
+
+    at: float
+    busy_s: float
+    own_s: float
+
+
+def sample(cpus: list[int], stat: Path = Path("/proc/stat")) -> CpuSample:
+    ticks = os.sysconf("SC_CLK_TCK")
+    wanted = {f"cpu{cpu}" for cpu in cpus}
+    busy = 0
+    for line in stat.read_text().splitlines():
+        name, *fields = line.split()
+        if name in wanted:
+            # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+            values = [int(value) for value in fields[:8]]
+            busy += sum(values) - values[3] - values[4]
+    return CpuSample(time.monotonic(), busy / ticks, time.process_time())
+
+
+def others_cores(before: CpuSample, after: CpuSample) -> float:
+    """Cores other processes kept busy on the allowed CPUs between two samples."""
+    wall = after.at - before.at
+    if wall <= 0:
+        return 0.0
+    others = (after.busy_s - before.busy_s) - (after.own_s - before.own_s)
+    return max(0.0, others / wall)
+
+
+def next_threads(current: int, budget: int, num_cpus: int, others: float) -> int:
+    """The thread count after an interval in which other processes used ``others`` cores."""
+    free = num_cpus - others
+    if free < current - DOWN_AT and current > 1:
+        return current - 1
+    if free >= current + 1 - UP_AT and current < budget:
+        return current + 1
+    return current
+
+
+@dataclass
+class ThreadGovernor:
+    """The thread count of a one-rank CPU worker, following the cores it gets."""
+
+    #: Most threads (`cpu_budget()`, or the count the user gave).
+    budget: int
+    #: Seconds between two looks at the CPUs; None keeps the count at `budget` (a count the
+    #: user fixed with --cpu-threads).
+    interval_s: float | None = 0.5
+    #: The CPUs it may use (the affinity mask).
+    cpus: list[int] = field(default_factory=allowed_cpus)
+    #: Reads the CPUs' busy time and this process's (`sample`; tests give their own).
+    read: Callable[[list[int]], CpuSample] = sample
+    #: The count now.
+    num_threads: int = field(init=False)
+    _last: CpuSample | None = field(init=False, default=None)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.num_threads = self.budget
+
+    def apply(self) -> None:
+        """Set the calling thread's OpenMP count to the governor's, looking at the CPUs
+        first when an interval has passed."""
+        if self.interval_s is not None:
+            self._look()
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+
+    def _look(self) -> None:
+        last = self._last
+        if last is not None and time.monotonic() - last.at < (self.interval_s or 0.0):
+            return
+        if not self._lock.acquire(blocking=False):
+            return  # the other computing thread is looking
+        try:
+            now = self.read(self.cpus)
+            if last is not None:
+                others = others_cores(last, now)
+                count = next_threads(self.num_threads, self.budget, len(self.cpus), others)
+                if count != self.num_threads:
+                    message = "other processes used %.2f of %d cores: %d threads (of %d)"
+                    logger.info(message, others, len(self.cpus), count, self.budget)
+                    self.num_threads = count
+            self._last = now
+        finally:
+            self._lock.release()
+
+
+def start_governor(cpu_threads: int) -> ThreadGovernor:
+    """The governor for EngineConfig's ``cpu_threads``: that many threads, or (0) as many as
+    the cores the worker gets, within `cpu_budget()`."""
+    if cpu_threads > 0:
+        return ThreadGovernor(cpu_threads, interval_s=None)
+    return ThreadGovernor(cpu_budget())
+
+
+def _cgroup_dirs(root: Path) -> list[Path]:
+    dirs = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers in ("", "cpu", "cpu,cpuacct", "cpuacct,cpu"):
+                sub = "" if controllers == "" else "cpu"
+                dirs.append(root / sub / path.lstrip("/"))
+    except (OSError, ValueError):
+        pass
+    return [*dirs, root, root / "cpu"]
+
+
+def _read_quota(path: Path) -> float | None:
+    try:
+        if (path / "cpu.max").exists():
+            quota, period = (path / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        if (path / "cpu.cfs_quota_us").exists():
+            quota_us = int((path / "cpu.cfs_quota_us").read_text())
+            period_us = int((path / "cpu.cfs_period_us").read_text())
+            return None if quota_us < 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+    return None
