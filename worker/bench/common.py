@@ -3,7 +3,8 @@
 Every bench prints human lines and returns a flat summary (`Summary`) that ``--json`` prints
 as one JSON object on the last line: ``tok_s``, ``ttft_p50_ms``, ``ttft_p99_ms``, step and
 overhead figures where the bench measures them, and one ``ratio_*`` key per baseline run in
-the same process (these machines are noisy: read the ratios, not the absolute values).
+the same command, in this process or a peer engine's beside it (these machines are noisy:
+read the ratios, not the absolute values).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class Report:
     #: Step time minus the time in the model's forward and LM head: what the engine's own
     #: Python costs each step (scheduling, batch building, sampling, detokenizing, outputs).
     host_overhead_s: list[float] = field(default_factory=list)
+    #: Generated tokens of each request, in the workload's order, where the run keeps them
+    #: (to compare greedy outputs with a peer's).
+    token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:

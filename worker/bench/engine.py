@@ -5,6 +5,8 @@
     headrace bench engine --tiny               # a tiny model: what the engine itself costs
     headrace bench engine --tiny --profile     # where a decode step's time goes, by phase
     headrace bench engine --tiny --sampled     # plus the same run sampled: its step vs greedy's
+    headrace bench engine --workload d --dtype float32 --baseline vllm   # against vLLM's CPU
+    headrace bench engine --workload c --dtype float32 --baseline llama.cpp
 
 Every request runs to its output length (greedy, ignore_eos; with ``--sampled`` a second run
 samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Figures:
@@ -18,6 +20,10 @@ samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Fig
 
 With ``--baseline hf`` each transformers mode runs the same prompts and output length, and
 ``ratio_hf_generate`` / ``ratio_hf_generate_batch`` are headrace's tok/s over theirs.
+With ``--baseline vllm`` or ``llama.cpp`` the peer engine runs in a process and venv of its own
+(`headrace.worker.bench.peers`), its runs alternating with headrace's: ``ratio_vllm`` /
+``ratio_llama_cpp`` is the median pair's headrace tok/s over the peer's, and ``*_agreement``
+the fraction of requests whose greedy tokens are identical in every pair.
 ``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's: the
 median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed drifts.
 ``--profile`` splits the decode steps into phases (`headrace.worker.bench.profile`).
@@ -27,6 +33,7 @@ median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +42,7 @@ from typing import Any
 import torch
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.bench.bandwidth import compare_with_read
+from headrace.worker.bench.cli import WORKLOADS
 from headrace.worker.bench.common import (
     TINY_MODEL,
     Report,
@@ -46,6 +54,15 @@ from headrace.worker.bench.common import (
 )
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
 from headrace.worker.bench.neighbour import run_noisy_neighbour
+from headrace.worker.bench.peers import (
+    PEER_VENVS,
+    PeerSetup,
+    compare_with_peer,
+    default_peer_python,
+    peer_model,
+    require_peer_python,
+    start_peer,
+)
 from headrace.worker.bench.profile import StepProfile
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
@@ -110,6 +127,7 @@ def run_headrace(
         engine.add_request(f"bench-{i}", prompt, config)
     report = Report(name, 0.0, 0)
     first_token: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {f"bench-{i}": [] for i in range(len(workload.prompts))}
     while engine.has_unfinished_requests():
         timed.seconds = 0.0
         if profile is not None:
@@ -122,6 +140,7 @@ def run_headrace(
             raise RuntimeError(f"bench request {failed.request_id} failed: {failed.error}")
         for output in outputs:
             first_token.setdefault(output.request_id, now - start)
+            tokens[output.request_id].extend(t for d in output.samples for t in d.token_ids)
         plan = engine.last_step
         # Every scheduled sequence decoded one token: a pure decode step.
         is_decode = plan is not None and plan.chunks and plan.num_decode_seqs == len(plan.chunks)
@@ -132,6 +151,7 @@ def run_headrace(
             profile.end_step(now - step_start, bool(is_decode))
     report.seconds = time.perf_counter() - start
     report.ttft_s = list(first_token.values())
+    report.token_ids = list(tokens.values())
     engine.runner.model = timed._model
     return report
 
@@ -150,7 +170,12 @@ def run(args: argparse.Namespace) -> Summary:
 
 
 def _workload_shape(args: argparse.Namespace) -> tuple[int, tuple[int, int], int]:
-    defaults = (256, 16, 64, 64) if args.tiny else (64, 32, 512, 128)
+    """(requests, prompt lengths, new tokens): each flag given, else ``--workload``'s preset,
+    else the default (`--tiny`'s own)."""
+    if args.workload is not None:
+        defaults = WORKLOADS[args.workload].shape
+    else:
+        defaults = (256, 16, 64, 64) if args.tiny else WORKLOADS["b"].shape
     num_requests, min_len, max_len, max_tokens = (
         value if value is not None else default
         for value, default in zip(
@@ -182,6 +207,9 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         f"{max_tokens} new tokens; model {model_name}, dtype {args.dtype}, device "
         f"{engine.device}, kernels {engine.kernels.NAME}, threads {torch.get_num_threads()}"
     )
+    peer = None
+    if args.baseline in PEER_VENVS:
+        peer = _peer_setup(args, model_path, model_name, engine, workload)
     warm_up = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
     for sampled in {False, args.sampled}:
         run_headrace(engine, warm_up, "warm-up", sampled=sampled)
@@ -204,6 +232,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         summary.update(_run_sampled(engine, workload, ours, args.profile, args.rounds))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
+    elif peer is not None:
+        summary.update(_run_peer(*peer, engine, workload, ours, args.rounds))
     engine.close()
     if args.noisy_neighbour:
         summary.update(run_noisy_neighbour(config, workload, args.rounds))
@@ -262,3 +292,45 @@ def _run_baselines(model_path: Path, engine: Engine, workload: Workload, ours: R
         f"{ours.tokens_per_s / best.tokens_per_s:.2f}x"
     )
     return ratios
+
+
+def _peer_setup(
+    args: argparse.Namespace,
+    model_path: Path,
+    model_name: str,
+    engine: Engine,
+    workload: Workload,
+) -> tuple[Path, PeerSetup]:
+    """The peer's python and setup, checked before headrace's runs (which may be long)."""
+    peer = args.baseline
+    setup = PeerSetup(
+        peer=peer,
+        model=peer_model(peer, model_path, model_name, args.dtype, args.peer_gguf),
+        dtype=args.dtype,
+        cpus=tuple(args.peer_cpus or sorted(os.sched_getaffinity(0))),
+        # llama.cpp keeps a KV sequence of max_model_len per slot: as many as requests.
+        max_num_seqs=engine.config.max_num_seqs if peer == "vllm" else len(workload.prompts),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max(map(len, workload.prompts)) + max(workload.max_tokens),
+        kv_cache_gib=args.peer_kv_cache_gib,
+    )
+    python = Path(args.peer_python) if args.peer_python else default_peer_python(peer)
+    require_peer_python(python, peer)
+    return python, setup
+
+
+def _run_peer(
+    python: Path, setup: PeerSetup, engine: Engine, workload: Workload, ours: Report, rounds: int
+) -> Summary:
+    """``ours`` and ``rounds - 1`` more headrace runs, each followed by the peer's."""
+    with start_peer(python, setup) as process:
+        print(
+            f"peer: {process.describe()}, {setup.model}, CPUs {list(setup.cpus)}; loaded in "
+            f"{process.info.get('load_s', 0):.1f} s (headrace: {torch.get_num_threads()} threads)"
+        )
+        key = setup.peer.replace(".", "_")
+        paired = compare_with_peer(
+            process, key, workload, ours, lambda: run_headrace(engine, workload), rounds
+        )
+    print(paired.describe())
+    return paired.summary()
