@@ -2,8 +2,8 @@
 
 At one row a decode step multiplies each weight once, so it is bound by reading them from
 memory (SmolLM2-135M: 540 MB in float32, 270 MB in bfloat16, the tied LM head counted once).
-`weight_read_s` times that read on this machine, now: the model's bytes in one buffer,
-summed by torch (a streaming read on every thread), best of ``repeats``. A step within
+`compare_with_read` sets it beside the read of those bytes at the bandwidth measured now
+(`read_bandwidth`: torch's sum over one fixed-size buffer, every thread streaming). A step within
 ~1.1x of it spends little beyond the read (llama.cpp reaches that); the gap is the step's
 other ops and the Python between them.
 """
@@ -23,20 +23,28 @@ def weight_bytes(model: LoadableModel) -> int:
     return sum(seen.values())
 
 
-def weight_read_s(num_bytes: int, repeats: int = 5) -> float:
-    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
+#: Bytes the bandwidth is measured on: far past any cache, and one size for every model and
+#: dtype (torch's sum reads a smaller buffer at a different rate: 61 GB/s over 270 MB against
+#: 37 GB/s over 540 MB on the 2-core dev VM).
+READ_BUFFER_BYTES = 512 << 20
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second torch's sum reads a float32 buffer of `READ_BUFFER_BYTES` (every
+    thread streaming its share), best of ``repeats``."""
+    buffer = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         buffer.sum()
         best = min(best, time.perf_counter() - start)
-    return best
+    return READ_BUFFER_BYTES / best
 
 
 def compare_with_read(model: LoadableModel, step_s: float) -> Summary:
     """The weight read beside a one-row decode step's ``step_s`` (its p50), printed."""
     num_bytes = weight_bytes(model)
-    read_s = weight_read_s(num_bytes)
+    read_s = num_bytes / read_bandwidth()
     ratio = step_s / read_s
     print(
         f"  weight read: {read_s * 1e3:.1f} ms ({num_bytes / 1e6:.0f} MB at "
