@@ -1,4 +1,5 @@
 """The CPU backend: a `KernelSet` of C kernels (``kernels/csrc/cpu_kernels.c``) where they pay.
+(`headrace.kernels.cpu_decode` runs a decode step's layers from the same kernels in one call.)
 
 Decode and prefill attention read K/V block by block from the paged cache in place, with an
 online softmax per row: the torch reference instead gathers every sequence's whole context
@@ -46,7 +47,7 @@ __all__ = [
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Queries of one prefill sequence that share each key tile (rows per work item, per KV head).
-_QUERY_TILE = 16
+QUERY_TILE = 16
 #: Prefill chunks longer than this go to torch's flash attention (measured crossover on a
 #: 2-core AVX-512 machine: the C kernel is 1.1x faster at 512 new tokens, 0.85x at 768).
 LONG_PREFILL = 512
@@ -75,11 +76,16 @@ def available() -> bool:
     return native.load() is not None
 
 
-def _library() -> ctypes.CDLL:
-    library = native.load()
-    if library is None:
+def library() -> ctypes.CDLL:
+    loaded = native.load()
+    if loaded is None:
         raise RuntimeError(f"CPU kernels unavailable: {native.build_error()}")
-    return library
+    return loaded
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The C kernels' code for dtype (0 float32, 1 bfloat16, 2 float16)."""
+    return _DTYPE_CODES[dtype]
 
 
 def _ptr(tensor: torch.Tensor) -> int:
@@ -96,7 +102,7 @@ def write_kv_cache(
     key, value = (_rows(t.to(kv_cache.dtype)) for t in (key, value))
     slots = slot_mapping.to(torch.int64).contiguous()
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    _library().headrace_write_kv_cache(
+    library().headrace_write_kv_cache(
         _ptr(key),
         key.stride(0),
         key.stride(1),
@@ -156,7 +162,7 @@ def _attend_in_kernel(
     starts = metadata.query_start_loc.to(torch.int32).contiguous()
     seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
     selected = torch.tensor(seq_ids, dtype=torch.int32)
-    status = _library().headrace_paged_attention(
+    status = library().headrace_paged_attention(
         _ptr(query),
         query.stride(0),
         query.stride(1),
@@ -173,7 +179,7 @@ def _attend_in_kernel(
         kv_cache.shape[2],
         scale,
         _DTYPE_CODES[kv_cache.dtype],
-        _QUERY_TILE,
+        QUERY_TILE,
         _ptr(out),
     )
     if status != 0:
@@ -198,7 +204,7 @@ def linear(
     out_dtype = out_dtype or x.dtype
     store_dtype = out_dtype if out_dtype in _DTYPE_CODES else torch.float32
     out = torch.empty(x.shape[0], weight.shape[0], dtype=store_dtype)
-    status = _library().headrace_skinny_linear(
+    status = library().headrace_skinny_linear(
         _ptr(x),
         x.stride(0),
         _DTYPE_CODES[x.dtype],
@@ -253,7 +259,7 @@ def rms_norm(
     weight = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     total = torch.empty(x.shape, dtype=x.dtype) if residual is not None else x
-    _library().headrace_rms_norm(
+    library().headrace_rms_norm(
         _ptr(rows),
         rows.stride(0),
         None if other is None else _ptr(other),
@@ -296,7 +302,7 @@ def apply_rotary(
         torch.empty(query.shape, dtype=query.dtype),
         torch.empty(key.shape, dtype=key.dtype),
     )
-    _library().headrace_apply_rotary(
+    library().headrace_apply_rotary(
         _ptr(query),
         query.stride(0),
         query.stride(1),
@@ -325,7 +331,7 @@ def silu_and_mul(
         return reference.silu_and_mul(gate_up)
     rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, cols, dtype=gate_up.dtype)
-    _library().headrace_silu_and_mul(
+    library().headrace_silu_and_mul(
         _ptr(gate_up), gate_up.stride(0), _ptr(out), rows, cols, _DTYPE_CODES[gate_up.dtype]
     )
     return out
@@ -345,7 +351,7 @@ def argmax_update(
         return
     if x.stride(1) != 1:
         x = x.contiguous()
-    _library().headrace_argmax_update(
+    library().headrace_argmax_update(
         _ptr(x), x.shape[0], x.shape[1], x.stride(0), offset, _ptr(best), _ptr(index)
     )
 
@@ -384,7 +390,7 @@ def _race(
     columns = [t.to(torch.float32).contiguous() for t in (temperature, top_p_floor, min_p)]
     keys = keys.to(torch.int64).contiguous()
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _library().headrace_draw_tokens(
+    library().headrace_draw_tokens(
         _ptr(logits),
         logits.shape[0],
         logits.shape[1],
@@ -421,6 +427,6 @@ def apply_token_bitmask(
         return
     bitmask = bitmask.contiguous()
     row_ids = torch.tensor(rows, dtype=torch.int64)
-    _library().headrace_apply_token_bitmask(
+    library().headrace_apply_token_bitmask(
         _ptr(x), x.stride(0), x.shape[1], _ptr(bitmask), bitmask.shape[1], _ptr(row_ids), len(rows)
     )

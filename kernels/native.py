@@ -1,5 +1,9 @@
 """Builds and loads the C kernels of ``kernels/csrc`` for the CPU backend.
 
+The sources are compiled together into one library: ``cpu_kernels.c`` (the ops) and
+``decode_stack.c`` (a decode step's layers in one call, from the same ops), which share
+``cpu_kernels.h``.
+
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
 the CPU it runs on (``-march=native``, OpenMP), into a cache keyed by the source, the compiler,
 the flags and the CPU's model and feature flags, so a second process loads it in
@@ -30,7 +34,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "decode_stack.c")
+#: Hashed with the sources: a change to the shared header rebuilds the library.
+HEADERS = (CSRC / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno") + (
     # gcc keeps to 256-bit vectors on x86 unless told; the kernels' tiles are 512 bits.
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
@@ -60,6 +67,13 @@ _SIGNATURES = {
     "headrace_apply_rotary": (
         [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64] + [_P] * 4 + [_I64, _I64, _INT],
         None,
+    ),
+    "headrace_decode_layers": (
+        [_P, _I64, _INT, _P, _P, ctypes.c_float, _I64, _I64]
+        + [_INT] * 4
+        + [_P] * 4
+        + [_I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT],
+        _INT,
     ),
 }
 
@@ -100,9 +114,10 @@ def _build() -> Path:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set HEADRACE_CC or CC, or install gcc)")
-    source = SOURCE.read_bytes()
     key = hashlib.sha256()
-    for part in (source, _compiler_version(cc), " ".join(FLAGS).encode(), _cpu_identity()):
+    for path in (*SOURCES, *HEADERS):
+        key.update(path.read_bytes())
+    for part in (_compiler_version(cc), " ".join(FLAGS).encode(), _cpu_identity()):
         key.update(part)
     target = cache_root() / "kernels" / key.hexdigest()[:20] / "libheadrace_cpu.so"
     if target.exists():
@@ -112,13 +127,14 @@ def _build() -> Path:
         partial = Path(tmp.name)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"],
+            [cc, *FLAGS, "-o", str(partial), *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr.strip()}")
+            names = ", ".join(path.name for path in SOURCES)
+            raise RuntimeError(f"{cc} failed to build {names}:\n{done.stderr.strip()}")
         partial.replace(target)  # atomic: a concurrent builder's file is equal
     finally:
         partial.unlink(missing_ok=True)

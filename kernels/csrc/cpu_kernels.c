@@ -35,7 +35,7 @@
 #include <immintrin.h>
 #endif
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
+#include "cpu_kernels.h"
 
 /* Keys per tile: one AVX-512 vector of float32 scores per query row. */
 #define TILE_KEYS 16
@@ -413,6 +413,62 @@ static float *alloc_scratch(const Attention *a, int max_rows, Scratch *s) {
     return buffer;
 }
 
+/* Tiles of query_tile queries of the selected sequences. */
+static int count_tiles(const int32_t *query_start_loc, const int32_t *seq_ids, int num_selected,
+                       int query_tile) {
+    int num_tiles = 0;
+    for (int k = 0; k < num_selected; k++) {
+        int n = query_start_loc[seq_ids[k] + 1] - query_start_loc[seq_ids[k]];
+        num_tiles += (n + query_tile - 1) / query_tile;
+    }
+    return num_tiles;
+}
+
+/* headrace_paged_attention's work, called by every thread of an OpenMP region (the tiles are
+   shared out among them). Sets *failed when a scratch or tile list could not be allocated. */
+void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t query_stride_head,
+                        const void *kv_cache, const int32_t *block_tables,
+                        int64_t block_table_stride, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, const int32_t *seq_ids, int num_selected,
+                        int num_heads, int num_kv_heads, int head_dim, int block_size,
+                        float scale, int dtype, int query_tile, void *out, int *failed) {
+    const int padded_dim = (head_dim + LANES - 1) / LANES * LANES;
+    Attention a = {query,        query_stride_token, query_stride_head, kv_cache,
+                   block_tables, block_table_stride, query_start_loc,   seq_lens,
+                   num_heads,    num_kv_heads,       head_dim,          block_size,
+                   dtype,        scale,              out,               padded_dim,
+                   dtype == F32 && head_dim == padded_dim};
+    const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
+    /* each thread's own list (a few entries per sequence): no thread waits for another's */
+    Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
+    /* Prefill sequences (last in the batch, the longest work) first, so the dynamic schedule
+       ends with short decode tiles (seq_ids ascend). */
+    int next = 0;
+    for (int k = num_selected - 1; tiles != NULL && k >= 0; k--) {
+        const int i = seq_ids[k], n = query_start_loc[i + 1] - query_start_loc[i];
+        for (int q = 0; q < n; q += query_tile) {
+            tiles[next].seq = i;
+            tiles[next].q_begin = q;
+            tiles[next].q_end = q + query_tile < n ? q + query_tile : n;
+            next++;
+        }
+    }
+    const int max_rows = query_tile * (num_heads / num_kv_heads);
+    const int64_t num_items = (int64_t)num_tiles * num_kv_heads;
+    Scratch s = {0};
+    float *buffer = tiles != NULL ? alloc_scratch(&a, max_rows, &s) : NULL;
+    if (buffer == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; item++) {
+        if (buffer != NULL) run_tile(&a, &tiles[item / num_kv_heads], (int)(item % num_kv_heads), &s);
+    }
+    free(buffer);
+    free(tiles);
+}
+
 /* Attention of the query rows of the sequences seq_ids[0..num_selected) of a varlen batch
    (rows of other sequences are left alone). Returns 0, or -1 if scratch memory could not be
    allocated. `query_tile`: queries of one sequence handled together (they share each key
@@ -424,63 +480,27 @@ int headrace_paged_attention(const void *query, int64_t query_stride_token,
                              const int32_t *seq_ids, int num_selected, int num_heads,
                              int num_kv_heads, int head_dim, int block_size, float scale,
                              int dtype, int query_tile, void *out) {
-    const int padded_dim = (head_dim + LANES - 1) / LANES * LANES;
-    Attention a = {query,        query_stride_token, query_stride_head, kv_cache,
-                   block_tables, block_table_stride, query_start_loc,   seq_lens,
-                   num_heads,    num_kv_heads,       head_dim,          block_size,
-                   dtype,        scale,              out,               padded_dim,
-                   dtype == F32 && head_dim == padded_dim};
-    int num_tiles = 0;
-    for (int k = 0; k < num_selected; k++) {
-        int n = query_start_loc[seq_ids[k] + 1] - query_start_loc[seq_ids[k]];
-        num_tiles += (n + query_tile - 1) / query_tile;
-    }
-    Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
-    if (tiles == NULL) return -1;
-    /* Prefill sequences (last in the batch, the longest work) first, so the dynamic schedule
-       ends with short decode tiles (seq_ids ascend). */
-    int next = 0;
-    for (int k = num_selected - 1; k >= 0; k--) {
-        const int i = seq_ids[k], n = query_start_loc[i + 1] - query_start_loc[i];
-        for (int q = 0; q < n; q += query_tile) {
-            tiles[next].seq = i;
-            tiles[next].q_begin = q;
-            tiles[next].q_end = q + query_tile < n ? q + query_tile : n;
-            next++;
-        }
-    }
-    const int max_rows = query_tile * (num_heads / num_kv_heads);
-    const int64_t num_items = (int64_t)num_tiles * num_kv_heads;
+    const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     int failed = 0;
-#pragma omp parallel if (num_items > 1)
-    {
-        Scratch s = {0};
-        float *buffer = alloc_scratch(&a, max_rows, &s);
-        if (buffer == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; item++) {
-            if (buffer != NULL) run_tile(&a, &tiles[item / num_kv_heads], (int)(item % num_kv_heads), &s);
-        }
-        free(buffer);
-    }
-    free(tiles);
+#pragma omp parallel if ((int64_t)num_tiles * num_kv_heads > 1)
+    hr_paged_attention(query, query_stride_token, query_stride_head, kv_cache, block_tables,
+                       block_table_stride, query_start_loc, seq_lens, seq_ids, num_selected,
+                       num_heads, num_kv_heads, head_dim, block_size, scale, dtype, query_tile,
+                       out, &failed);
     return failed ? -1 : 0;
 }
 
 /* ---- KV-cache write ----------------------------------------------------------------------- */
 
 /* Token t's K and V rows ([Hkv, D], strided by head) go to cache slot slot_mapping[t] of
-   planes 0 and 1. The inputs are already in the cache's dtype. */
-void headrace_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_stride_head,
-                             const void *value, int64_t value_stride_token,
-                             int64_t value_stride_head, void *kv_cache,
-                             const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
-                             int head_dim, int block_size, int dtype) {
+   planes 0 and 1. The inputs are already in the cache's dtype. (hr_: the work of every thread
+   of a region; headrace_: the exported kernel, which opens one.) */
+void hr_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_stride_head,
+                       const void *value, int64_t value_stride_token, int64_t value_stride_head,
+                       void *kv_cache, const int64_t *slot_mapping, int64_t num_tokens,
+                       int num_kv_heads, int head_dim, int block_size, int dtype) {
     const size_t esize = dtype_size(dtype), row_bytes = (size_t)head_dim * esize;
-#pragma omp parallel for if (num_tokens >= 64)
+#pragma omp for
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t slot = slot_mapping[t];
         if (slot < 0) continue; /* padding: nothing to write */
@@ -496,6 +516,17 @@ void headrace_write_kv_cache(const void *key, int64_t key_stride_token, int64_t 
             }
         }
     }
+}
+
+void headrace_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_stride_head,
+                             const void *value, int64_t value_stride_token,
+                             int64_t value_stride_head, void *kv_cache,
+                             const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
+                             int head_dim, int block_size, int dtype) {
+#pragma omp parallel if (num_tokens >= 64)
+    hr_write_kv_cache(key, key_stride_token, key_stride_head, value, value_stride_token,
+                      value_stride_head, kv_cache, slot_mapping, num_tokens, num_kv_heads,
+                      head_dim, block_size, dtype);
 }
 
 /* ---- argmax ------------------------------------------------------------------------------- */
@@ -1046,12 +1077,53 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
     }
 }
 
-/* skinny_tile with the weight loader fixed, one per weight dtype (indexed by dtype code). */
+/* Rows of x up to which the kernel streams the weights one row at a time (`skinny_row`)
+   instead of in tiles of 4 rows. One stream per thread reads at the memory's rate, where four
+   interleaved row streams did not: SmolLM2-135M's 121 matmuls at one row, 2 cores, float32
+   16.6 ms (32 GB/s) against 21.1 ms tiled; bf16 7.2 against 12.1 ms. From 3 rows on the
+   tile's reuse of each x vector across 4 weight rows wins (float32 3 rows: 23.7 vs 21.7 ms). */
+#define ROW_STREAM_ROWS 2
+
+/* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
+   order. Each output is summed exactly as skinny_edge_tile sums it. */
+static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, int64_t n, int rows,
+                                                             int w_dtype) {
+    const int64_t K = s->K;
+    v16 acc[ROW_STREAM_ROWS];
+    for (int m = 0; m < rows; m++) acc[m] = splat(0.0f);
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES) {
+        const v16 wv = load_weights(s->w, n * K + k, w_dtype);
+        for (int m = 0; m < rows; m++) acc[m] += *(const v16u *)(s->x + m * s->x_stride + k) * wv;
+    }
+    if (k < K) {
+        const v16 wv = load_weights_partial(s->w, n * K + k, K - k, w_dtype);
+        for (int m = 0; m < rows; m++)
+            acc[m] += load_floats_partial(s->x + m * s->x_stride + k, K - k) * wv;
+    }
+    for (int m = 0; m < rows; m++) {
+        const float sum = lane_total(acc[m]) + (s->bias != NULL ? s->bias[n] : 0.0f);
+        store_outputs(s, m, n, &sum, 1);
+    }
+}
+
+/* skinny_tile and skinny_row with the weight loader fixed, one per weight dtype (indexed by
+   dtype code); the row streams with their row count a constant too. */
 static void skinny_tile_f32(const Skinny *s, int64_t t) { skinny_tile(s, t, F32); }
 static void skinny_tile_bf16(const Skinny *s, int64_t t) { skinny_tile(s, t, BF16); }
 static void skinny_tile_f16(const Skinny *s, int64_t t) { skinny_tile(s, t, F16); }
 static void (*const SKINNY_TILE[])(const Skinny *, int64_t) = {
     [F32] = skinny_tile_f32, [BF16] = skinny_tile_bf16, [F16] = skinny_tile_f16};
+#define SKINNY_ROWS_OF(dtype, name)                                                               \
+    static void name(const Skinny *s, int64_t n) {                                                \
+        if (s->M == 1) skinny_row(s, n, 1, dtype);                                                \
+        else skinny_row(s, n, ROW_STREAM_ROWS, dtype);                                            \
+    }
+SKINNY_ROWS_OF(F32, skinny_row_f32)
+SKINNY_ROWS_OF(BF16, skinny_row_bf16)
+SKINNY_ROWS_OF(F16, skinny_row_f16)
+static void (*const SKINNY_ROW[])(const Skinny *, int64_t) = {
+    [F32] = skinny_row_f32, [BF16] = skinny_row_bf16, [F16] = skinny_row_f16};
 
 /* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]) in float32 for the few rows of a decode step:
    each weight is read from memory once (float32, or bf16 / float16 widened in registers);
@@ -1059,17 +1131,17 @@ static void (*const SKINNY_TILE[])(const Skinny *, int64_t) = {
    16, then one fixed reduction: a row's result does not depend on the batch's other rows,
    nor on the dtypes the same values are stored in. x (x_dtype) is widened to float32 once
    up front unless it is float32; each output is rounded once to y_dtype as it is stored.
-   Rows of x and y may be strided; w is contiguous. Returns 0, or -1 when the widened x
-   could not be allocated. */
-int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
-                           int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
-                           int64_t y_stride, int y_dtype) {
-    float *wide_x = NULL;
-    if (x_dtype != F32 && M * K > 0) { /* (malloc(0) may return NULL) */
-        wide_x = malloc((size_t)(M * K) * sizeof(float));
-        if (wide_x == NULL) return -1;
+   Rows of x and y may be strided; w is contiguous. wide_x: room for M * K floats where
+   x_dtype is not float32 (else unused). Called by every thread of a region. */
+void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
+                      int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
+                      int64_t y_stride, int y_dtype, float *wide_x) {
+    if (x_dtype != F32) {
+#pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             load_row(element(x, m * x_stride, x_dtype), x_dtype, wide_x + m * K, (int)K);
+    } else {
+        wide_x = NULL;
     }
     const int64_t full_blocks = K % LANES == 0 ? M / SKINNY_ROWS : 0;
     /* Each whole block of rows prefetches its share of the next tile's 4 weight rows. */
@@ -1088,10 +1160,26 @@ int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t
                       .y_dtype = y_dtype,
                       .full_blocks = full_blocks,
                       .share = share};
-    void (*const tile)(const Skinny *, int64_t) = SKINNY_TILE[w_dtype];
-    const int64_t num_tiles = (N + SKINNY_COLS - 1) / SKINNY_COLS;
-#pragma omp parallel for schedule(static) if (N * K >= (1 << 15))
-    for (int64_t t = 0; t < num_tiles; t++) tile(&s, t);
+    /* a row stream per weight row, or a tile per 4 (static: each thread one contiguous run) */
+    const int streams = M > 0 && M <= ROW_STREAM_ROWS;
+    void (*const work)(const Skinny *, int64_t) = streams ? SKINNY_ROW[w_dtype] : SKINNY_TILE[w_dtype];
+    const int64_t items = streams ? N : (N + SKINNY_COLS - 1) / SKINNY_COLS;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; i++) work(&s, i);
+}
+
+/* hr_skinny_linear in a region of its own. Returns 0, or -1 when the widened x could not be
+   allocated. */
+int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
+                           int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
+                           int64_t y_stride, int y_dtype) {
+    float *wide_x = NULL;
+    if (x_dtype != F32 && M * K > 0) { /* (malloc(0) may return NULL) */
+        wide_x = malloc((size_t)(M * K) * sizeof(float));
+        if (wide_x == NULL) return -1;
+    }
+#pragma omp parallel if (N * K >= (1 << 15))
+    hr_skinny_linear(x, x_stride, x_dtype, M, w, w_dtype, N, K, bias, y, y_stride, y_dtype, wide_x);
     free(wide_x);
     return 0;
 }
@@ -1142,12 +1230,11 @@ static inline float in_dtype(float value, int dtype) {
    dtype, then the product with the weight rounded again. residual / sum may be NULL (no add;
    the row is x). Each row's sum of squares runs in one fixed order: a row's result does not
    depend on the other rows. cols <= RMS_NORM_MAX_COLS. */
-#define RMS_NORM_MAX_COLS 8192
-void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
-                       int64_t residual_stride, const void *weight, float eps, void *out,
-                       void *sum, int64_t num_rows, int64_t cols, int dtype) {
+void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t residual_stride,
+                 const void *weight, float eps, void *out, void *sum, int64_t num_rows,
+                 int64_t cols, int dtype) {
     const size_t size = dtype_size(dtype);
-#pragma omp parallel for schedule(static) if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < num_rows; r++) {
         float row[RMS_NORM_MAX_COLS], other[RMS_NORM_MAX_COLS];
         load_row((const char *)x + r * x_stride * size, dtype, row, (int)cols);
@@ -1173,6 +1260,14 @@ void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
     }
 }
 
+void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
+                       int64_t residual_stride, const void *weight, float eps, void *out,
+                       void *sum, int64_t num_rows, int64_t cols, int dtype) {
+#pragma omp parallel if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+    hr_rms_norm(x, x_stride, residual, residual_stride, weight, eps, out, sum, num_rows, cols,
+                dtype);
+}
+
 /* Neox rotary of one row of heads: out = x cos + rotate_half(x) sin, where rotate_half(x) is
    (-x[half:], x[:half]); each product and the sum rounded to the activation dtype as the
    torch reference's three ops round them. x rows may be strided (a view into the fused qkv
@@ -1182,7 +1277,7 @@ static void rotate_rows(const void *x, int64_t x_stride_token, int64_t x_stride_
                         int64_t num_heads, int64_t head_dim, int dtype) {
     const size_t size = dtype_size(dtype);
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (num_rows * num_heads * head_dim >= ROWWISE_PARALLEL_ELEMENTS)
+#pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < num_rows; t++) {
         float c[1024], s[1024], v[1024], o[1024];
         load_row((const char *)cos + t * head_dim * size, dtype, c, (int)head_dim);
@@ -1200,24 +1295,36 @@ static void rotate_rows(const void *x, int64_t x_stride_token, int64_t x_stride_
 }
 
 /* rotate_rows for the query and the key heads of a step. head_dim <= 1024, even. */
+void hr_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_stride_head,
+                     int64_t num_heads, const void *key, int64_t k_stride_token,
+                     int64_t k_stride_head, int64_t num_kv_heads, const void *cos, const void *sin,
+                     void *query_out, void *key_out, int64_t num_rows, int64_t head_dim,
+                     int dtype) {
+    rotate_rows(query, q_stride_token, q_stride_head, cos, sin, query_out, num_rows, num_heads,
+                head_dim, dtype);
+    rotate_rows(key, k_stride_token, k_stride_head, cos, sin, key_out, num_rows, num_kv_heads,
+                head_dim, dtype);
+#pragma omp barrier
+}
+
 void headrace_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_stride_head,
                            int64_t num_heads, const void *key, int64_t k_stride_token,
                            int64_t k_stride_head, int64_t num_kv_heads, const void *cos,
                            const void *sin, void *query_out, void *key_out, int64_t num_rows,
                            int64_t head_dim, int dtype) {
-    rotate_rows(query, q_stride_token, q_stride_head, cos, sin, query_out, num_rows, num_heads,
-                head_dim, dtype);
-    rotate_rows(key, k_stride_token, k_stride_head, cos, sin, key_out, num_rows, num_kv_heads,
-                head_dim, dtype);
+#pragma omp parallel if (num_rows * (num_heads + num_kv_heads) * head_dim >= ROWWISE_PARALLEL_ELEMENTS)
+    hr_apply_rotary(query, q_stride_token, q_stride_head, num_heads, key, k_stride_token,
+                    k_stride_head, num_kv_heads, cos, sin, query_out, key_out, num_rows, head_dim,
+                    dtype);
 }
 
 /* The gated MLP's activation: out [rows, cols] = silu(gate) * up, where each row of gate_up is
    gate's cols values then up's; silu and the product each rounded to the activation dtype, as
    the reference's two ops round them. gate_up rows may be strided; out is contiguous. */
-void headrace_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
-                           int64_t cols, int dtype) {
+void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
+                     int64_t cols, int dtype) {
     const size_t size = dtype_size(dtype);
-#pragma omp parallel for schedule(static) if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < num_rows; r++) {
         float gate[RMS_NORM_MAX_COLS], up[RMS_NORM_MAX_COLS];
         for (int64_t first = 0; first < cols; first += RMS_NORM_MAX_COLS) {
@@ -1232,4 +1339,10 @@ void headrace_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64
             store_row((char *)out + (r * cols + first) * size, dtype, gate, n);
         }
     }
+}
+
+void headrace_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
+                           int64_t cols, int dtype) {
+#pragma omp parallel if (num_rows * cols >= ROWWISE_PARALLEL_ELEMENTS)
+    hr_silu_and_mul(gate_up, stride, out, num_rows, cols, dtype);
 }

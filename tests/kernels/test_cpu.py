@@ -164,9 +164,10 @@ def test_long_prefill_chunks_mixed_with_kernel_rows():
 
 # --- the skinny linear -----------------------------------------------------------------------
 
-# Rows around the 6-row tile and the torch hand-over, outputs around the 4-row weight tile,
-# inner sizes that are and are not multiples of the 16-lane vector.
-LINEAR_SHAPES = [(1, 7, 16), (5, 4, 37), (6, 33, 64), (13, 9, 100), (48, 40, 576)]
+# Rows of the one-row weight streams (1, 2), around the 6-row tile and the torch hand-over,
+# outputs around the 4-row weight tile, inner sizes that are and are not multiples of the
+# 16-lane vector.
+LINEAR_SHAPES = [(1, 7, 16), (2, 5, 37), (5, 4, 37), (6, 33, 64), (13, 9, 100), (48, 40, 576)]
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
@@ -232,8 +233,9 @@ def test_reduced_linear_is_the_float32_kernel_on_the_widened_values(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_rows_do_not_depend_on_the_rest_of_the_batch(dtype, reduced_rows_in_kernel):
-    """Every output is summed in one fixed order, in whole tiles and at the edges alike: a row
-    alone gives the same bits as in a batch (torch's GEMM picks its kernel by batch size)."""
+    """Every output is summed in one fixed order, in weight-row streams, whole tiles and at
+    the edges alike: a row alone or in two gives the same bits as in a batch (torch's GEMM
+    picks its kernel by batch size)."""
     gen = torch.Generator().manual_seed(3)
     max_rows = cpu_ops.skinny_max_rows(dtype)
     weight = torch.randn(37, 96, generator=gen).to(dtype)
@@ -242,13 +244,17 @@ def test_linear_rows_do_not_depend_on_the_rest_of_the_batch(dtype, reduced_rows_
     for row in (0, 5, 6, 13, max_rows - 1):
         alone = cpu_ops.linear(x[row : row + 1], weight, out_dtype=torch.float32)[0]
         assert torch.equal(alone, batched[row])
+        first = max(row - 1, 0)
+        pair = cpu_ops.linear(x[first : first + 2], weight, out_dtype=torch.float32)
+        in_two = pair[row - first]
+        assert torch.equal(in_two, batched[row])
         among_seven = cpu_ops.linear(x[row : row + 7], weight, out_dtype=torch.float32)[0]
         assert torch.equal(among_seven, batched[row])
 
 
 def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
     calls: list[int] = []
-    library = cpu_ops._library()
+    library = cpu_ops.library()
 
     class Counting:
         def __getattr__(self, name):
@@ -256,7 +262,7 @@ def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
                 calls.append(1)
             return getattr(library, name)
 
-    monkeypatch.setattr(cpu_ops, "_library", Counting)
+    monkeypatch.setattr(cpu_ops, "library", Counting)
     weight = torch.randn(8, 32)
     cpu_ops.linear(torch.randn(cpu_ops.SKINNY_MAX_ROWS, 32), weight)
     assert len(calls) == 1

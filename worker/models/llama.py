@@ -6,7 +6,9 @@ config. Module and parameter names follow the HF checkpoint (``model.layers.N.se
 `packed_modules_mapping` records for the loader.
 
 The batch is flat: T tokens from any mix of prefill chunks and decodes, with the KV cache
-and `AttentionMetadata` saying which sequence each token belongs to.
+and `AttentionMetadata` saying which sequence each token belongs to. On the CPU kernels a
+step of decodes alone runs the decoder layers in one C call (`headrace.kernels.cpu_decode`)
+where the stack has its plain shape, with the same values as the layer-by-layer forward.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-from headrace.kernels import AttentionMetadata, KernelSet
+from headrace.kernels import AttentionMetadata, KernelSet, cpu_decode
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.attention import Attention
 from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -137,6 +139,21 @@ class LlamaDecoderLayer(nn.Module):
             config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
         )
 
+    def decode_weights(self) -> cpu_decode.DecoderLayerWeights | None:
+        """This layer's tensors for `cpu_decode`; None while LoRA adapters are attached."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(linear.lora is not None for linear in linears):
+            return None
+        return cpu_decode.DecoderLayerWeights(
+            input_norm=self.input_layernorm.weight,
+            qkv=attn.qkv_proj.weight,
+            o_proj=attn.o_proj.weight,
+            post_norm=self.post_attention_layernorm.weight,
+            gate_up=mlp.gate_up_proj.weight,
+            down=mlp.down_proj.weight,
+        )
+
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden]: the previous block's output
@@ -186,6 +203,7 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype)
         # One cos/sin table for all layers: it is [max_position, head_dim] per copy.
         self.rotary_emb = RotaryEmbedding(config.rope)
+        self.decode_shape = _decode_shape(config, parallel, kernels)
 
     def forward(
         self,
@@ -203,6 +221,10 @@ class LlamaModel(nn.Module):
             hidden, residual = carry[0], carry[1]
         rotary = self.rotary_emb(positions, hidden.dtype)
         layers = self.layers[self.layer_range.start : self.layer_range.stop]
+        if carry is None:
+            decoded = self._decode_in_one_call(hidden, layers, rotary, kv_caches, metadata)
+            if decoded is not None:
+                return decoded
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata)
         assert residual is not None, "every stage runs at least one layer"
@@ -210,6 +232,50 @@ class LlamaModel(nn.Module):
             return torch.stack((hidden, residual))
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def _decode_in_one_call(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the embeddings
+        layers: Iterable[nn.Module],
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [T, hidden] normed, or None: run layer by layer
+        if self.decode_shape is None or self.norm is None:
+            return None
+        stack = []
+        for layer in layers:
+            assert isinstance(layer, LlamaDecoderLayer), "a stage's own layers are built"
+            weights = layer.decode_weights()
+            if weights is None:
+                return None
+            stack.append(weights)
+        if not cpu_decode.fits(hidden, stack, kv_caches, metadata):
+            return None
+        return cpu_decode.decode_layers(
+            hidden, stack, self.norm.weight, self.decode_shape, *rotary, kv_caches, metadata
+        )
+
+
+def _decode_shape(
+    config: ModelConfig, parallel: ParallelConfig, kernels: KernelSet
+) -> cpu_decode.DecoderShape | None:
+    """The stack's shape for `cpu_decode` where it serves this model: the CPU kernels, one
+    rank and one stage, no biases and no q/k norm. None otherwise."""
+    whole = parallel.is_first_stage and parallel.is_last_stage
+    if kernels.NAME != "cpu" or parallel.tensor_parallel_size > 1 or not whole:
+        return None
+    if config.qkv_bias or config.o_proj_bias or config.mlp_bias or config.qk_norm:
+        return None
+    return cpu_decode.DecoderShape(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        eps=config.rms_norm_eps,
+        scale=config.head_dim**-0.5,
+    )
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,119 @@
+"""A decode step's decoder layers in one C call (``kernels/csrc/decode_stack.c``).
+
+At a decode step's few rows the per-op path costs about as much between its ~300 kernel
+calls (Python wrappers, ctypes, an OpenMP region each) as the weights take to read; this
+runs the same C ops back to back in one region, so every value is the per-op path's, bit for
+bit. It serves Llama-shaped stacks (fused qkv, neox rotary, gated SiLU MLP, no biases, no
+q/k norm) on one rank without LoRA, in one dtype shared by activations, weights and the KV
+cache, for steps whose rows are all decodes and few enough for the skinny matmul; the model
+asks `fits` and keeps to the per-op path otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from headrace.kernels import cpu_ops
+from headrace.kernels.attention import AttentionMetadata
+
+#: Pointers per layer, in decode_stack.c's order (INPUT_NORM .. KV_CACHE).
+_LAYER_TENSORS = 7
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
+    o_proj: torch.Tensor  # [hidden, H D]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor  # [hidden, I]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_norm, self.qkv, self.o_proj, self.post_norm, self.gate_up, self.down)
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderShape:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float  # attention's softmax scale
+
+
+def fits(
+    hidden: torch.Tensor,  # [T, hidden]
+    layers: list[DecoderLayerWeights],
+    kv_caches: list[torch.Tensor],
+    metadata: AttentionMetadata,
+) -> bool:
+    """Whether this step can run in `decode_layers`: every row a decode, few enough rows for
+    the skinny matmul, one dtype throughout, contiguous CPU tensors."""
+    dtype = hidden.dtype
+    rows = hidden.shape[0]
+    if metadata.num_decode_seqs != metadata.num_seqs or rows != metadata.num_seqs:
+        return False
+    if not cpu_ops.available() or not 0 < rows <= cpu_ops.skinny_max_rows(dtype):
+        return False
+    tensors = [t for layer in layers for t in layer.tensors()] + kv_caches
+    return all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def decode_layers(
+    hidden: torch.Tensor,  # [T, hidden]: the tokens' embeddings
+    layers: list[DecoderLayerWeights],
+    final_norm: torch.Tensor,  # [hidden]
+    shape: DecoderShape,
+    cos: torch.Tensor,  # [T, 1, head_dim]
+    sin: torch.Tensor,  # [T, 1, head_dim]
+    kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+    metadata: AttentionMetadata,
+) -> torch.Tensor:  # [T, hidden]: the final norm's output
+    """The layers' output, as the per-op path computes it (the caller checked `fits`)."""
+    out = hidden.contiguous().clone()
+    pointers = [
+        t.data_ptr()
+        for layer, cache in zip(layers, kv_caches, strict=True)
+        for t in (*layer.tensors(), cache)
+    ]
+    table = torch.tensor(pointers, dtype=torch.int64)
+    assert table.numel() == len(layers) * _LAYER_TENSORS
+    tables = metadata.block_tables.to(torch.int32).contiguous()
+    starts = metadata.query_start_loc.to(torch.int32).contiguous()
+    seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+    seq_ids = torch.arange(metadata.num_seqs, dtype=torch.int32)
+    slots = metadata.slot_mapping.to(torch.int64).contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    status = cpu_ops.library().headrace_decode_layers(
+        out.data_ptr(),
+        out.shape[0],
+        len(layers),
+        table.data_ptr(),
+        final_norm.data_ptr(),
+        shape.eps,
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        cpu_ops.dtype_code(hidden.dtype),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        starts.data_ptr(),
+        seq_lens.data_ptr(),
+        seq_ids.data_ptr(),
+        metadata.num_seqs,
+        metadata.block_size,
+        shape.scale,
+        cpu_ops.QUERY_TILE,
+    )
+    if status != 0:
+        raise MemoryError("the decode layers could not allocate their buffers")
+    return out

@@ -1,0 +1,46 @@
+/* The CPU kernels' shared declarations: the dtype codes, and each op's work as every thread of
+   an OpenMP region runs it (hr_*), so that a sequence of ops can run in one region
+   (decode_stack.c) as well as one region per op (the exported headrace_* kernels of
+   cpu_kernels.c, which call the same functions). Each hr_ op ends at a barrier: its outputs
+   are complete when any thread returns. */
+
+#ifndef HEADRACE_CPU_KERNELS_H
+#define HEADRACE_CPU_KERNELS_H
+
+#include <stdint.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* Widest row rms_norm and silu_and_mul hold on the stack. */
+#define RMS_NORM_MAX_COLS 8192
+
+void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t residual_stride,
+                 const void *weight, float eps, void *out, void *sum, int64_t num_rows,
+                 int64_t cols, int dtype);
+
+void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
+                      int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
+                      int64_t y_stride, int y_dtype, float *wide_x);
+
+void hr_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_stride_head,
+                     int64_t num_heads, const void *key, int64_t k_stride_token,
+                     int64_t k_stride_head, int64_t num_kv_heads, const void *cos, const void *sin,
+                     void *query_out, void *key_out, int64_t num_rows, int64_t head_dim,
+                     int dtype);
+
+void hr_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_stride_head,
+                       const void *value, int64_t value_stride_token, int64_t value_stride_head,
+                       void *kv_cache, const int64_t *slot_mapping, int64_t num_tokens,
+                       int num_kv_heads, int head_dim, int block_size, int dtype);
+
+void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t query_stride_head,
+                        const void *kv_cache, const int32_t *block_tables,
+                        int64_t block_table_stride, const int32_t *query_start_loc,
+                        const int32_t *seq_lens, const int32_t *seq_ids, int num_selected,
+                        int num_heads, int num_kv_heads, int head_dim, int block_size,
+                        float scale, int dtype, int query_tile, void *out, int *failed);
+
+void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
+                     int64_t cols, int dtype);
+
+#endif

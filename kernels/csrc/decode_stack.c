@@ -1,0 +1,126 @@
+/* A decode step's decoder layers in one call and one OpenMP region.
+
+   A decode step at a few rows spends as much time between its ops as in them: some 300
+   kernel calls (30 layers x norm, qkv, rotary, KV write, attention, o, norm, gate/up, silu,
+   down), each a Python wrapper, a ctypes call and an OpenMP region of its own, about 6 ms of
+   a 25 ms step on SmolLM2-135M where the weights take 15 ms to read. Here the same ops run
+   back to back, in the same order on the same buffers' values, each the hr_ function its
+   exported kernel calls, separated by barriers instead of regions: every value is the one
+   the per-op path computes, bit for bit.
+
+   The layers are Llama's: pre-norm attention with fused qkv and neox rotary, a gated SiLU
+   MLP with fused gate/up, no biases, one rank. Activations, weights and the KV cache share
+   one dtype. The caller checks that a step fits (decode rows only, few enough for the skinny
+   matmul) and keeps to the per-op path otherwise. */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+/* Each layer's tensors, as data pointers: the row of `layers` for layer l. */
+enum {
+    INPUT_NORM,   /* [hidden] */
+    QKV,          /* [(H + 2 Hkv) D, hidden] */
+    O_PROJ,       /* [hidden, H D] */
+    POST_NORM,    /* [hidden] */
+    GATE_UP,      /* [2 I, hidden] */
+    DOWN,         /* [hidden, I] */
+    KV_CACHE,     /* [num_blocks, 2, block_size, Hkv, D] */
+    LAYER_TENSORS /* row length */
+};
+
+/* The step's activations: [T, n] rows in the model's dtype (wide: float32). */
+typedef struct {
+    char *residual, *normed, *qkv, *query, *key, *attention, *gate_up, *act, *hidden;
+    float *wide;
+} Buffers;
+
+static size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* One allocation for all of them; NULL when out of memory. */
+static char *alloc_buffers(Buffers *b, int64_t T, int64_t hidden, int64_t inter, int64_t H,
+                           int64_t Hkv, int64_t D, size_t size) {
+    const size_t qkv = (size_t)((H + 2 * Hkv) * D);
+    const size_t widths[] = {hidden, hidden, qkv, H * D, Hkv * D, H * D, 2 * inter, inter, hidden};
+    size_t total = 0;
+    for (int i = 0; i < 9; i++) total += (widths[i] * T * size + 63) / 64 * 64;
+    const size_t wide = max3(hidden, inter, H * D) * T * sizeof(float);
+    char *base = aligned_alloc(64, (total + wide + 63) / 64 * 64);
+    if (base == NULL) return NULL;
+    char **slots[] = {&b->residual, &b->normed, &b->qkv,    &b->query, &b->key,
+                      &b->attention, &b->gate_up, &b->act, &b->hidden};
+    char *next = base;
+    for (int i = 0; i < 9; i++) {
+        *slots[i] = next;
+        next += (widths[i] * T * size + 63) / 64 * 64;
+    }
+    b->wide = (float *)next;
+    return base;
+}
+
+/* y [T, N] = x [T, K] w^T, no bias. */
+static void matmul(const void *x, int64_t T, const void *w, int64_t N, int64_t K, void *y,
+                   int dtype, float *wide) {
+    hr_skinny_linear(x, K, dtype, T, w, dtype, N, K, NULL, y, N, dtype, wide);
+}
+
+/* The decoder layers of a decode step: hidden [T, hidden] holds the tokens' embeddings on
+   entry and the final norm's output on return. Returns 0, or -1 when memory ran out (hidden
+   and the KV cache are then undefined). */
+int headrace_decode_layers(
+    void *hidden, int64_t T, int num_layers,
+    const int64_t *layers, /* [num_layers, LAYER_TENSORS] data pointers */
+    const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
+    int num_heads, int num_kv_heads, int head_dim, int dtype,
+    const void *cos, const void *sin, /* [T, head_dim] */
+    const int64_t *slot_mapping,      /* [T] */
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_lens, const int32_t *seq_ids, int num_seqs, int block_size, float scale,
+    int query_tile) {
+    const int64_t H = num_heads, Hkv = num_kv_heads, D = head_dim, I = intermediate_size;
+    const int64_t qkv_cols = (H + 2 * Hkv) * D;
+    const size_t size = dtype == F32 ? 4 : 2;
+    Buffers b;
+    char *base = alloc_buffers(&b, T, hidden_size, I, H, Hkv, D, size);
+    if (base == NULL) return -1;
+    int failed = 0;
+    /* The residual stream starts as the embeddings (layer 0's norm adds nothing). */
+    memcpy(b.residual, hidden, (size_t)(T * hidden_size) * size);
+#pragma omp parallel
+    for (int l = 0; l < num_layers; l++) {
+        const int64_t *t = layers + (int64_t)l * LAYER_TENSORS;
+        void *kv_cache = (void *)t[KV_CACHE];
+        if (l == 0) {
+            hr_rms_norm(b.residual, hidden_size, NULL, 0, (const void *)t[INPUT_NORM], eps,
+                        b.normed, NULL, T, hidden_size, dtype);
+        } else { /* the previous layer's output joins the residual stream */
+            hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size,
+                        (const void *)t[INPUT_NORM], eps, b.normed, b.residual, T, hidden_size,
+                        dtype);
+        }
+        matmul(b.normed, T, (const void *)t[QKV], qkv_cols, hidden_size, b.qkv, dtype, b.wide);
+        const char *k = b.qkv + H * D * size, *v = k + Hkv * D * size;
+        hr_apply_rotary(b.qkv, qkv_cols, D, H, k, qkv_cols, D, Hkv, cos, sin, b.query, b.key, T,
+                        D, dtype);
+        hr_write_kv_cache(b.key, Hkv * D, D, v, qkv_cols, D, kv_cache, slot_mapping, T,
+                          num_kv_heads, head_dim, block_size, dtype);
+        hr_paged_attention(b.query, H * D, D, kv_cache, block_tables, block_table_stride,
+                           query_start_loc, seq_lens, seq_ids, num_seqs, num_heads,
+                           num_kv_heads, head_dim, block_size, scale, dtype, query_tile,
+                           b.attention, &failed);
+        matmul(b.attention, T, (const void *)t[O_PROJ], hidden_size, H * D, b.hidden, dtype,
+               b.wide);
+        hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, (const void *)t[POST_NORM],
+                    eps, b.normed, b.residual, T, hidden_size, dtype);
+        matmul(b.normed, T, (const void *)t[GATE_UP], 2 * I, hidden_size, b.gate_up, dtype,
+               b.wide);
+        hr_silu_and_mul(b.gate_up, 2 * I, b.act, T, I, dtype);
+        matmul(b.act, T, (const void *)t[DOWN], hidden_size, I, b.hidden, dtype, b.wide);
+    }
+    /* the final norm of the last layer's output and the residual stream */
+    hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, final_norm, eps, hidden,
+                b.residual, T, hidden_size, dtype);
+    free(base);
+    return failed ? -1 : 0;
+}
