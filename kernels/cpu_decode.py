@@ -6,7 +6,7 @@ runs the same C ops back to back in one region, so every value is the per-op pat
 bit. It serves Llama-shaped stacks (fused qkv, neox rotary, gated SiLU MLP, no biases, no
 q/k norm) on one rank without LoRA, in one dtype shared by activations, weights and the KV
 cache, for steps whose rows are all decodes and few enough for the skinny matmul; the model
-asks `fits` and keeps to the per-op path otherwise.
+asks `DecoderStack.fits` and keeps to the per-op path otherwise.
 """
 
 from __future__ import annotations
@@ -45,43 +45,70 @@ class DecoderShape:
     scale: float  # attention's softmax scale
 
 
-def fits(
-    hidden: torch.Tensor,  # [T, hidden]
-    layers: list[DecoderLayerWeights],
-    kv_caches: list[torch.Tensor],
-    metadata: AttentionMetadata,
-) -> bool:
-    """Whether this step can run in `decode_layers`: every row a decode, few enough rows for
-    the skinny matmul, one dtype throughout, contiguous CPU tensors."""
-    dtype = hidden.dtype
-    rows = hidden.shape[0]
-    if metadata.num_decode_seqs != metadata.num_seqs or rows != metadata.num_seqs:
-        return False
-    if not cpu_ops.available() or not 0 < rows <= cpu_ops.skinny_max_rows(dtype):
-        return False
-    tensors = [t for layer in layers for t in layer.tensors()] + kv_caches
-    return all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+class DecoderStack:
+    """A stage's layers for `decode_layers`: their weights (the parameters themselves, read
+    at each call, so in-place weight updates are seen), checked once for what the C stack
+    needs: one dtype it takes, contiguous, in CPU memory."""
+
+    def __init__(
+        self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, shape: DecoderShape
+    ) -> None:
+        self.layers = layers
+        self.final_norm = final_norm  # [hidden]
+        self.shape = shape
+        self.dtype = final_norm.dtype
+        tensors = [t for layer in layers for t in layer.tensors()] + [final_norm]
+        self.usable = cpu_ops.available() and all(_in_kernel(t, self.dtype) for t in tensors)
+
+    def fits(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> bool:
+        """Whether this step can run in one call: every row a decode, few enough rows for
+        the skinny matmul, the stack's dtype throughout."""
+        rows = hidden.shape[0]
+        if not self.usable or hidden.dtype != self.dtype or rows != metadata.num_seqs:
+            return False
+        if metadata.num_decode_seqs != rows or not rows <= cpu_ops.skinny_max_rows(self.dtype):
+            return False
+        return all(_in_kernel(cache, self.dtype) for cache in kv_caches)
+
+    def decode(
+        self,
+        hidden: torch.Tensor,  # [T, hidden]: the tokens' embeddings
+        cos: torch.Tensor,  # [T, 1, head_dim]
+        sin: torch.Tensor,  # [T, 1, head_dim]
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]: the final norm's output
+        """The layers' output, as the per-op path computes it (the caller checked `fits`)."""
+        pointers = [
+            t.data_ptr()
+            for layer, cache in zip(self.layers, kv_caches, strict=True)
+            for t in (*layer.tensors(), cache)
+        ]
+        return decode_layers(
+            hidden, torch.tensor(pointers, dtype=torch.int64), self, cos, sin, metadata
+        )
+
+
+def _in_kernel(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
 def decode_layers(
-    hidden: torch.Tensor,  # [T, hidden]: the tokens' embeddings
-    layers: list[DecoderLayerWeights],
-    final_norm: torch.Tensor,  # [hidden]
-    shape: DecoderShape,
-    cos: torch.Tensor,  # [T, 1, head_dim]
-    sin: torch.Tensor,  # [T, 1, head_dim]
-    kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+    hidden: torch.Tensor,  # [T, hidden]
+    pointers: torch.Tensor,  # [L * 7] int64: each layer's tensors and KV cache
+    stack: DecoderStack,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     metadata: AttentionMetadata,
-) -> torch.Tensor:  # [T, hidden]: the final norm's output
-    """The layers' output, as the per-op path computes it (the caller checked `fits`)."""
+) -> torch.Tensor:
+    shape = stack.shape
+    assert pointers.numel() == len(stack.layers) * _LAYER_TENSORS
     out = hidden.contiguous().clone()
-    pointers = [
-        t.data_ptr()
-        for layer, cache in zip(layers, kv_caches, strict=True)
-        for t in (*layer.tensors(), cache)
-    ]
-    table = torch.tensor(pointers, dtype=torch.int64)
-    assert table.numel() == len(layers) * _LAYER_TENSORS
     tables = metadata.block_tables.to(torch.int32).contiguous()
     starts = metadata.query_start_loc.to(torch.int32).contiguous()
     seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
@@ -91,16 +118,16 @@ def decode_layers(
     status = cpu_ops.library().headrace_decode_layers(
         out.data_ptr(),
         out.shape[0],
-        len(layers),
-        table.data_ptr(),
-        final_norm.data_ptr(),
+        len(stack.layers),
+        pointers.data_ptr(),
+        stack.final_norm.data_ptr(),
         shape.eps,
         shape.hidden_size,
         shape.intermediate_size,
         shape.num_heads,
         shape.num_kv_heads,
         shape.head_dim,
-        cpu_ops.dtype_code(hidden.dtype),
+        cpu_ops.dtype_code(stack.dtype),
         cos.data_ptr(),
         sin.data_ptr(),
         slots.data_ptr(),

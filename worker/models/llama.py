@@ -138,13 +138,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
         )
+        # (a tuple, not a ModuleList: read each decode step, without nn.Module's lookup)
+        self._projections = (
+            self.self_attn.qkv_proj,
+            self.self_attn.o_proj,
+            self.mlp.gate_up_proj,
+            self.mlp.down_proj,
+        )
 
-    def decode_weights(self) -> cpu_decode.DecoderLayerWeights | None:
-        """This layer's tensors for `cpu_decode`; None while LoRA adapters are attached."""
+    def has_adapters(self) -> bool:
+        """Whether LoRA adapters are attached to any of its projections."""
+        return any(linear.lora is not None for linear in self._projections)
+
+    def decode_weights(self) -> cpu_decode.DecoderLayerWeights:
+        """This layer's parameters for `cpu_decode`."""
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(linear.lora is not None for linear in linears):
-            return None
         return cpu_decode.DecoderLayerWeights(
             input_norm=self.input_layernorm.weight,
             qkv=attn.qkv_proj.weight,
@@ -204,6 +212,8 @@ class LlamaModel(nn.Module):
         # One cos/sin table for all layers: it is [max_position, head_dim] per copy.
         self.rotary_emb = RotaryEmbedding(config.rope)
         self.decode_shape = _decode_shape(config, parallel, kernels)
+        #: Built at the first decode step with `decode_shape` (None: layer by layer).
+        self._decode_stack: cpu_decode.DecoderStack | None = None
 
     def forward(
         self,
@@ -243,18 +253,18 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:  # [T, hidden] normed, or None: run layer by layer
         if self.decode_shape is None or self.norm is None:
             return None
-        stack = []
-        for layer in layers:
-            assert isinstance(layer, LlamaDecoderLayer), "a stage's own layers are built"
-            weights = layer.decode_weights()
-            if weights is None:
-                return None
-            stack.append(weights)
-        if not cpu_decode.fits(hidden, stack, kv_caches, metadata):
+        own = [layer for layer in layers if isinstance(layer, LlamaDecoderLayer)]
+        if self._decode_stack is None:
+            weights = [layer.decode_weights() for layer in own]
+            self._decode_stack = cpu_decode.DecoderStack(
+                weights, self.norm.weight, self.decode_shape
+            )
+        stack = self._decode_stack
+        if any(layer.has_adapters() for layer in own) or not stack.fits(
+            hidden, kv_caches, metadata
+        ):
             return None
-        return cpu_decode.decode_layers(
-            hidden, stack, self.norm.weight, self.decode_shape, *rotary, kv_caches, metadata
-        )
+        return stack.decode(hidden, *rotary, kv_caches, metadata)
 
 
 def _decode_shape(
