@@ -237,18 +237,58 @@ static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int
     }
 }
 
-/* scores[r] lane j = q_r . k_j for rows [row0, rows), one dot product per (row, key). */
+/* Lane j of the result: the sum of the 16 lanes of sums[j]. With AVX-512 a tree of shuffles
+   adds all 16 at once (46 instructions, where 16 reductions of one vector each take about
+   five times as many and a store per lane): lanes l and l + 8, then l and l + 4, then
+   neighbours' pairs, then neighbours; a final permute puts key j in lane j. */
+static inline v16 sum_lanes_16(const v16 sums[LANES]) {
+#ifdef __AVX512F__
+    __m512 half[8], quarter[4], eighth[2];
+    for (int j = 0; j < 8; j++) { /* blocks 0-1: key 2j's 8 partials; 2-3: key 2j + 1's */
+        const __m512 x = (__m512)sums[2 * j], y = (__m512)sums[2 * j + 1];
+        half[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+    for (int i = 0; i < 4; i++) { /* block b: key 4i + b's 4 partials */
+        const __m512 u = half[2 * i], v = half[2 * i + 1];
+        quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x88), _mm512_shuffle_f32x4(u, v, 0xDD));
+    }
+    for (int i = 0; i < 2; i++) { /* block b: keys 8i + b's and 8i + 4 + b's 2 partials each */
+        const __m512 p = quarter[2 * i], q = quarter[2 * i + 1];
+        eighth[i] = _mm512_add_ps(_mm512_shuffle_ps(p, q, 0x44), _mm512_shuffle_ps(p, q, 0xEE));
+    }
+    /* lane 4b + m: key b + 4m */
+    const __m512 totals = _mm512_add_ps(_mm512_shuffle_ps(eighth[0], eighth[1], 0x88),
+                                        _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
+    const __m512i key_lane = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return (v16)_mm512_permutexvar_ps(key_lane, totals);
+#else
+    v16 totals;
+    for (int j = 0; j < LANES; j++) totals[j] = hsum(sums[j]);
+    return totals;
+#endif
+}
+
+/* scores[r] lane j = q_r . k_j for rows [row0, rows) (0 for j >= count): per row, 16
+   dot products in lanes, then all 16 lane sums at once. A whole tile runs the 16 keys' sums
+   side by side (16 independent chains, each a chunk of q loaded once); each key's chunks add
+   in the same order either way. */
 static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, int count) {
     const int chunks = a->padded_dim / LANES;
-    for (int r = row0; r < rows; r++) s->scores[r] = splat(0.0f);
-    for (int j = 0; j < count; j++) {
-        const float *k = s->keys[j];
-        for (int r = row0; r < rows; r++) {
-            const float *q = s->queries + (int64_t)r * a->padded_dim;
-            v16 sum = splat(0.0f);
-            for (int c = 0; c < chunks; c++) sum += *(const v16 *)(q + c * LANES) * *(const v16u *)(k + c * LANES);
-            s->scores[r][j] = hsum(sum);
+    for (int r = row0; r < rows; r++) {
+        const float *q = s->queries + (int64_t)r * a->padded_dim;
+        v16 sums[LANES];
+        for (int j = 0; j < LANES; j++) sums[j] = splat(0.0f);
+        if (count == LANES) {
+            for (int c = 0; c < chunks; c++) {
+                const v16 qc = *(const v16 *)(q + c * LANES);
+                for (int j = 0; j < LANES; j++) sums[j] += qc * *(const v16u *)(s->keys[j] + c * LANES);
+            }
+        } else {
+            for (int j = 0; j < count; j++)
+                for (int c = 0; c < chunks; c++)
+                    sums[j] += *(const v16 *)(q + c * LANES) * *(const v16u *)(s->keys[j] + c * LANES);
         }
+        s->scores[r] = sum_lanes_16(sums);
     }
 }
 
