@@ -19,12 +19,13 @@ reference otherwise.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 from headrace.kernels import native, reference
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
-from headrace.kernels.precision import compute_dtype
+from headrace.kernels.precision import compute_dtype, cpu_has_flag
 from headrace.kernels.precision import linear as torch_linear
 from headrace.kernels.reference import extend
 
@@ -59,16 +60,18 @@ LONG_PREFILL = 512
 #: 24: 26.9 vs 44.5; 64: 61.3 vs 60.4, where torch takes over.
 SKINNY_MAX_ROWS = 48
 #: The same for bf16 / float16 weights where torch's GEMM of the dtype is native (bf16 on
-#: AVX512-BF16 or AMX): it computes at twice the float32 rate, so it takes over sooner.
-#: Measured 2026-11-24 on the 2-core AVX512-BF16 machine (no AMX), SmolLM2-135M's 120 layer
-#: matmuls of a step in bf16 on one thread (the machine was shared: two threads measured
-#: mostly the neighbours' load), C vs torch:
-#: 1 row 33.5 vs 48.6 ms, 4: 32.3 vs 47.6, 8: 41.6 vs 57.4 (37.0 vs 41.1 again), 12: 68.8
-#: vs 71.4 (39.8 vs 60.8), 16: 74.5 vs 76.4 (100.5 vs 73.2), 24: 139 vs 80; the LM head
-#: (49152x576): 8 rows 10.5 vs 14.4 ms, 12: 19.6 vs 15.8. Where torch would widen the
-#: weights to float32 first (`precision.compute_dtype`), its GEMM is float32's plus a pass
-#: over the weights: `SKINNY_MAX_ROWS` holds.
+#: AVX512-BF16 or AMX) and the C kernel widens them to float32: torch computes at twice the
+#: float32 rate there, so it takes over sooner. Measured 2026-11-24 on the 2-core
+#: AVX512-BF16 machine (no AMX), SmolLM2-135M's 120 layer matmuls in bf16 on one thread, C
+#: (widening) vs torch: 1 row 33.5 vs 48.6 ms, 8: 41.6 vs 57.4, 16: 74.5 vs 76.4, 24: 139 vs
+#: 80. Where torch would widen the weights to float32 first (`precision.compute_dtype`), its
+#: GEMM is float32's plus a pass over the weights: `SKINNY_MAX_ROWS` holds.
 SKINNY_MAX_ROWS_BF16 = 8
+#: bf16 x against bf16 weights with AVX512-BF16's dot instruction (`bf16_pairs`) against
+#: torch's bf16 GEMM on a CPU without AMX: SKINNY_MAX_ROWS holds. Measured 2026-11-24, the
+#: same machine, 2 threads, all 121 matmuls of a step, C vs torch: 1 row 9.7 vs 19.4 ms, 8:
+#: 21.2 vs 22.9, 24: 23.8 vs 32.9, 48: 44.3 vs 49.9, 64: 58.7 vs 60.4. (AMX, untested here,
+#: multiplies tiles several times faster than the dot instruction: torch keeps its rows.)
 
 
 def available() -> bool:
@@ -223,12 +226,26 @@ def linear(
     return out.to(out_dtype)
 
 
+def bf16_pairs() -> bool:
+    """Whether `linear` sums bf16 x against bf16 weights in pairs (AVX512-BF16's dot
+    instruction: lane i adds the products of elements 2i + 1, then 2i, of each 32), rather
+    than as the float32 kernel sums the widened values."""
+    return bool(library().headrace_skinny_bf16_pairs())
+
+
 def skinny_max_rows(weight_dtype: torch.dtype) -> int:
     """Rows up to which `linear` runs the C kernel for weights of this dtype (0: never)."""
     if weight_dtype not in _DTYPE_CODES:
         return 0
     in_float32 = compute_dtype(weight_dtype, torch.device("cpu")) == torch.float32
-    return SKINNY_MAX_ROWS if in_float32 else SKINNY_MAX_ROWS_BF16
+    if in_float32 or (weight_dtype == torch.bfloat16 and _pairs_beat_torch()):
+        return SKINNY_MAX_ROWS
+    return SKINNY_MAX_ROWS_BF16
+
+
+@functools.cache
+def _pairs_beat_torch() -> bool:
+    return available() and bf16_pairs() and not cpu_has_flag("amx_bf16")
 
 
 def _takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:

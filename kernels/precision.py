@@ -36,6 +36,11 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_has_flag(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists flag (e.g. "amx_bf16") for this CPU."""
+    return flag in _cpu_flags()
+
+
 def cpu_has_native_gemm(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies dtype (bf16 or fp16) natively."""
     return bool(_cpu_flags() & _NATIVE_FLAGS[dtype])

@@ -911,14 +911,29 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 #define SKINNY_ROWS 6
 #define SKINNY_COLS 4
 
-/* 16 bf16 or float16 values from any 2-byte-aligned address. */
+/* The weight layouts a tile is compiled for: the dtype codes, and BF16_PAIRS, bf16 weights
+   against bf16 x where the CPU has AVX512-BF16: each step takes 32 elements, and lane i adds
+   the products of elements 2i and 2i + 1 (exact: a bf16 product fits a float32) to its sum,
+   one instruction for what float32 does in two loads, two widenings and two FMAs. */
+#define BF16_PAIRS 3
+#ifdef __AVX512BF16__
+#define HAVE_BF16_PAIRS 1
+#else
+#define HAVE_BF16_PAIRS 0
+#endif
+
+/* 16 bf16 or float16 values from any 2-byte-aligned address; 64 bytes from any. */
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
+typedef float v16any __attribute__((vector_size(64), aligned(1)));
 
 /* The address of element i of an array of dtype. */
 static inline const void *element(const void *base, int64_t i, int dtype) {
     return (const char *)base + i * (int64_t)dtype_size(dtype);
 }
+
+/* Elements of x and w per step of a tile's loop. */
+static inline int step_of(int layout) { return layout == BF16_PAIRS ? 2 * LANES : LANES; }
 
 /* The weight loader: elements [i, i + 16) of weights stored in dtype, widened to float32
    exactly (bf16 is a float32's top half: a shift; float16 converts in one instruction where
@@ -935,11 +950,38 @@ static inline __attribute__((always_inline)) v16 load_weights(const void *w, int
 #endif
 }
 
-/* The first width (< 16) of those elements, the other lanes zero. */
-static inline v16 load_weights_partial(const void *w, int64_t i, int64_t width, int dtype) {
+/* A step's weight vector: elements [i, i + step) (BF16_PAIRS: the 32 bf16 as they are). */
+static inline __attribute__((always_inline)) v16 load_step(const void *w, int64_t i, int layout) {
+    if (layout == BF16_PAIRS) return *(const v16any *)element(w, i, BF16);
+    return load_weights(w, i, layout);
+}
+
+/* The first width (< step) of those elements, the other lanes zero. */
+static inline v16 load_step_partial(const void *w, int64_t i, int64_t width, int layout) {
     float lanes[LANES] = {0};
-    load_row(element(w, i, dtype), dtype, lanes, (int)width);
+    if (layout == BF16_PAIRS) memcpy(lanes, element(w, i, BF16), (size_t)width * 2);
+    else load_row(element(w, i, layout), layout, lanes, (int)width);
     return *(const v16u *)lanes;
+}
+
+/* The same for x, whose rows are float32 (bf16 for BF16_PAIRS). */
+static inline __attribute__((always_inline)) v16 load_x(const void *x, int64_t i, int layout) {
+    return *(const v16any *)element(x, i, layout == BF16_PAIRS ? BF16 : F32);
+}
+
+static inline v16 load_x_partial(const void *x, int64_t i, int64_t width, int layout) {
+    float lanes[LANES] = {0};
+    const int dtype = layout == BF16_PAIRS ? BF16 : F32;
+    memcpy(lanes, element(x, i, dtype), (size_t)width * dtype_size(dtype));
+    return *(const v16u *)lanes;
+}
+
+/* acc + the step's products: lane by lane, or (BF16_PAIRS) each lane's pair. */
+static inline __attribute__((always_inline)) v16 multiply_add(v16 acc, v16 x, v16 w, int layout) {
+#if HAVE_BF16_PAIRS
+    if (layout == BF16_PAIRS) return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
+#endif
+    return acc + x * w;
 }
 
 /* The sum of an accumulator's 16 lanes in the order `store_totals` adds them: lanes i and
@@ -970,11 +1012,12 @@ static inline void store_totals(v16 a, v16 b, v16 c, v16 d, const float *bias, f
 #endif
 }
 
-/* One call's operands: x [M, K] float32 (rows strided), w [N, K] contiguous in w_dtype,
-   bias [N] float32 or NULL, y [M, N] in y_dtype (rows strided); how many whole 6-row blocks
-   of x there are, and how many rows of the next tile's weights each of them prefetches. */
+/* One call's operands: x [M, K] (float32, or bf16 for BF16_PAIRS; rows strided), w [N, K]
+   contiguous in w_dtype, bias [N] float32 or NULL, y [M, N] in y_dtype (rows strided); how
+   many whole 6-row blocks of x there are, and how many rows of the next tile's weights each
+   of them prefetches. */
 typedef struct {
-    const float *x;
+    const void *x;
     int64_t x_stride, M;
     const void *w;
     int64_t N, K;
@@ -994,8 +1037,9 @@ static inline void store_outputs(const Skinny *s, int64_t m, int64_t n0, const f
 /* Prefetch weight rows [next, next + rows) at column k (for bf16 / float16 every other
    line twice: prefetching each line once measured no faster). */
 static inline __attribute__((always_inline)) void prefetch_weights(const Skinny *s, int64_t next,
-                                                                   int rows, int64_t k, int w_dtype) {
-    for (int c = 0; c < rows; c++) __builtin_prefetch(element(s->w, (next + c) * s->K + k, w_dtype));
+                                                                   int rows, int64_t k, int layout) {
+    const int dtype = layout == BF16_PAIRS ? BF16 : layout;
+    for (int c = 0; c < rows; c++) __builtin_prefetch(element(s->w, (next + c) * s->K + k, dtype));
 }
 
 /* A whole tile: rows [m0, m0 + 6) of x against weight rows [n0, n0 + 4), into y (+ bias).
@@ -1003,19 +1047,18 @@ static inline __attribute__((always_inline)) void prefetch_weights(const Skinny 
    weight row `next`): the weights stream from memory once, so their reads must overlap the
    arithmetic. */
 static inline __attribute__((always_inline)) void skinny_full_tile(
-    const Skinny *s, int64_t m0, int64_t n0, int64_t next, int prefetch_rows, int w_dtype) {
+    const Skinny *s, int64_t m0, int64_t n0, int64_t next, int prefetch_rows, int layout) {
     const int64_t K = s->K;
-    const float *x = s->x + m0 * s->x_stride;
     v16 acc[SKINNY_ROWS][SKINNY_COLS];
     for (int m = 0; m < SKINNY_ROWS; m++)
         for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
-    for (int64_t k = 0; k < K; k += LANES) { /* K % 16 == 0 (full_blocks' test) */
+    for (int64_t k = 0; k < K; k += step_of(layout)) { /* K % step == 0 (full_blocks' test) */
         v16 wv[SKINNY_COLS];
-        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_weights(s->w, (n0 + c) * K + k, w_dtype);
-        prefetch_weights(s, next, prefetch_rows, k, w_dtype);
+        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_step(s->w, (n0 + c) * K + k, layout);
+        prefetch_weights(s, next, prefetch_rows, k, layout);
         for (int m = 0; m < SKINNY_ROWS; m++) {
-            const v16 xv = *(const v16u *)(x + m * s->x_stride + k);
-            for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] += xv * wv[c];
+            const v16 xv = load_x(s->x, (m0 + m) * s->x_stride + k, layout);
+            for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = multiply_add(acc[m][c], xv, wv[c], layout);
         }
     }
     const float *bias = s->bias != NULL ? s->bias + n0 : NULL;
@@ -1026,31 +1069,25 @@ static inline __attribute__((always_inline)) void skinny_full_tile(
     }
 }
 
-/* The first width (< 16) of 16 floats, the other lanes zero. */
-static inline v16 load_floats_partial(const float *x, int64_t width) {
-    float lanes[LANES] = {0};
-    memcpy(lanes, x, (size_t)width * sizeof(float));
-    return *(const v16u *)lanes;
-}
-
-/* One step of an edge tile: acc[m][c] += x_m[k, k + width) w_c[k, k + width) lane by lane
-   (width <= 16; missing lanes, rows and columns add zeros), prefetching as the whole tile. */
+/* One step of an edge tile: acc[m][c] += x_m[k, k + width) w_c[k, k + width) (width <= the
+   step; missing lanes, rows and columns add zeros), prefetching as the whole tile. */
 static inline __attribute__((always_inline)) void skinny_edge_step(
-    const Skinny *s, const float *x, int rows, int64_t n0, int cols, int64_t k, int64_t width,
-    int64_t next, int prefetch_rows, int w_dtype, v16 acc[SKINNY_ROWS][SKINNY_COLS]) {
+    const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t k, int64_t width,
+    int64_t next, int prefetch_rows, int layout, v16 acc[SKINNY_ROWS][SKINNY_COLS]) {
     const int64_t K = s->K;
-    prefetch_weights(s, next, prefetch_rows, k, w_dtype);
+    const int whole = width == step_of(layout);
+    prefetch_weights(s, next, prefetch_rows, k, layout);
     v16 wv[SKINNY_COLS];
     for (int c = 0; c < SKINNY_COLS; c++) {
         const int64_t i = (n0 + c) * K + k;
-        wv[c] = c >= cols         ? splat(0.0f)
-                : width == LANES ? load_weights(s->w, i, w_dtype)
-                                 : load_weights_partial(s->w, i, width, w_dtype);
+        wv[c] = c >= cols ? splat(0.0f)
+                : whole   ? load_step(s->w, i, layout)
+                          : load_step_partial(s->w, i, width, layout);
     }
     for (int m = 0; m < rows; m++) {
-        const float *xm = x + m * s->x_stride + k;
-        const v16 xv = width == LANES ? *(const v16u *)xm : load_floats_partial(xm, width);
-        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] += xv * wv[c];
+        const int64_t i = (m0 + m) * s->x_stride + k;
+        const v16 xv = whole ? load_x(s->x, i, layout) : load_x_partial(s->x, i, width, layout);
+        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = multiply_add(acc[m][c], xv, wv[c], layout);
     }
 }
 
@@ -1058,16 +1095,15 @@ static inline __attribute__((always_inline)) void skinny_edge_step(
    order, as a whole tile gives it. */
 static inline __attribute__((always_inline)) void skinny_edge_tile(
     const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t next, int prefetch_rows,
-    int w_dtype) {
-    const int64_t K = s->K;
-    const float *x = s->x + m0 * s->x_stride;
+    int layout) {
+    const int64_t K = s->K, step = step_of(layout);
     v16 acc[SKINNY_ROWS][SKINNY_COLS];
     for (int m = 0; m < SKINNY_ROWS; m++)
         for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
     int64_t k = 0;
-    for (; k + LANES <= K; k += LANES)
-        skinny_edge_step(s, x, rows, n0, cols, k, LANES, next, prefetch_rows, w_dtype, acc);
-    if (k < K) skinny_edge_step(s, x, rows, n0, cols, k, K - k, next, prefetch_rows, w_dtype, acc);
+    for (; k + step <= K; k += step)
+        skinny_edge_step(s, m0, rows, n0, cols, k, step, next, prefetch_rows, layout, acc);
+    if (k < K) skinny_edge_step(s, m0, rows, n0, cols, k, K - k, next, prefetch_rows, layout, acc);
     for (int m = 0; m < rows; m++) {
         float sums[SKINNY_COLS]; /* all 4 (constant indices keep acc in registers) */
         for (int c = 0; c < SKINNY_COLS; c++) sums[c] = lane_total(acc[m][c]);
@@ -1080,20 +1116,20 @@ static inline __attribute__((always_inline)) void skinny_edge_tile(
    keeps their accumulators in registers (a decode step of 1 to 5 rows is all edge tiles). */
 static inline __attribute__((always_inline)) void skinny_edge_rows(
     const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t next, int prefetch_rows,
-    int w_dtype) {
+    int layout) {
     switch (rows) {
-    case 1: skinny_edge_tile(s, m0, 1, n0, cols, next, prefetch_rows, w_dtype); break;
-    case 2: skinny_edge_tile(s, m0, 2, n0, cols, next, prefetch_rows, w_dtype); break;
-    case 3: skinny_edge_tile(s, m0, 3, n0, cols, next, prefetch_rows, w_dtype); break;
-    case 4: skinny_edge_tile(s, m0, 4, n0, cols, next, prefetch_rows, w_dtype); break;
-    case 5: skinny_edge_tile(s, m0, 5, n0, cols, next, prefetch_rows, w_dtype); break;
-    default: skinny_edge_tile(s, m0, SKINNY_ROWS, n0, cols, next, prefetch_rows, w_dtype);
+    case 1: skinny_edge_tile(s, m0, 1, n0, cols, next, prefetch_rows, layout); break;
+    case 2: skinny_edge_tile(s, m0, 2, n0, cols, next, prefetch_rows, layout); break;
+    case 3: skinny_edge_tile(s, m0, 3, n0, cols, next, prefetch_rows, layout); break;
+    case 4: skinny_edge_tile(s, m0, 4, n0, cols, next, prefetch_rows, layout); break;
+    case 5: skinny_edge_tile(s, m0, 5, n0, cols, next, prefetch_rows, layout); break;
+    default: skinny_edge_tile(s, m0, SKINNY_ROWS, n0, cols, next, prefetch_rows, layout);
     }
 }
 
 /* Weight tile t (weight rows [4t, 4t + 4)) against every row of x: whole 6-row blocks, then
    the rows left at the edge. Each whole block prefetches its share of the next tile's rows. */
-static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, int64_t t, int w_dtype) {
+static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, int64_t t, int layout) {
     const int64_t N = s->N, M = s->M, n0 = t * SKINNY_COLS;
     const int cols = N - n0 < SKINNY_COLS ? (int)(N - n0) : SKINNY_COLS;
     /* the weight rows of the next tile, which this tile's blocks prefetch (<= 0: none) */
@@ -1106,14 +1142,14 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
             const int64_t rows = first >= next_rows             ? 0
                                  : first + s->share > next_rows ? next_rows - first
                                                                 : s->share;
-            skinny_full_tile(s, m0, n0, next + first, (int)rows, w_dtype);
+            skinny_full_tile(s, m0, n0, next + first, (int)rows, layout);
         }
     }
     for (; m0 < M; m0 += SKINNY_ROWS) {
         const int rows = M - m0 < SKINNY_ROWS ? (int)(M - m0) : SKINNY_ROWS;
         /* with no whole block, the first edge block prefetches the next tile alone */
         const int prefetch_rows = s->full_blocks == 0 && m0 == 0 ? (int)next_rows : 0;
-        skinny_edge_rows(s, m0, rows, n0, cols, next, prefetch_rows, w_dtype);
+        skinny_edge_rows(s, m0, rows, n0, cols, next, prefetch_rows, layout);
     }
 }
 
@@ -1127,19 +1163,22 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
 /* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
    order. Each output is summed exactly as skinny_edge_tile sums it. */
 static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, int64_t n, int rows,
-                                                             int w_dtype) {
-    const int64_t K = s->K;
+                                                             int layout) {
+    const int64_t K = s->K, step = step_of(layout);
     v16 acc[ROW_STREAM_ROWS];
     for (int m = 0; m < rows; m++) acc[m] = splat(0.0f);
     int64_t k = 0;
-    for (; k + LANES <= K; k += LANES) {
-        const v16 wv = load_weights(s->w, n * K + k, w_dtype);
-        for (int m = 0; m < rows; m++) acc[m] += *(const v16u *)(s->x + m * s->x_stride + k) * wv;
+    for (; k + step <= K; k += step) {
+        const v16 wv = load_step(s->w, n * K + k, layout);
+        for (int m = 0; m < rows; m++)
+            acc[m] = multiply_add(acc[m], load_x(s->x, m * s->x_stride + k, layout), wv, layout);
     }
     if (k < K) {
-        const v16 wv = load_weights_partial(s->w, n * K + k, K - k, w_dtype);
-        for (int m = 0; m < rows; m++)
-            acc[m] += load_floats_partial(s->x + m * s->x_stride + k, K - k) * wv;
+        const v16 wv = load_step_partial(s->w, n * K + k, K - k, layout);
+        for (int m = 0; m < rows; m++) {
+            const v16 xv = load_x_partial(s->x, m * s->x_stride + k, K - k, layout);
+            acc[m] = multiply_add(acc[m], xv, wv, layout);
+        }
     }
     for (int m = 0; m < rows; m++) {
         const float sum = lane_total(acc[m]) + (s->bias != NULL ? s->bias[n] : 0.0f);
@@ -1147,48 +1186,51 @@ static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, in
     }
 }
 
-/* skinny_tile and skinny_row with the weight loader fixed, one per weight dtype (indexed by
-   dtype code); the row streams with their row count a constant too. */
-static void skinny_tile_f32(const Skinny *s, int64_t t) { skinny_tile(s, t, F32); }
-static void skinny_tile_bf16(const Skinny *s, int64_t t) { skinny_tile(s, t, BF16); }
-static void skinny_tile_f16(const Skinny *s, int64_t t) { skinny_tile(s, t, F16); }
-static void (*const SKINNY_TILE[])(const Skinny *, int64_t) = {
-    [F32] = skinny_tile_f32, [BF16] = skinny_tile_bf16, [F16] = skinny_tile_f16};
-#define SKINNY_ROWS_OF(dtype, name)                                                               \
-    static void name(const Skinny *s, int64_t n) {                                                \
-        if (s->M == 1) skinny_row(s, n, 1, dtype);                                                \
-        else skinny_row(s, n, ROW_STREAM_ROWS, dtype);                                            \
+/* skinny_tile and skinny_row with the layout fixed, one per layout (indexed by its code);
+   the row streams with their row count a constant too. */
+#define SKINNY_WORK(layout, tile_name, row_name)                                                  \
+    static void tile_name(const Skinny *s, int64_t t) { skinny_tile(s, t, layout); }              \
+    static void row_name(const Skinny *s, int64_t n) {                                            \
+        if (s->M == 1) skinny_row(s, n, 1, layout);                                               \
+        else skinny_row(s, n, ROW_STREAM_ROWS, layout);                                           \
     }
-SKINNY_ROWS_OF(F32, skinny_row_f32)
-SKINNY_ROWS_OF(BF16, skinny_row_bf16)
-SKINNY_ROWS_OF(F16, skinny_row_f16)
+SKINNY_WORK(F32, skinny_tile_f32, skinny_row_f32)
+SKINNY_WORK(BF16, skinny_tile_bf16, skinny_row_bf16)
+SKINNY_WORK(F16, skinny_tile_f16, skinny_row_f16)
+SKINNY_WORK(BF16_PAIRS, skinny_tile_pairs, skinny_row_pairs)
+static void (*const SKINNY_TILE[])(const Skinny *, int64_t) = {
+    [F32] = skinny_tile_f32, [BF16] = skinny_tile_bf16, [F16] = skinny_tile_f16,
+    [BF16_PAIRS] = skinny_tile_pairs};
 static void (*const SKINNY_ROW[])(const Skinny *, int64_t) = {
-    [F32] = skinny_row_f32, [BF16] = skinny_row_bf16, [F16] = skinny_row_f16};
+    [F32] = skinny_row_f32, [BF16] = skinny_row_bf16, [F16] = skinny_row_f16,
+    [BF16_PAIRS] = skinny_row_pairs};
 
 /* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]) in float32 for the few rows of a decode step:
    each weight is read from memory once (float32, or bf16 / float16 widened in registers);
    its tile of 4 rows meets every row of x from cache. Every output is lane sums over k mod
-   16, then one fixed reduction: a row's result does not depend on the batch's other rows,
-   nor on the dtypes the same values are stored in. x (x_dtype) is widened to float32 once
-   up front unless it is float32; each output is rounded once to y_dtype as it is stored.
-   Rows of x and y may be strided; w is contiguous. wide_x: room for M * K floats where
-   x_dtype is not float32 (else unused). Called by every thread of a region. */
+   16 (bf16 x and weights with AVX512-BF16: lane sums of pairs over k mod 32), then one fixed
+   reduction: a row's result does not depend on the batch's other rows. Otherwise x
+   (x_dtype) is widened to float32 once up front unless it is float32, and the sums do not
+   depend on the dtypes the same values are stored in. Each output is rounded once to
+   y_dtype as it is stored. Rows of x and y may be strided; w is contiguous. wide_x: room for
+   M * K floats where x is widened (else unused). Called by every thread of a region. */
 void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
                       int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
                       int64_t y_stride, int y_dtype, float *wide_x) {
-    if (x_dtype != F32) {
+    const int layout = HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
+    if (layout != BF16_PAIRS && x_dtype != F32) {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             load_row(element(x, m * x_stride, x_dtype), x_dtype, wide_x + m * K, (int)K);
     } else {
         wide_x = NULL;
     }
-    const int64_t full_blocks = K % LANES == 0 ? M / SKINNY_ROWS : 0;
+    const int64_t full_blocks = K % step_of(layout) == 0 ? M / SKINNY_ROWS : 0;
     /* Each whole block of rows prefetches its share of the next tile's 4 weight rows. */
     const int64_t share = full_blocks >= SKINNY_COLS ? 1
                           : full_blocks > 0          ? (SKINNY_COLS + full_blocks - 1) / full_blocks
                                                      : 0;
-    const Skinny s = {.x = wide_x != NULL ? wide_x : (const float *)x,
+    const Skinny s = {.x = wide_x != NULL ? wide_x : x,
                       .x_stride = wide_x != NULL ? K : x_stride,
                       .M = M,
                       .w = w,
@@ -1202,11 +1244,14 @@ void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, c
                       .share = share};
     /* a row stream per weight row, or a tile per 4 (static: each thread one contiguous run) */
     const int streams = M > 0 && M <= ROW_STREAM_ROWS;
-    void (*const work)(const Skinny *, int64_t) = streams ? SKINNY_ROW[w_dtype] : SKINNY_TILE[w_dtype];
+    void (*const work)(const Skinny *, int64_t) = streams ? SKINNY_ROW[layout] : SKINNY_TILE[layout];
     const int64_t items = streams ? N : (N + SKINNY_COLS - 1) / SKINNY_COLS;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < items; i++) work(&s, i);
 }
+
+/* Whether bf16 x against bf16 weights takes the pair path (BF16_PAIRS). */
+int headrace_skinny_bf16_pairs(void) { return HAVE_BF16_PAIRS; }
 
 /* hr_skinny_linear in a region of its own. Returns 0, or -1 when the widened x could not be
    allocated. */

@@ -216,19 +216,61 @@ def test_reduced_linear_equals_a_float32_matmul_of_the_same_weights(
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
-@pytest.mark.parametrize("weight_dtype", REDUCED)
+@pytest.mark.parametrize(
+    ("x_dtype", "weight_dtype"), [(torch.float32, torch.bfloat16)] + [(d, d) for d in REDUCED]
+)
 def test_reduced_linear_is_the_float32_kernel_on_the_widened_values(
-    rows, out_features, in_features, weight_dtype, reduced_rows_in_kernel
+    rows, out_features, in_features, x_dtype, weight_dtype, reduced_rows_in_kernel
 ):
     """Only the loads differ: the same values stored as bf16 / fp16 give the float32 kernel's
     bits (one summation order whatever the storage dtype), and outputs stored in x's dtype
-    are those rounded once."""
+    are those rounded once. (bf16 against bf16 sums in pairs where the CPU has the bf16 dot
+    instruction: the next test.)"""
+    if x_dtype == weight_dtype == torch.bfloat16 and cpu_ops.bf16_pairs():
+        pytest.skip("bf16 x against bf16 weights sums in pairs here")
     gen = torch.Generator().manual_seed(rows + out_features)
-    x = torch.randn(rows, in_features, generator=gen).to(weight_dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(x_dtype)
     weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
     got = cpu_ops.linear(x, weight, out_dtype=torch.float32)
     assert torch.equal(got, cpu_ops.linear(x.float(), weight.float()))
-    assert torch.equal(cpu_ops.linear(x, weight), got.to(weight_dtype))
+    assert torch.equal(cpu_ops.linear(x, weight), got.to(x_dtype))
+
+
+def pair_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [N, K] -> [M, N]
+    """The bf16 dot instruction's sums, modelled in float32 torch ops: lane i of each step of
+    32 adds the exact product of elements 2i + 1, then of 2i (each add rounded); K is padded
+    with zeros to whole steps; then the lanes' fixed reduction (i and i + 8, then neighbours,
+    pairs of pairs, the halves)."""
+    rows, k = x.shape
+    padded = -(-k // 32) * 32
+    xs = torch.nn.functional.pad(x.float(), (0, padded - k)).view(rows, 1, -1, 16, 2)
+    ws = torch.nn.functional.pad(weight.float(), (0, padded - k)).view(
+        1, weight.shape[0], -1, 16, 2
+    )
+    products = xs * ws  # [M, N, steps, 16, 2]: exact (bf16 x bf16 fits float32)
+    lanes = torch.zeros(rows, weight.shape[0], 16)
+    for step in range(padded // 32):
+        lanes = lanes + products[:, :, step, :, 1]
+        lanes = lanes + products[:, :, step, :, 0]
+    t = lanes[..., :8] + lanes[..., 8:]
+    return ((t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])) + (
+        (t[..., 4] + t[..., 5]) + (t[..., 6] + t[..., 7])
+    )
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
+def test_bf16_against_bf16_sums_are_the_dot_instructions(
+    rows, out_features, in_features, reduced_rows_in_kernel
+):
+    """Where the CPU has AVX512-BF16, bf16 x against bf16 weights is the dot instruction's
+    arithmetic bit for bit, in row streams, whole tiles and at the edges."""
+    if not cpu_ops.bf16_pairs():
+        pytest.skip("this CPU has no AVX512-BF16: bf16 sums as float32 (the test above)")
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    got = cpu_ops.linear(x, weight, out_dtype=torch.float32)
+    assert torch.equal(got, pair_sums(x, weight))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -283,6 +325,11 @@ def test_reduced_weights_take_the_float32_bound_where_torch_would_widen_them(mon
     assert cpu_ops.skinny_max_rows(torch.float32) == cpu_ops.SKINNY_MAX_ROWS
     assert cpu_ops.skinny_max_rows(torch.float64) == 0
     monkeypatch.setattr(cpu_ops, "compute_dtype", lambda dtype, device: dtype)
+    monkeypatch.setattr(cpu_ops, "_pairs_beat_torch", lambda: False)  # e.g. AMX
     assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.SKINNY_MAX_ROWS_BF16
+    assert cpu_ops.skinny_max_rows(torch.float16) == cpu_ops.SKINNY_MAX_ROWS_BF16
+    monkeypatch.setattr(cpu_ops, "_pairs_beat_torch", lambda: True)  # the dot instruction
+    assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.SKINNY_MAX_ROWS
+    assert cpu_ops.skinny_max_rows(torch.float16) == cpu_ops.SKINNY_MAX_ROWS_BF16
     monkeypatch.setattr(cpu_ops, "compute_dtype", lambda dtype, device: torch.float32)
     assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.SKINNY_MAX_ROWS
