@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import signal
 import socket
 import subprocess
 import time
@@ -180,9 +181,14 @@ def test_a_request_timeout_through_envoy_is_deadline_exceeded(
     envoy: str, worker: ServerProcess
 ) -> None:
     """The request's own timeout, enforced by the router, comes back in-band: Envoy cannot
-    have made it up."""
-    with Client(envoy) as client, pytest.raises(DeadlineExceededError):
-        client.generate([31, 32, 33], LONG, timeout=0.3)
+    have made it up. The worker is stopped meanwhile: a tiny model's 480 tokens can take
+    less than the timeout."""
+    worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        with Client(envoy) as client, pytest.raises(DeadlineExceededError):
+            client.generate([31, 32, 33], LONG, timeout=0.3)
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
     wait_all_blocks_free(worker.target)
 
 

@@ -114,9 +114,17 @@ async def _sigterm_under_load(target: str, worker: ServerProcess):  # type: igno
 
         sigterm_at = [0.0]
         tasks = [asyncio.create_task(one(i, sigterm_at)) for i in range(6)]
-        await asyncio.sleep(0.5)
+        # Two run on the worker, four wait in the router. The worker is stopped as soon as
+        # both run (a tiny model's 500 tokens can take under half a second), so they are
+        # still running when it gets the SIGTERM, which it handles as it continues.
+        deadline = time.monotonic() + 30
+        while (await asyncio.to_thread(load_report, worker.target)).running_requests < 2:
+            assert time.monotonic() < deadline, "two requests never ran on the worker"
+            await asyncio.sleep(0.01)
+        worker.proc.send_signal(signal.SIGSTOP)
         sigterm_at[0] = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
+        worker.proc.send_signal(signal.SIGCONT)
         await asyncio.sleep(0.5)
         late_at = [time.monotonic()]
         late = await one(99, late_at)
@@ -318,13 +326,19 @@ def test_the_same_client_works_after_a_router_restart(pair, tmp_path) -> None:
 
     async def main() -> list[str]:
         async with AsyncClient(router.target) as client:
-            streams = [
-                asyncio.create_task(_outcome(client.generate([5 + i], LONG))) for i in range(20)
-            ]
-            await asyncio.sleep(0.5)
-            start = time.monotonic()
-            router.kill()
-            outcomes = await asyncio.gather(*streams)
+            # The worker is stopped while the router dies, so no stream can finish first (a
+            # tiny model's 20 x 500 tokens can take less than the wait below).
+            worker.proc.send_signal(signal.SIGSTOP)
+            try:
+                streams = [
+                    asyncio.create_task(_outcome(client.generate([5 + i], LONG))) for i in range(20)
+                ]
+                await asyncio.sleep(0.5)
+                start = time.monotonic()
+                router.kill()
+                outcomes = await asyncio.gather(*streams)
+            finally:
+                worker.proc.send_signal(signal.SIGCONT)
             assert time.monotonic() - start < 2.0  # UNAVAILABLE at once, not after a timeout
             again = ServerProcess(
                 ["router", "--workers", worker.target], tmp_path / "r2.log", port=port

@@ -200,17 +200,28 @@ def test_queue_full_is_resource_exhausted_with_retry_info(
 
         async def run() -> list[object]:
             async with AsyncClient(router.target) as client:
-                running = [asyncio.create_task(client.generate(f"r{i}", long)) for i in range(3)]
-                await asyncio.sleep(0.3)  # two run, one waits: the queue is full
-                with pytest.raises(ResourceExhaustedError) as in_band:
-                    await client.generate("one too many", long)
-                # GenerateOne carries the same refusal as the RPC status, with RetryInfo.
-                with grpc.insecure_channel(router.target) as channel:
-                    stub = generation_pb2_grpc.GenerationStub(channel)
-                    with pytest.raises(grpc.RpcError) as rpc:
-                        list(stub.GenerateOne(wire.request_to_wire("x", "y", long), timeout=10))
-                for task in running:
-                    task.cancel()
+                # The workers are stopped meanwhile, so the two that run cannot finish (a
+                # tiny model's 300 tokens can take less than the wait below).
+                for worker in two_workers:
+                    worker.proc.send_signal(signal.SIGSTOP)
+                try:
+                    running = [
+                        asyncio.create_task(client.generate(f"r{i}", long)) for i in range(3)
+                    ]
+                    await asyncio.sleep(0.3)  # two run, one waits: the queue is full
+                    with pytest.raises(ResourceExhaustedError) as in_band:
+                        await client.generate("one too many", long)
+                    # GenerateOne carries the same refusal as the RPC status, with RetryInfo.
+                    with grpc.insecure_channel(router.target) as channel:
+                        stub = generation_pb2_grpc.GenerationStub(channel)
+                        with pytest.raises(grpc.RpcError) as rpc:
+                            request = wire.request_to_wire("x", "y", long)
+                            list(stub.GenerateOne(request, timeout=10))
+                    for task in running:
+                        task.cancel()
+                finally:
+                    for worker in two_workers:
+                        worker.proc.send_signal(signal.SIGCONT)
                 return [in_band.value, status.from_rpc_error(rpc.value)]
 
         errors = asyncio.run(run())
