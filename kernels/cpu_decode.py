@@ -106,12 +106,12 @@ def decode_layers(
     sin: torch.Tensor,
     metadata: AttentionMetadata,
 ) -> torch.Tensor:
+    """The C stack on `DecoderStack.decode`'s pointer table: the final norm's output, in a
+    copy of hidden that the call overwrites in place."""
     shape = stack.shape
     assert pointers.numel() == len(stack.layers) * _LAYER_TENSORS
     out = hidden.contiguous().clone()
-    tables = metadata.block_tables.to(torch.int32).contiguous()
-    starts = metadata.query_start_loc.to(torch.int32).contiguous()
-    seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+    tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)
     seq_ids = torch.arange(metadata.num_seqs, dtype=torch.int32)
     slots = metadata.slot_mapping.to(torch.int64).contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()

@@ -153,6 +153,16 @@ def paged_attention(
     return out.to(query_dtype)
 
 
+def attention_arrays(
+    metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block tables, query starts and sequence lengths as the C attention reads them:
+    contiguous int32."""
+    tables = metadata.block_tables.to(torch.int32).contiguous()
+    starts = metadata.query_start_loc.to(torch.int32).contiguous()
+    return tables, starts, metadata.seq_lens.to(torch.int32).contiguous()
+
+
 def _attend_in_kernel(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -161,9 +171,7 @@ def _attend_in_kernel(
     seq_ids: list[int],
     out: torch.Tensor,
 ) -> None:
-    tables = metadata.block_tables.to(torch.int32).contiguous()
-    starts = metadata.query_start_loc.to(torch.int32).contiguous()
-    seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+    tables, starts, seq_lens = attention_arrays(metadata)
     selected = torch.tensor(seq_ids, dtype=torch.int32)
     status = library().headrace_paged_attention(
         _ptr(query),

@@ -217,17 +217,14 @@ def test_reduced_linear_equals_a_float32_matmul_of_the_same_weights(
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
 @pytest.mark.parametrize(
-    ("x_dtype", "weight_dtype"), [(torch.float32, torch.bfloat16)] + [(d, d) for d in REDUCED]
+    ("x_dtype", "weight_dtype"), [(torch.float32, torch.bfloat16), (torch.float16, torch.float16)]
 )
 def test_reduced_linear_is_the_float32_kernel_on_the_widened_values(
     rows, out_features, in_features, x_dtype, weight_dtype, reduced_rows_in_kernel
 ):
     """Only the loads differ: the same values stored as bf16 / fp16 give the float32 kernel's
     bits (one summation order whatever the storage dtype), and outputs stored in x's dtype
-    are those rounded once. (bf16 against bf16 sums in pairs where the CPU has the bf16 dot
-    instruction: the next test.)"""
-    if x_dtype == weight_dtype == torch.bfloat16 and cpu_ops.bf16_pairs():
-        pytest.skip("bf16 x against bf16 weights sums in pairs here")
+    are those rounded once. (bf16 against bf16: the next test.)"""
     gen = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, in_features, generator=gen).to(x_dtype)
     weight = torch.randn(out_features, in_features, generator=gen).to(weight_dtype)
@@ -259,18 +256,20 @@ def pair_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] 
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
-def test_bf16_against_bf16_sums_are_the_dot_instructions(
+def test_bf16_against_bf16_sums_are_the_dot_instructions_or_float32s(
     rows, out_features, in_features, reduced_rows_in_kernel
 ):
-    """Where the CPU has AVX512-BF16, bf16 x against bf16 weights is the dot instruction's
-    arithmetic bit for bit, in row streams, whole tiles and at the edges."""
-    if not cpu_ops.bf16_pairs():
-        pytest.skip("this CPU has no AVX512-BF16: bf16 sums as float32 (the test above)")
+    """bf16 x against bf16 weights: where the CPU has AVX512-BF16, the dot instruction's
+    arithmetic bit for bit (row streams, whole tiles and edges); elsewhere the float32
+    kernel's on the widened values. Outputs stored in bf16 are those rounded once."""
     gen = torch.Generator().manual_seed(rows * 7 + out_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     got = cpu_ops.linear(x, weight, out_dtype=torch.float32)
-    assert torch.equal(got, pair_sums(x, weight))
+    pairs = cpu_ops.bf16_pairs()
+    want = pair_sums(x, weight) if pairs else cpu_ops.linear(x.float(), weight.float())
+    assert torch.equal(got, want)
+    assert torch.equal(cpu_ops.linear(x, weight), got.bfloat16())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

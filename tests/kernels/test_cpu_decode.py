@@ -12,14 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from headrace.kernels import cpu_decode, cpu_ops
+from headrace.kernels import cpu_decode
 from headrace.sdk import GenerationConfig
 from headrace.worker import Engine, EngineConfig
 from headrace.worker.models import llama
 
 from tests.factories import cached_checkpoint
+from tests.kernels import needs_c_compiler
 
-pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels did not build")
+pytestmark = needs_c_compiler
 
 PROMPTS = [[5, 9, 17, 33, 2], list(range(3, 40)), [7] * 20]
 
