@@ -5,7 +5,8 @@ Decode and prefill attention read K/V block by block from the paged cache in pla
 online softmax per row: the torch reference instead gathers every sequence's whole context
 into a padded batch each layer, which dominated decode on CPU. `linear` multiplies a decode
 step's few rows in C (each weight read from memory once, float32 or bf16 / fp16 widened in
-registers, every output summed in float32 in a fixed order); more rows go to torch's GEMM.
+registers, every output summed in float32 in a fixed order); more rows go to torch's GEMM
+on weights packed once for oneDNN (`headrace.kernels.prepacked`).
 The sampler's seeded draw (`draw_tokens`, noise made only for the tokens that can still
 win), its grammar bitmask and the greedy head's running argmax are C too, and so are the
 fused residual add + RMSNorm, rotary and silu * up: at a decode step's few rows their dozen
@@ -22,11 +23,10 @@ import ctypes
 import functools
 
 import torch
-from headrace.kernels import native, reference
+from headrace.kernels import native, prepacked, reference
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, cpu_has_flag
-from headrace.kernels.precision import linear as torch_linear
 from headrace.kernels.reference import extend
 
 NAME = "cpu"
@@ -205,9 +205,9 @@ def linear(
 ) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
     """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`) in the C kernel, float32
     arithmetic over float32, bf16 or float16 weights (each output's sum in a fixed order,
-    whatever the other rows), else torch's (`precision.linear`)."""
+    whatever the other rows), else torch's on the weight packed once (`prepacked.linear`)."""
     if not _takes_skinny(x, weight):
-        return torch_linear(x, weight, bias, out_dtype)
+        return prepacked.linear(x, weight, bias, out_dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:

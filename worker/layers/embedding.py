@@ -61,17 +61,17 @@ class VocabParallelEmbedding(nn.Module):
         assert shard_id is None, f"unexpected shard {shard_id!r}"
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         num_rows = self.vocab_end - self.vocab_start
-        param.data.zero_()
-        load_into(param.data[:num_rows], loaded.narrow(0, self.vocab_start, num_rows))
+        param.zero_()
+        load_into(param[:num_rows], loaded.narrow(0, self.vocab_start, num_rows))
 
 
-#: Logits per vocabulary slice of the greedy head: 8 MiB of float32, so a slice's buffer is
-#: reused from the heap step after step (whole logits, 50 MB at 256 rows of a 49k
-#: vocabulary, are past glibc's mmap threshold: fresh pages every step), and few slices, each
-#: a parallel matmul whose thread start-up shows when the cores are shared ...
-GREEDY_BLOCK_FLOATS = 1 << 21
-#: ... and never slices so thin that a matmul's fixed cost shows.
-GREEDY_MIN_COLUMNS = 512
+#: Logits per call of the greedy head: 16 MiB of float32 (85 rows of a 49k vocabulary), so
+#: a call's buffer comes back from the heap step after step (`host_memory` keeps blocks below
+#: 32 MiB there; whole logits, 50 MB at 256 rows, would be fresh pages every step), and few
+#: calls, each a parallel matmul whose thread start-up shows when the cores are shared. Each
+#: call takes whole rows against the whole weight, so the weight is the parameter itself,
+#: which `kernels.prepacked` packs once (a slice of it would be a new tensor every step).
+GREEDY_BLOCK_FLOATS = 1 << 22
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -110,14 +110,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[:, : self.num_embeddings].float()
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
-        """Each row's argmax over its logits, a vocabulary slice at a time (one rank only):
-        the same tokens as an argmax of `forward`'s logits, which never exist whole."""
+        """Each row's argmax over its logits, a few rows at a time (one rank only): the same
+        tokens as an argmax of `forward`'s logits, which never exist whole."""
         assert self.parallel.is_single, "the greedy head needs the whole vocabulary"
-        num_rows = hidden.shape[0]
-        columns = max(GREEDY_MIN_COLUMNS, GREEDY_BLOCK_FLOATS // max(num_rows, 1))
-        running = RunningArgmax(num_rows, hidden.device, self.kernels)
-        for start in range(0, self.num_embeddings, columns):
-            end = min(start + columns, self.num_embeddings)
-            logits = self.matmul(hidden, self.weight[start:end], None, torch.float32)
-            running.update(logits, start)
-        return running.index
+        rows_per_call = max(1, GREEDY_BLOCK_FLOATS // self.num_embeddings)
+        tokens = []
+        for start in range(0, hidden.shape[0], rows_per_call):
+            rows = hidden[start : start + rows_per_call]
+            logits = self.matmul(rows, self.weight, None, torch.float32)
+            running = RunningArgmax(rows.shape[0], hidden.device, self.kernels)
+            running.update(logits, 0)
+            tokens.append(running.index)
+        return tokens[0] if len(tokens) == 1 else torch.cat(tokens)

@@ -130,7 +130,7 @@ class ColumnParallelLinear(_Adaptable):
             raise ValueError(
                 f"checkpoint tensor has {loaded.shape[0]} rows, expected {shard.full_rows}"
             )
-        target = param.data.narrow(0, shard.offset, shard.num_rows)
+        target = param.narrow(0, shard.offset, shard.num_rows)
         load_into(target, shard_rows(loaded, shard.source_index, shard.num_rows))
 
     def output_shard(self, shard_id: ShardId) -> RowShard:
@@ -286,4 +286,4 @@ class RowParallelLinear(_Adaptable):
             check_shape(loaded, (param.shape[0], self.input_size))
             start = self.parallel.tensor_parallel_rank * self.input_size_per_rank
             loaded = loaded.narrow(1, start, self.input_size_per_rank)
-        load_into(param.data, loaded)
+        load_into(param, loaded)

@@ -91,12 +91,14 @@ def read(loaded: LoadedTensor) -> torch.Tensor:
 def default_weight_loader(param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
     """Copy a whole (unsharded) tensor, converting its dtype."""
     assert shard_id is None, f"unexpected shard {shard_id!r} for an unfused parameter"
-    load_into(param.data, loaded)
+    load_into(param, loaded)
 
 
 def load_into(target: torch.Tensor, loaded: LoadedTensor) -> None:
     """Copy ``loaded`` into ``target`` (converting the dtype); a misshapen tensor is refused
-    before anything is read."""
+    before anything is read. ``target`` is the parameter or a view of it, never its ``.data``:
+    the write then moves the parameter's version, which tells `kernels.prepacked` to pack
+    the weight again."""
     check_shape(loaded, target.shape)
     target.copy_(read(loaded))
 
