@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from headrace.kernels import cpu_ops, native, reference, select_kernels
+from headrace.kernels.attention import AttentionMetadata
 
 from tests.kernels import needs_c_compiler
 from tests.kernels.paged import build_paged_batch, contiguous_attention
@@ -76,6 +77,31 @@ def test_decode_only_and_prefill_only_against_contiguous_sdpa(seqs, num_decode):
         start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
         want = contiguous_attention(batch.queries(i), batch.keys[i], batch.values[i], num_new)
         torch.testing.assert_close(out[start:end], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_a_decode_alone_and_among_many_gets_the_same_bits(block_size, dtype):
+    """Many decodes run every KV head of one decode in one work item, key tile by key tile
+    (the kernel's `run_tile_heads`); a decode alone runs a head per item. Each row's sums are
+    the same either way, so the outputs are equal bit for bit."""
+    torch.manual_seed(block_size)
+    seqs = [(n, 1) for n in (1, 15, 16, 17, 40, 99, 300, 5)]
+    batch = build_paged_batch(seqs, len(seqs), block_size, 9, 3, 64, dtype)
+    together = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    for i, (seq_len, _) in enumerate(seqs):
+        alone = AttentionMetadata(
+            slot_mapping=batch.metadata.slot_mapping[i : i + 1],
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+            block_tables=batch.metadata.block_tables[i : i + 1],
+            num_decode_seqs=1,
+            query_start_loc_cpu=[0, 1],
+            seq_lens_cpu=[seq_len],
+            block_size=block_size,
+        )
+        out = cpu_ops.paged_attention(batch.query[i : i + 1], batch.kv_cache, alone, batch.scale)
+        assert torch.equal(out[0], together[i]), f"decode {i} ({seq_len} keys)"
 
 
 def test_strided_query_view_of_a_fused_projection():
