@@ -1,8 +1,9 @@
 """torch's GEMM on weights packed once (`kernels.prepacked`): the same products as the
 unpacked GEMM (float32 to rounding, bf16 to bf16's rounding of the output), with a bias and
-strided rows; a weight loaded again is packed again, whether the loader wrote the whole
-parameter, a merged shard of it or its vocabulary rows; and tensors that are not parameters
-are never packed (a per-call tensor would be packed per call)."""
+strided rows, at row counts padded up to a bucket (the padding never shows), with few buckets;
+a weight loaded again is packed again, whether the loader wrote the whole parameter, a merged
+shard of it or its vocabulary rows; and tensors that are not parameters are never packed (a
+per-call tensor would be packed per call)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,26 @@ def test_packed_linear_equals_the_unpacked_gemm(dtype):
     want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     assert got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [1, 49, 65, 130, 1000])
+def test_padded_calls_return_only_their_rows(rows):
+    torch.manual_seed(rows)
+    weight = nn.Parameter(torch.randn(40, 32), requires_grad=False)
+    x = torch.randn(rows, 32)
+    got = prepacked.linear(x, weight)
+    assert got.shape == (rows, 40)
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_row_buckets_are_few_and_pad_by_at_most_a_quarter():
+    """oneDNN keeps a compiled kernel per weight and row count: the counts must stay few."""
+    buckets = {prepacked.bucket_rows(rows) for rows in range(1, 8193)}
+    assert len(buckets) <= 32
+    for rows in range(1, 8193):
+        padded = prepacked.bucket_rows(rows)
+        assert rows <= padded and (rows <= 64 or padded <= 1.25 * rows), rows
+        assert prepacked.bucket_rows(padded) == padded
 
 
 def test_only_parameters_are_packed():
