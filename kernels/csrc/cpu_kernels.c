@@ -199,7 +199,6 @@ typedef struct {
 /* One-query tiles per thread from which each takes every KV head in one work item, and the
    most KV heads one work item takes (a scratch each). */
 #define HEADS_ITEMS_PER_THREAD 2
-
 #define MAX_KV_HEADS_TOGETHER 16
 /* Rows scored together against a transposed tile: independent chains keep the FMA units busy. */
 #define ROW_BLOCK 4
