@@ -1526,20 +1526,6 @@ static inline v16 exp_rounded(v16 x) {
                                    _mm512_cvtpd_ps(high), 1);
 }
 
-/* in_dtype per lane. */
-static inline v16 lanes_in_dtype(v16 v, int dtype) {
-    if (dtype == BF16) { /* float_to_bf16 per lane */
-        const v16w bits = (v16w)v;
-        const v16w nan = (v16w)((bits & 0x7fffffffu) > 0x7f800000u);
-        const v16w rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-        return (v16)((nan & ((bits & 0xffff0000u) | 0x400000u)) | (~nan & rounded));
-    }
-    if (dtype == F16) {
-        const int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        return (v16)_mm512_cvtph_ps(_mm512_cvtps_ph((__m512)v, nearest));
-    }
-    return v;
-}
 #endif
 
 /* silu(gate) * up over n values in place in gate, rounded as in_dtype after each op. The
@@ -1551,9 +1537,10 @@ static void silu_and_mul_row(float *gate, float *up, int n, int dtype) {
     memset(up + n, 0, (size_t)(whole - n) * sizeof(float));
     for (int i = 0; i < whole; i += LANES) {
         const v16 g = *(const v16 *)(gate + i);
-        const v16 silu = lanes_in_dtype(g / (1.0f + exp_rounded(-g)), dtype);
-        *(v16 *)(gate + i) = lanes_in_dtype(silu * *(const v16 *)(up + i), dtype);
+        *(v16 *)(gate + i) = g / (1.0f + exp_rounded(-g));
     }
+#pragma omp simd
+    for (int i = 0; i < n; i++) gate[i] = in_dtype(in_dtype(gate[i], dtype) * up[i], dtype);
 #else
     for (int i = 0; i < n; i++) {
         const float silu = in_dtype(gate[i] / (1.0f + expf(-gate[i])), dtype);
