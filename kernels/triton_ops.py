@@ -11,6 +11,7 @@ from headrace.kernels.triton_attention import paged_attention
 from headrace.kernels.triton_cache import write_kv_cache
 from headrace.kernels.triton_lora import lora_expand, lora_shrink
 from headrace.kernels.triton_norm import rms_norm
+from headrace.kernels.triton_quantized import quantized_linear
 from headrace.kernels.triton_rotary import apply_rotary
 
 NAME = "triton"
@@ -25,6 +26,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "paged_attention",
+    "quantized_linear",
     "rms_norm",
     "silu_and_mul",
     "write_kv_cache",
