@@ -1,0 +1,232 @@
+"""Quantized weights: the layout every kernel set multiplies, and its torch reference.
+
+A linear layer's weight W [N, K] may be held as integers in groups of ``group_size`` along K
+(each group a run of one output row), with a float32 scale per group and, for 4 bits, a
+float32 offset per group:
+
+    W[n, k] = scales[n, k // g] * q[n, k]                      (8 bits)
+    W[n, k] = scales[n, k // g] * q[n, k] + offsets[n, k // g]  (4 bits)
+
+each product and sum rounded to float32 in that order (never fused), so a kernel that forms
+W in registers forms exactly the values `dequantize` gives, and its output equals a float
+kernel's over those values.
+
+- 8 bits: ``data`` is int8 [N, K], q in [-127, 127]. ``--quantization int8`` quantizes per
+  output channel (one group per row, symmetric); GGUF's Q8_0 is groups of 32.
+- 4 bits: ``data`` is uint8 [N, K / 2] in GGML's block order: each 32 elements of a row are
+  16 bytes, byte j holding element j in its low nibble and element j + 16 in its high one,
+  q in [0, 15]. A 16-lane kernel step then takes the low or the high nibbles of one 16-byte
+  load. ``--quantization int4`` is groups of 32 with the group's minimum as offset (GGUF's
+  Q4_1 exactly); Q4_0 is offsets = -8 * scales.
+
+So ``group_size`` is a multiple of 32 (or K, for 8 bits per channel) and divides K. Slices
+of output rows, and of K at group boundaries, are again quantized weights: tensor
+parallelism splits them as it splits float weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Elements per nibble block of a 4-bit row (16 bytes).
+NIBBLE_BLOCK = 32
+#: The largest 8-bit magnitude used (symmetric: -127..127).
+INT8_MAX = 127
+INT4_LEVELS = 15
+#: ``--quantization int4``'s group: 32 elements, as GGUF's Q4_0 / Q4_1 (the best accuracy
+#: of the 32-128 range; every scale and offset costs 8 bytes per 32 weights).
+INT4_GROUP_SIZE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """A weight [N, K] as integers, scales and offsets (module docstring)."""
+
+    #: 8 or 4.
+    bits: int
+    #: Elements of a row per scale; divides K.
+    group_size: int
+    #: int8 [N, K] (8 bits) or uint8 [N, K / 2] in nibble blocks (4 bits).
+    data: torch.Tensor
+    #: float32 [N, K / group_size].
+    scales: torch.Tensor
+    #: float32 [N, K / group_size] (4 bits), or None (8 bits: symmetric).
+    offsets: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"quantized weights have 8 or 4 bits, not {self.bits}")
+        if cols % self.group_size or (self.group_size % NIBBLE_BLOCK and self.group_size != cols):
+            raise ValueError(
+                f"group size {self.group_size} must divide the row of {cols} and be a "
+                f"multiple of {NIBBLE_BLOCK}"
+            )
+        if self.bits == 4 and cols % NIBBLE_BLOCK:
+            raise ValueError(f"4-bit rows are whole {NIBBLE_BLOCK}-element blocks, not {cols}")
+        groups = (rows, cols // self.group_size)
+        if tuple(self.scales.shape) != groups or self.scales.dtype != torch.float32:
+            raise ValueError(f"scales must be float32 {groups}, not {tuple(self.scales.shape)}")
+        if (self.offsets is None) != (self.bits == 8):
+            raise ValueError("4-bit weights have offsets and 8-bit weights have none")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float weight's shape [N, K]."""
+        rows, width = self.data.shape
+        return rows, width * (2 if self.bits == 4 else 1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def nbytes(self) -> int:
+        """Bytes a matmul reads: the integers, the scales and the offsets."""
+        tensors = [self.data, self.scales] + ([] if self.offsets is None else [self.offsets])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def rows(self, start: int, length: int) -> QuantizedWeight:
+        """Output rows [start, start + length) (views)."""
+        offsets = None if self.offsets is None else self.offsets.narrow(0, start, length)
+        return QuantizedWeight(
+            self.bits,
+            self.group_size,
+            self.data.narrow(0, start, length),
+            self.scales.narrow(0, start, length),
+            offsets,
+        )
+
+    def columns(self, start: int, length: int) -> QuantizedWeight:
+        """Input columns [start, start + length) at group boundaries (copies)."""
+        g = self.group_size
+        if start % g or length % g:
+            raise ValueError(
+                f"columns [{start}, {start + length}) do not fall on groups of {g}"
+            )
+        per_byte = 2 if self.bits == 4 else 1
+        data = self.data.narrow(1, start // per_byte, length // per_byte)
+        offsets = None if self.offsets is None else self.offsets.narrow(1, start // g, length // g)
+        scales = self.scales.narrow(1, start // g, length // g)
+        return QuantizedWeight(
+            self.bits,
+            g,
+            data.contiguous(),
+            scales.contiguous(),
+            None if offsets is None else offsets.contiguous(),
+        )
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Like `torch.Tensor.narrow` on the float weight: output rows (dim 0, views), or
+        input columns at group boundaries (dim 1), so weight loaders shard it as a tensor."""
+        return self.rows(start, length) if dim == 0 else self.columns(start, length)
+
+    def copy_(self, source: QuantizedWeight | torch.Tensor) -> None:
+        """Overwrite these values (rows of a layer's weight) with ``source``'s: a float tensor
+        is quantized as it lands; a quantized one of another layout is dequantized first."""
+        if isinstance(source, torch.Tensor):
+            source = quantize(source, self.bits, self.group_size)
+        elif (source.bits, source.group_size) != (self.bits, self.group_size):
+            source = quantize(dequantize(source), self.bits, self.group_size)
+        if source.shape != self.shape:
+            raise ValueError(f"a weight {source.shape} cannot fill one of {self.shape}")
+        self.data.copy_(source.data)
+        self.scales.copy_(source.scales)
+        if self.offsets is not None and source.offsets is not None:
+            self.offsets.copy_(source.offsets)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        offsets = None if self.offsets is None else self.offsets.to(device)
+        return QuantizedWeight(
+            self.bits, self.group_size, self.data.to(device), self.scales.to(device), offsets
+        )
+
+
+def empty(
+    shape: tuple[int, int], bits: int, group_size: int, device: torch.device | None = None
+) -> QuantizedWeight:
+    """An uninitialised quantized weight of the float shape [N, K]."""
+    rows, cols = shape
+    groups = (rows, cols // group_size)
+    if bits == 8:
+        data = torch.empty(rows, cols, dtype=torch.int8, device=device)
+    else:
+        data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
+    offsets = torch.empty(groups, device=device) if bits == 4 else None
+    return QuantizedWeight(
+        bits, group_size, data, torch.empty(groups, dtype=torch.float32, device=device), offsets
+    )
+
+
+def quantize(
+    weight: torch.Tensor,  # [N, K]
+    bits: int,
+    group_size: int,
+    scales: torch.Tensor | None = None,  # [N, K / group_size] float32 (8 bits only)
+) -> QuantizedWeight:
+    """Round ``weight`` to ``bits`` in groups of ``group_size`` along K (round to nearest).
+
+    8 bits: symmetric, scale = max |w| / 127 of the group, unless ``scales`` are given (per
+    channel of a whole row when a rank holds only part of it). 4 bits: offset = the group's
+    minimum, scale = (max - min) / 15."""
+    rows, cols = weight.shape
+    w = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
+    if bits == 8:
+        if scales is None:
+            scales = w.abs().amax(dim=2) / INT8_MAX
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
+        q = torch.round(w / safe).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return QuantizedWeight(8, group_size, q.reshape(rows, cols), scales.contiguous(), None)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    scales = (high - low) / INT4_LEVELS
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
+    q = torch.round((w - low.unsqueeze(2)) / safe).clamp_(0, INT4_LEVELS).to(torch.uint8)
+    return QuantizedWeight(4, group_size, pack_nibbles(q.reshape(rows, cols)), scales, low)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values in [0, 15] [N, K] -> [N, K / 2] in nibble blocks (module docstring)."""
+    rows, cols = q.shape
+    blocks = q.reshape(rows, cols // NIBBLE_BLOCK, 2, NIBBLE_BLOCK // 2)
+    packed = blocks[:, :, 0] | (blocks[:, :, 1] << 4)
+    return packed.reshape(rows, cols // 2)
+
+
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """[N, K / 2] nibble blocks -> uint8 [N, K] in [0, 15]."""
+    rows, width = data.shape
+    blocks = data.reshape(rows, width // (NIBBLE_BLOCK // 2), 1, NIBBLE_BLOCK // 2)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=2)
+    return both.reshape(rows, width * 2)
+
+
+def integers(weight: QuantizedWeight) -> torch.Tensor:
+    """The q values [N, K] (int8, or uint8 for 4 bits)."""
+    return weight.data if weight.bits == 8 else unpack_nibbles(weight.data)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] the integers stand for (module docstring's formula)."""
+    rows, cols = weight.shape
+    g = weight.group_size
+    q = integers(weight).to(torch.float32).reshape(rows, cols // g, g)
+    w = q * weight.scales.unsqueeze(2)
+    if weight.offsets is not None:
+        w = w + weight.offsets.unsqueeze(2)
+    return w.reshape(rows, cols)
+
+
+def linear(
+    x: torch.Tensor,  # [T, K]
+    weight: QuantizedWeight,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [T, N] in out_dtype (default: x's dtype)
+    """The reference: x (as float32) against the dequantized weight, in float32."""
+    bias32 = None if bias is None else bias.to(torch.float32)
+    y = torch.nn.functional.linear(x.to(torch.float32), dequantize(weight), bias32)
+    return y.to(out_dtype or x.dtype)
