@@ -284,6 +284,22 @@ def structured_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of the random prompts")
 
 
+def quality_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
+    add(
+        "--quantization",
+        default="none,int8,int4,gguf",
+        help="configurations, QUANT[:DTYPE] each (none, int8, int4, gguf); the first is the "
+        "baseline",
+    )
+    add("--dtype", default="float32", help="dtype of the configurations without :DTYPE")
+    add("--window", type=int, default=512, help="tokens per perplexity window (stride too)")
+    add("--max-windows", type=int, help="score only the first N windows (default: all)")
+    add("--prompts", type=int, default=64, help="greedy-agreement prompts (32 tokens each)")
+    add("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
+
+
 def kernels_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--batch", type=int, default=64, help="sequences per decode batch")
@@ -303,6 +319,17 @@ this process, or a peer engine's process taking turns with it).
 """
 
 
+#: What ``bench quality``'s figures mean.
+QUALITY_FIGURES = """
+Figures: perplexity = exp(mean negative log-likelihood) of the text's tokens, in windows of
+--window tokens each scored by the engine's prompt logprobs; ratio = over the first
+configuration's; agreement = the share of greedy tokens equal to the first configuration's
+before the first that differs, averaged over prompts; identical = the share of prompts whose
+greedy tokens all equal; threshold = pass or FAIL of int8 (+1%) and int4 (+5%) against a
+none baseline. --json prints them as one JSON object on the last line.
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class BenchCommand:
     name: str
@@ -310,6 +337,8 @@ class BenchCommand:
     arguments: ArgumentAdder
     #: The module whose ``run(args) -> Summary`` runs the bench.
     module: str
+    #: What its figures mean, after its help in --help.
+    figures: str = FIGURES
 
 
 BENCHES = (
@@ -351,6 +380,14 @@ BENCHES = (
         "headrace.worker.bench.structured",
     ),
     BenchCommand(
+        "quality",
+        "quantization's accuracy: perplexity on a shipped text and greedy agreement against "
+        "the first configuration",
+        quality_arguments,
+        "headrace.worker.bench.quality",
+        QUALITY_FIGURES,
+    ),
+    BenchCommand(
         "kernels",
         "CUDA: each Triton kernel against SDPA or its torch reference, with bandwidth",
         kernels_arguments,
@@ -362,7 +399,7 @@ BENCHES = (
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks: engine, parallel, serve, weights, lora, structured, kernels",
+        help="benchmarks: engine, parallel, serve, weights, lora, structured, quality, kernels",
         description="Benchmarks. Each prints its figures and ratios against a baseline run in "
         "the same process (read the ratios: these machines are noisy); --json adds one JSON "
         "object as the last line. See each bench's --help for what its figures mean.",
@@ -372,7 +409,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         parser = commands.add_parser(
             spec.name,
             help=spec.help,
-            description=spec.help + "\n" + FIGURES,
+            description=spec.help + "\n" + spec.figures,
             formatter_class=HelpFormatter,
         )
         spec.arguments(parser)
