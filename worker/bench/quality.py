@@ -216,14 +216,15 @@ def _release_memory() -> None:
 
 
 def _report(measurements: list[Measurement]) -> Summary:
-    """Print the table; return its figures, keyed by each configuration's `Configuration.key`."""
+    """Print the table; return its figures, keyed by each configuration's `Configuration.key`
+    (``_2``, ``_3`` appended to a configuration measured again, as a determinism check)."""
     baseline = measurements[0]
     summary: Summary = {"num_scored_tokens": baseline.num_scored_tokens}
     print(
         f"{'configuration':<20} {'perplexity':>10} {'ratio':>7} {'agreement':>9} "
         f"{'identical':>9}  threshold"
     )
-    for measured in measurements:
+    for i, measured in enumerate(measurements):
         ratio = measured.perplexity / baseline.perplexity
         agreed = agreement(measured.greedy_token_ids, baseline.greedy_token_ids)
         limit = threshold(measured.configuration, baseline.configuration)
@@ -231,7 +232,8 @@ def _report(measurements: list[Measurement]) -> Summary:
             f"{measured.configuration.label:<20} {measured.perplexity:10.4f} {ratio:7.4f} "
             f"{agreed.prefix:9.1%} {agreed.identical:9.1%}  {_verdict(ratio, limit)}"
         )
-        key = measured.configuration.key
+        repeats = [m.configuration for m in measurements[:i]].count(measured.configuration)
+        key = measured.configuration.key + (f"_{repeats + 1}" if repeats else "")
         summary[f"ppl_{key}"] = round(measured.perplexity, 6)
         summary[f"ratio_ppl_{key}"] = round(ratio, 5)
         summary[f"agreement_{key}"] = round(agreed.prefix, 4)
