@@ -6,6 +6,10 @@ as one GGUF file, because this project's machines reach package registries but n
 (config.json, model.safetensors in float32, tokenizer files, generation_config.json), which
 the engine then loads like any other checkpoint and casts to the dtype it was asked for.
 
+A path to a .gguf file is prepared as a folder without weights (`prepare_gguf`: config,
+tokenizer and a marker naming the file, see `worker.models.gguf`), whose weights are read from
+the GGUF as shipped; `gguf_file` says which GGUF a model can be served from that way.
+
 Crash safety: the folder is built in a temporary sibling and renamed into place only after a
 marker file, written last, says it is complete; a folder without the marker is redone. A lock
 file keeps two processes on one machine from preparing the same model at once.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -26,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 CACHE_ENV = "HEADRACE_CACHE"
+GGUF_SUFFIX = ".gguf"
 #: Written last into a prepared folder; its presence is what "prepared" means.
 PREPARED_MARKER = ".headrace-prepared.json"
 #: Encoded and decoded by the saved tokenizer before a model counts as prepared.
@@ -86,17 +92,44 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def gguf_dir(gguf_path: Path) -> Path:
+    """Where the folder for the GGUF file ``gguf_path`` is prepared: keyed by its absolute
+    path, size and modification time, so a file changed in place is prepared afresh."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.absolute()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf_path.stem}-{digest}"
+
+
 def is_prepared(path: Path) -> bool:
     return (path / PREPARED_MARKER).is_file()
 
 
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file whose tensors serve ``model`` as shipped: a .gguf path itself, a known
+    short name's packaged file; None for a checkpoint folder."""
+    if model.endswith(GGUF_SUFFIX):
+        return _existing_gguf(Path(model).expanduser())
+    spec = KNOWN_MODELS.get(model)
+    return None if spec is None else locate_gguf(spec)
+
+
+def _existing_gguf(path: Path) -> Path:
+    if not path.is_file():
+        raise NotFoundError(f"model not found: the GGUF file {str(path)!r} does not exist")
+    return path
+
+
 def resolve_model(name_or_path: str) -> Path:
-    """A local checkpoint folder as is; a known short name prepared (once) and returned."""
+    """A local checkpoint folder as is; a known short name or a .gguf file prepared (once)
+    and returned."""
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return path
     if name_or_path in KNOWN_MODELS:
         return prepare_model(name_or_path)
+    if name_or_path.endswith(GGUF_SUFFIX):
+        return prepare_gguf(_existing_gguf(path))
     reason = (
         f"{str(path)!r} is a folder without config.json"
         if path.is_dir()
@@ -104,8 +137,8 @@ def resolve_model(name_or_path: str) -> Path:
     )
     raise NotFoundError(
         f"model not found: {reason}. Give a local Hugging Face checkpoint folder "
-        f"(config.json, *.safetensors, tokenizer files) or one of the known names: "
-        f"{', '.join(sorted(KNOWN_MODELS))}. Hub ids are not supported: this machine "
+        f"(config.json, *.safetensors, tokenizer files), a .gguf file or one of the known "
+        f"names: {', '.join(sorted(KNOWN_MODELS))}. Hub ids are not supported: this machine "
         f"cannot download from a model hub."
     )
 
@@ -120,19 +153,41 @@ def prepare_model(name: str = DEFAULT_MODEL, *, force: bool = False, progress: b
         raise NotFoundError(
             f"unknown model name {name!r}; known names: {', '.join(sorted(KNOWN_MODELS))}"
         )
-    target = model_dir(name)
+
+    def build(staging: Path) -> None:
+        convert_gguf(locate_gguf(spec), staging, spec, progress=progress)
+
+    return _prepare(model_dir(name), build, force=force)
+
+
+def prepare_gguf(gguf_path: Path) -> Path:
+    """The folder (config, tokenizer, no weights) serving the GGUF file ``gguf_path``,
+    written once under the cache."""
+    # Imported here so that `headrace models list` and the SDK never load torch.
+    from headrace.worker.models.gguf import write_gguf_folder
+
+    def build(staging: Path) -> None:
+        write_gguf_folder(gguf_path, staging)
+        _make_readable(staging)
+        _mark_prepared(staging, {"source": str(gguf_path.absolute())})
+
+    return _prepare(gguf_dir(gguf_path), build)
+
+
+def _prepare(target: Path, build: Callable[[Path], None], *, force: bool = False) -> Path:
+    """Have ``build`` fill ``target`` once (crash safety: module docstring). ``build`` is
+    given a staging folder and marks it prepared last."""
     if is_prepared(target) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(target.parent / f".{name}.lock"):
+    with _lock(target.parent / f".{target.name}.lock"):
         # Another process may have finished it while this one waited for the lock.
         if is_prepared(target) and not force:
             return target
         _remove_partials(target)
-        gguf_path = locate_gguf(spec)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         try:
-            convert_gguf(gguf_path, staging, spec, progress=progress)
+            build(staging)
             _replace(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -225,7 +280,7 @@ def convert_gguf(gguf_path: Path, out: Path, spec: GgufPackageModel, *, progress
                 bar.set_postfix_str(steps[step + 1])
 
         bar.set_postfix_str(steps[0])
-        config, tokenizer = _read_config_and_tokenizer(gguf_path)
+        config, tokenizer = read_config_and_tokenizer(gguf_path)
         # transformers maps GGUF's general.name (a training-run label) to this key.
         config._model_name_or_path = spec.origin
         advance(0)
@@ -239,8 +294,14 @@ def convert_gguf(gguf_path: Path, out: Path, spec: GgufPackageModel, *, progress
         _verify(out, tokenizer, spec)
         advance(4)
     _make_readable(out)
-    marker = {"source": str(gguf_path), "requirement": spec.requirement, "dtype": "float32"}
-    (out / PREPARED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    _mark_prepared(
+        out, {"source": str(gguf_path), "requirement": spec.requirement, "dtype": "float32"}
+    )
+
+
+def _mark_prepared(folder: Path, marker: dict[str, str]) -> None:
+    """Write `PREPARED_MARKER`: the last file of a prepared folder."""
+    (folder / PREPARED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
 @contextlib.contextmanager
@@ -273,7 +334,8 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o644)
 
 
-def _read_config_and_tokenizer(gguf_path: Path) -> tuple[Any, PreTrainedTokenizerBase]:
+def read_config_and_tokenizer(gguf_path: Path) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The transformers config and tokenizer of a GGUF file, as transformers reads them."""
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
