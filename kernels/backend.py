@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import LoraIndices
+from headrace.kernels.quantized import QuantizedWeight
 
 #: The values of EngineConfig.kernel_backend / ``--kernel-backend``: which kernel set runs
 #: the model and the sampler (attention, matmuls, norms, rotary, LoRA, the draw, the grammar
@@ -70,6 +71,14 @@ class KernelSet(Protocol):
         bias: torch.Tensor | None = None,  # [out]
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor: ...  # [T, out] in out_dtype (default: x's dtype)
+
+    def quantized_linear(
+        self,
+        x: torch.Tensor,  # [T, in]
+        weight: QuantizedWeight,  # [out, in] as integers in groups (kernels/quantized.py)
+        bias: torch.Tensor | None = None,  # [out]
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor: ...  # [T, out]: x against the dequantized weight, summed in float32
 
     def lora_shrink(
         self,

@@ -27,6 +27,7 @@ from headrace.kernels import native, prepacked, reference
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, cpu_has_flag
+from headrace.kernels.quantized import QuantizedWeight
 from headrace.kernels.reference import extend
 
 NAME = "cpu"
@@ -41,6 +42,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "paged_attention",
+    "quantized_linear",
     "rms_norm",
     "silu_and_mul",
     "write_kv_cache",
@@ -232,6 +234,71 @@ def linear(
     if status != 0:
         raise MemoryError("the skinny linear could not allocate its float32 copy of x")
     return out.to(out_dtype)
+
+
+def quantized_linear(
+    x: torch.Tensor,  # [T, in]
+    weight: QuantizedWeight,  # [out, in]
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
+    """x against quantized weights: a decode step's few rows in the C kernel, which forms each
+    weight in registers as `quantized.dequantize` does and sums as `linear` sums float32
+    weights; more rows multiply the weight dequantized into x's compute dtype by torch."""
+    on_cpu = x.device.type == weight.device.type == "cpu" and x.dtype in _DTYPE_CODES
+    if not on_cpu:
+        return reference.quantized_linear(x, weight, bias, out_dtype)
+    if not 0 < x.shape[0] <= SKINNY_MAX_ROWS:
+        dtype = compute_dtype(x.dtype, x.device)
+        wide_bias = None if bias is None else bias.to(dtype)
+        y = torch.nn.functional.linear(x.to(dtype), dequantize(weight, dtype), wide_bias)
+        return y.to(out_dtype or x.dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    out_dtype = out_dtype or x.dtype
+    store_dtype = out_dtype if out_dtype in _DTYPE_CODES else torch.float32
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=store_dtype)
+    rows, cols = weight.shape
+    status = library().headrace_quantized_linear(
+        _ptr(x),
+        x.stride(0),
+        _DTYPE_CODES[x.dtype],
+        x.shape[0],
+        _ptr(weight.data),
+        weight.bits,
+        rows,
+        cols,
+        weight.group_size,
+        _ptr(weight.scales),
+        None if weight.offsets is None else _ptr(weight.offsets),
+        None if bias is None else _ptr(bias),
+        _ptr(out),
+        out.stride(0),
+        _DTYPE_CODES[store_dtype],
+    )
+    if status != 0:
+        raise MemoryError("the quantized linear could not allocate its float32 copy of x")
+    return out.to(out_dtype)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [out, in] in dtype: `quantized.dequantize`'s values, rounded once."""
+    out = torch.empty(weight.shape, dtype=dtype)
+    rows, cols = weight.shape
+    library().headrace_dequantize(
+        _ptr(weight.data),
+        weight.bits,
+        rows,
+        cols,
+        weight.group_size,
+        _ptr(weight.scales),
+        None if weight.offsets is None else _ptr(weight.offsets),
+        _ptr(out),
+        _DTYPE_CODES[dtype],
+    )
+    return out
 
 
 def bf16_pairs() -> bool:

@@ -63,6 +63,11 @@ _SIGNATURES = {
         _INT,
     ),
     "headrace_skinny_bf16_pairs": ([], _INT),
+    "headrace_quantized_linear": (
+        [_P, _I64, _INT, _I64, _P, _INT, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT],
+        _INT,
+    ),
+    "headrace_dequantize": ([_P, _INT, _I64, _I64, _I64, _P, _P, _P, _INT], None),
     "headrace_rms_norm": ([_P, _I64, _P, _I64, _P, ctypes.c_float, _P, _P, _I64, _I64, _INT], None),
     "headrace_silu_and_mul": ([_P, _I64, _P, _I64, _I64, _INT], None),
     "headrace_apply_rotary": (

@@ -102,9 +102,7 @@ class QuantizedWeight:
         """Input columns [start, start + length) at group boundaries (copies)."""
         g = self.group_size
         if start % g or length % g:
-            raise ValueError(
-                f"columns [{start}, {start + length}) do not fall on groups of {g}"
-            )
+            raise ValueError(f"columns [{start}, {start + length}) do not fall on groups of {g}")
         per_byte = 2 if self.bits == 4 else 1
         data = self.data.narrow(1, start // per_byte, length // per_byte)
         offsets = None if self.offsets is None else self.offsets.narrow(1, start // g, length // g)

@@ -14,13 +14,15 @@ from headrace.kernels.argmax import argmax_update
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, linear
+from headrace.kernels.quantized import linear as quantized_linear
 from headrace.kernels.sampling import apply_token_bitmask, draw_tokens
 
 NAME = "reference"
 
 #: The batched LoRA references live with `LoraIndices` in `headrace.kernels.lora`, the
 #: sampler's (the draw, the grammar bitmask) in `headrace.kernels.sampling` and the greedy
-#: head's running argmax in `headrace.kernels.argmax`.
+#: head's running argmax in `headrace.kernels.argmax`, the quantized matmul's (over the
+#: dequantized weight) in `headrace.kernels.quantized`.
 __all__ = [
     "NAME",
     "apply_rotary",
@@ -33,6 +35,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "paged_attention",
+    "quantized_linear",
     "rms_norm",
     "silu_and_mul",
     "write_kv_cache",

@@ -30,6 +30,9 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+#: The values of EngineConfig.quantization / ``--quantization``.
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -40,6 +43,11 @@ class EngineConfig:
     dtype: str = "auto"
     #: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
     device: str = "auto"
+    #: How linear layers hold their weights (`QUANTIZATIONS`): "none" (the dtype above),
+    #: "int8" (per output channel) or "int4" (groups of 32) quantized as they load, or "gguf"
+    #: (the model's GGUF file as shipped: Q8_0 / Q4_0 / Q4_1 tensors kept in those layouts);
+    #: "auto": "gguf" for a .gguf file, "none" for a float checkpoint.
+    quantization: str = "auto"
     #: Tokens per KV block.
     block_size: int = 16
     #: KV blocks in the pool; None sizes it from the memory budget below.
@@ -129,6 +137,11 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise InvalidArgumentError(
                 "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(
+                "quantization",
+                f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
             )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:

@@ -16,7 +16,9 @@
      on one core (AVX-512), 3.8 ms for 256 rows of a 49k vocabulary on two.
    - skinny_linear: y = x W^T (+ b) in float32 for a decode step's few rows, each weight read
      from memory once (float32, or bf16 / float16 widened to float32 in registers) and every
-     output summed in one fixed order (a row's result does not depend on the other rows).
+     output summed in one fixed order (a row's result does not depend on the other rows);
+     quantized_linear the same over int8 / 4-bit weights formed as float32 in registers, and
+     dequantize those weights into a float array for a GEMM.
    - apply_token_bitmask: -inf for each token an output constraint's bitmask forbids, in place.
    - rms_norm, apply_rotary: the residual add + RMSNorm and neox rotary, one pass per row,
      rounding as the torch references round in each dtype.
@@ -998,6 +1000,11 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
    the products of elements 2i and 2i + 1 (exact: a bf16 product fits a float32) to its sum,
    one instruction for what float32 does in two loads, two widenings and two FMAs. */
 #define BF16_PAIRS 3
+/* Quantized weights (kernels/quantized.py): int8 in groups along K (Q8), or 4-bit nibble
+   blocks with a scale and an offset per group (Q4), formed as float32 in registers exactly
+   as `dequantize` forms them, then multiplied as float32 weights are. */
+#define Q8 4
+#define Q4 5
 #ifdef __AVX512BF16__
 #define HAVE_BF16_PAIRS 1
 #else
@@ -1017,6 +1024,68 @@ static inline const void *element(const void *base, int64_t i, int dtype) {
 /* Elements of x and w per step of a tile's loop. */
 static inline int step_of(int layout) { return layout == BF16_PAIRS ? 2 * LANES : LANES; }
 
+/* One call's operands: x [M, K] (float32, or bf16 for BF16_PAIRS; rows strided), w [N, K]
+   contiguous in w_dtype (quantized: its integers, with scales and offsets [N, K / group_size]
+   float32, offsets NULL for Q8), bias [N] float32 or NULL, y [M, N] in y_dtype (rows
+   strided); how many whole 6-row blocks of x there are, and how many rows of the next tile's
+   weights each of them prefetches. */
+typedef struct {
+    const void *x;
+    int64_t x_stride, M;
+    const void *w;
+    int64_t N, K;
+    const float *scales, *offsets;
+    int64_t group_size;
+    const float *bias;
+    void *y;
+    int64_t y_stride;
+    int y_dtype;
+    int64_t full_blocks, share;
+} Skinny;
+
+/* Where weight (n, k) is stored: its element, its byte (Q8), or for Q4 the first byte of its
+   32-element nibble block (k a multiple of 16). */
+static inline const void *weight_address(const Skinny *s, int64_t n, int64_t k, int layout) {
+    if (layout == Q8) return (const int8_t *)s->w + n * s->K + k;
+    if (layout == Q4) return (const uint8_t *)s->w + (n * s->K + (k & ~(int64_t)31)) / 2;
+    return element(s->w, n * s->K + k, layout == BF16_PAIRS ? BF16 : layout);
+}
+
+/* Weights (n, [k, k + 16)) of a quantized row, k a multiple of 16: q * scale (+ offset),
+   each operation rounded on its own (the _round_ forms are never fused into one). */
+static inline __attribute__((always_inline)) v16 dequantize_step(const Skinny *s, int64_t n,
+                                                                 int64_t k, int layout) {
+    const int64_t group = n * (s->K / s->group_size) + k / s->group_size;
+    const void *address = weight_address(s, n, k, layout);
+#ifdef __AVX512F__
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)address);
+    __m512i q;
+    if (layout == Q8) {
+        q = _mm512_cvtepi8_epi32(bytes);
+    } else {
+        q = _mm512_cvtepu8_epi32(bytes);
+        q = (k & 16) ? _mm512_srli_epi32(q, 4) : _mm512_and_si512(q, _mm512_set1_epi32(15));
+    }
+    const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512 w = _mm512_mul_round_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s->scales[group]), round);
+    if (layout == Q4) w = _mm512_add_round_ps(w, _mm512_set1_ps(s->offsets[group]), round);
+    return (v16)w;
+#else
+    typedef int8_t v16b __attribute__((vector_size(16), aligned(1)));
+    typedef uint8_t v16ub __attribute__((vector_size(16), aligned(1)));
+    v16i q = layout == Q8 ? __builtin_convertvector(*(const v16b *)address, v16i)
+                          : __builtin_convertvector(*(const v16ub *)address, v16i);
+    if (layout == Q4) q = (k & 16) ? q >> 4 : q & 15;
+    v16 w = __builtin_convertvector(q, v16) * splat(s->scales[group]);
+    if (layout == Q4) {
+        __asm__ volatile("" : "+m"(w)); /* the product rounded before the sum: no fused op */
+        w = w + splat(s->offsets[group]);
+    }
+    return w;
+#endif
+}
+
+
 /* The weight loader: elements [i, i + 16) of weights stored in dtype, widened to float32
    exactly (bf16 is a float32's top half: a shift; float16 converts in one instruction where
    there is F16C). Reduced-precision products are never formed: the sums are float32's. */
@@ -1032,17 +1101,22 @@ static inline __attribute__((always_inline)) v16 load_weights(const void *w, int
 #endif
 }
 
-/* A step's weight vector: elements [i, i + step) (BF16_PAIRS: the 32 bf16 as they are). */
-static inline __attribute__((always_inline)) v16 load_step(const void *w, int64_t i, int layout) {
-    if (layout == BF16_PAIRS) return *(const v16any *)element(w, i, BF16);
-    return load_weights(w, i, layout);
+/* A step's weight vector: weights (n, [k, k + step)) (BF16_PAIRS: the 32 bf16 as they are). */
+static inline __attribute__((always_inline)) v16 load_step(const Skinny *s, int64_t n, int64_t k,
+                                                           int layout) {
+    if (layout == BF16_PAIRS) return *(const v16any *)weight_address(s, n, k, layout);
+    if (layout == Q8 || layout == Q4) return dequantize_step(s, n, k, layout);
+    return load_weights(s->w, n * s->K + k, layout);
 }
 
-/* The first width (< step) of those elements, the other lanes zero. */
-static inline v16 load_step_partial(const void *w, int64_t i, int64_t width, int layout) {
+/* The first width (< step) of those weights, the other lanes zero. Never quantized: their
+   rows are whole groups of 32 (kernels/quantized.py), so every step is whole. */
+static inline v16 load_step_partial(const Skinny *s, int64_t n, int64_t k, int64_t width,
+                                    int layout) {
     float lanes[LANES] = {0};
-    if (layout == BF16_PAIRS) memcpy(lanes, element(w, i, BF16), (size_t)width * 2);
-    else load_row(element(w, i, layout), layout, lanes, (int)width);
+    const void *address = weight_address(s, n, k, layout);
+    if (layout == BF16_PAIRS) memcpy(lanes, address, (size_t)width * 2);
+    else if (layout < BF16_PAIRS) load_row(address, layout, lanes, (int)width);
     return *(const v16u *)lanes;
 }
 
@@ -1094,22 +1168,6 @@ static inline void store_totals(v16 a, v16 b, v16 c, v16 d, const float *bias, f
 #endif
 }
 
-/* One call's operands: x [M, K] (float32, or bf16 for BF16_PAIRS; rows strided), w [N, K]
-   contiguous in w_dtype, bias [N] float32 or NULL, y [M, N] in y_dtype (rows strided); how
-   many whole 6-row blocks of x there are, and how many rows of the next tile's weights each
-   of them prefetches. */
-typedef struct {
-    const void *x;
-    int64_t x_stride, M;
-    const void *w;
-    int64_t N, K;
-    const float *bias;
-    void *y;
-    int64_t y_stride;
-    int y_dtype;
-    int64_t full_blocks, share;
-} Skinny;
-
 /* Store n float32 sums as outputs [m, n0, n0 + n) of y, rounded once to y's dtype. */
 static inline void store_outputs(const Skinny *s, int64_t m, int64_t n0, const float *sums, int n) {
     store_row((char *)s->y + (m * s->y_stride + n0) * (int64_t)dtype_size(s->y_dtype), s->y_dtype,
@@ -1120,8 +1178,7 @@ static inline void store_outputs(const Skinny *s, int64_t m, int64_t n0, const f
    line twice: prefetching each line once measured no faster). */
 static inline __attribute__((always_inline)) void prefetch_weights(const Skinny *s, int64_t next,
                                                                    int rows, int64_t k, int layout) {
-    const int dtype = layout == BF16_PAIRS ? BF16 : layout;
-    for (int c = 0; c < rows; c++) __builtin_prefetch(element(s->w, (next + c) * s->K + k, dtype));
+    for (int c = 0; c < rows; c++) __builtin_prefetch(weight_address(s, next + c, k, layout));
 }
 
 /* A whole tile: rows [m0, m0 + 6) of x against weight rows [n0, n0 + 4), into y (+ bias).
@@ -1136,7 +1193,7 @@ static inline __attribute__((always_inline)) void skinny_full_tile(
         for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
     for (int64_t k = 0; k < K; k += step_of(layout)) { /* K % step == 0 (full_blocks' test) */
         v16 wv[SKINNY_COLS];
-        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_step(s->w, (n0 + c) * K + k, layout);
+        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_step(s, n0 + c, k, layout);
         prefetch_weights(s, next, prefetch_rows, k, layout);
         for (int m = 0; m < SKINNY_ROWS; m++) {
             const v16 xv = load_x(s->x, (m0 + m) * s->x_stride + k, layout);
@@ -1156,15 +1213,13 @@ static inline __attribute__((always_inline)) void skinny_full_tile(
 static inline __attribute__((always_inline)) void skinny_edge_step(
     const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t k, int64_t width,
     int64_t next, int prefetch_rows, int layout, v16 acc[SKINNY_ROWS][SKINNY_COLS]) {
-    const int64_t K = s->K;
     const int whole = width == step_of(layout);
     prefetch_weights(s, next, prefetch_rows, k, layout);
     v16 wv[SKINNY_COLS];
     for (int c = 0; c < SKINNY_COLS; c++) {
-        const int64_t i = (n0 + c) * K + k;
         wv[c] = c >= cols ? splat(0.0f)
-                : whole   ? load_step(s->w, i, layout)
-                          : load_step_partial(s->w, i, width, layout);
+                : whole   ? load_step(s, n0 + c, k, layout)
+                          : load_step_partial(s, n0 + c, k, width, layout);
     }
     for (int m = 0; m < rows; m++) {
         const int64_t i = (m0 + m) * s->x_stride + k;
@@ -1251,12 +1306,12 @@ static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, in
     for (int m = 0; m < rows; m++) acc[m] = splat(0.0f);
     int64_t k = 0;
     for (; k + step <= K; k += step) {
-        const v16 wv = load_step(s->w, n * K + k, layout);
+        const v16 wv = load_step(s, n, k, layout);
         for (int m = 0; m < rows; m++)
             acc[m] = multiply_add(acc[m], load_x(s->x, m * s->x_stride + k, layout), wv, layout);
     }
     if (k < K) {
-        const v16 wv = load_step_partial(s->w, n * K + k, K - k, layout);
+        const v16 wv = load_step_partial(s, n, k, K - k, layout);
         for (int m = 0; m < rows; m++) {
             const v16 xv = load_x_partial(s->x, m * s->x_stride + k, K - k, layout);
             acc[m] = multiply_add(acc[m], xv, wv, layout);
@@ -1280,12 +1335,38 @@ SKINNY_WORK(F32, skinny_tile_f32, skinny_row_f32)
 SKINNY_WORK(BF16, skinny_tile_bf16, skinny_row_bf16)
 SKINNY_WORK(F16, skinny_tile_f16, skinny_row_f16)
 SKINNY_WORK(BF16_PAIRS, skinny_tile_pairs, skinny_row_pairs)
+SKINNY_WORK(Q8, skinny_tile_q8, skinny_row_q8)
+SKINNY_WORK(Q4, skinny_tile_q4, skinny_row_q4)
 static void (*const SKINNY_TILE[])(const Skinny *, int64_t) = {
-    [F32] = skinny_tile_f32, [BF16] = skinny_tile_bf16, [F16] = skinny_tile_f16,
-    [BF16_PAIRS] = skinny_tile_pairs};
+    [F32] = skinny_tile_f32, [BF16] = skinny_tile_bf16,   [F16] = skinny_tile_f16,
+    [BF16_PAIRS] = skinny_tile_pairs, [Q8] = skinny_tile_q8, [Q4] = skinny_tile_q4};
 static void (*const SKINNY_ROW[])(const Skinny *, int64_t) = {
-    [F32] = skinny_row_f32, [BF16] = skinny_row_bf16, [F16] = skinny_row_f16,
-    [BF16_PAIRS] = skinny_row_pairs};
+    [F32] = skinny_row_f32, [BF16] = skinny_row_bf16,   [F16] = skinny_row_f16,
+    [BF16_PAIRS] = skinny_row_pairs, [Q8] = skinny_row_q8, [Q4] = skinny_row_q4};
+
+/* y = x w^T (+ bias) for the operands s holds (x still in x_dtype) in the weights' layout:
+   x widened into wide_x first unless the layout reads it as it is. */
+static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
+    const int64_t M = s.M, N = s.N, K = s.K;
+    if (layout != BF16_PAIRS && x_dtype != F32) {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            load_row(element(s.x, m * s.x_stride, x_dtype), x_dtype, wide_x + m * K, (int)K);
+        s.x = wide_x;
+        s.x_stride = K;
+    }
+    s.full_blocks = K % step_of(layout) == 0 ? M / SKINNY_ROWS : 0;
+    /* Each whole block of rows prefetches its share of the next tile's 4 weight rows. */
+    s.share = s.full_blocks >= SKINNY_COLS ? 1
+              : s.full_blocks > 0          ? (SKINNY_COLS + s.full_blocks - 1) / s.full_blocks
+                                           : 0;
+    /* a row stream per weight row, or a tile per 4 (static: each thread one contiguous run) */
+    const int streams = M > 0 && M <= ROW_STREAM_ROWS;
+    void (*const work)(const Skinny *, int64_t) = streams ? SKINNY_ROW[layout] : SKINNY_TILE[layout];
+    const int64_t items = streams ? N : (N + SKINNY_COLS - 1) / SKINNY_COLS;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; i++) work(&s, i);
+}
 
 /* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]) in float32 for the few rows of a decode step:
    each weight is read from memory once (float32, or bf16 / float16 widened in registers);
@@ -1300,55 +1381,69 @@ void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, c
                       int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
                       int64_t y_stride, int y_dtype, float *wide_x) {
     const int layout = HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
-    if (layout != BF16_PAIRS && x_dtype != F32) {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            load_row(element(x, m * x_stride, x_dtype), x_dtype, wide_x + m * K, (int)K);
-    } else {
-        wide_x = NULL;
-    }
-    const int64_t full_blocks = K % step_of(layout) == 0 ? M / SKINNY_ROWS : 0;
-    /* Each whole block of rows prefetches its share of the next tile's 4 weight rows. */
-    const int64_t share = full_blocks >= SKINNY_COLS ? 1
-                          : full_blocks > 0          ? (SKINNY_COLS + full_blocks - 1) / full_blocks
-                                                     : 0;
-    const Skinny s = {.x = wide_x != NULL ? wide_x : x,
-                      .x_stride = wide_x != NULL ? K : x_stride,
-                      .M = M,
-                      .w = w,
-                      .N = N,
-                      .K = K,
-                      .bias = bias,
-                      .y = y,
-                      .y_stride = y_stride,
-                      .y_dtype = y_dtype,
-                      .full_blocks = full_blocks,
-                      .share = share};
-    /* a row stream per weight row, or a tile per 4 (static: each thread one contiguous run) */
-    const int streams = M > 0 && M <= ROW_STREAM_ROWS;
-    void (*const work)(const Skinny *, int64_t) = streams ? SKINNY_ROW[layout] : SKINNY_TILE[layout];
-    const int64_t items = streams ? N : (N + SKINNY_COLS - 1) / SKINNY_COLS;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < items; i++) work(&s, i);
+    const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K, .bias = bias,
+                      .y = y, .y_stride = y_stride, .y_dtype = y_dtype};
+    skinny_run(s, x_dtype, layout, wide_x);
 }
 
 /* Whether bf16 x against bf16 weights takes the pair path (BF16_PAIRS). */
 int headrace_skinny_bf16_pairs(void) { return HAVE_BF16_PAIRS; }
+
+/* Room for x widened to float32 (NULL when x is float32 or empty: malloc(0) may return NULL);
+   *failed set when it could not be allocated. */
+static float *alloc_wide_x(int x_dtype, int64_t M, int64_t K, int *failed) {
+    float *wide_x = x_dtype != F32 && M * K > 0 ? malloc((size_t)(M * K) * sizeof(float)) : NULL;
+    *failed = x_dtype != F32 && M * K > 0 && wide_x == NULL;
+    return wide_x;
+}
 
 /* hr_skinny_linear in a region of its own. Returns 0, or -1 when the widened x could not be
    allocated. */
 int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
                            int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
                            int64_t y_stride, int y_dtype) {
-    float *wide_x = NULL;
-    if (x_dtype != F32 && M * K > 0) { /* (malloc(0) may return NULL) */
-        wide_x = malloc((size_t)(M * K) * sizeof(float));
-        if (wide_x == NULL) return -1;
-    }
+    int failed;
+    float *wide_x = alloc_wide_x(x_dtype, M, K, &failed);
+    if (failed) return -1;
 #pragma omp parallel if (N * K >= (1 << 15))
     hr_skinny_linear(x, x_stride, x_dtype, M, w, w_dtype, N, K, bias, y, y_stride, y_dtype, wide_x);
     free(wide_x);
     return 0;
+}
+
+/* The same over quantized weights (bits 8 or 4: kernels/quantized.py's layout, K a multiple
+   of 32 and of group_size): every output the float kernel's over the dequantized weights. */
+int headrace_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M,
+                              const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
+                              const float *scales, const float *offsets, const float *bias,
+                              void *y, int64_t y_stride, int y_dtype) {
+    int failed;
+    float *wide_x = alloc_wide_x(x_dtype, M, K, &failed);
+    if (failed) return -1;
+    const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
+                      .scales = scales, .offsets = offsets, .group_size = group_size,
+                      .bias = bias, .y = y, .y_stride = y_stride, .y_dtype = y_dtype};
+#pragma omp parallel if (N * K >= (1 << 15))
+    skinny_run(s, x_dtype, bits == 8 ? Q8 : Q4, wide_x);
+    free(wide_x);
+    return 0;
+}
+
+/* out [N, K] in out_dtype = the quantized weights as floats (`dequantize`), each rounded once
+   to out_dtype: what a GEMM multiplies when a step has too many rows for the skinny kernel. */
+void headrace_dequantize(const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
+                         const float *scales, const float *offsets, void *out, int out_dtype) {
+    const Skinny s = {.w = w, .N = N, .K = K, .scales = scales, .offsets = offsets,
+                      .group_size = group_size};
+    const int layout = bits == 8 ? Q8 : Q4;
+#pragma omp parallel for schedule(static) if (N * K >= (1 << 15))
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t k = 0; k < K; k += LANES) {
+            const v16 values = dequantize_step(&s, n, k, layout);
+            store_row((char *)out + (n * K + k) * (int64_t)dtype_size(out_dtype), out_dtype,
+                      (const float *)&values, LANES);
+        }
+    }
 }
 
 /* ---- token bitmasks ----------------------------------------------------------------------- */

@@ -11,16 +11,21 @@ other ops and the Python between them.
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
+from headrace.kernels.quantized import QuantizedWeight
 from headrace.worker.bench.common import Summary
 from headrace.worker.models.interface import LoadableModel
+from torch import nn
 
 
 def weight_bytes(model: LoadableModel) -> int:
-    """Bytes of the model's distinct parameters (a tied LM head counted once)."""
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    return sum(seen.values())
+    """Bytes of the model's distinct parameters (a tied LM head counted once), a quantized
+    layer's integers, scales and offsets in place of its weight."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if not p.is_meta}
+    quantized = (getattr(m, "quantized", None) for m in cast(nn.Module, model).modules())
+    return sum(seen.values()) + sum(q.nbytes() for q in quantized if isinstance(q, QuantizedWeight))
 
 
 #: Bytes the bandwidth is measured on: far past any cache, and one size for every model and

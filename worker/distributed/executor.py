@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from headrace.worker.distributed.step_plan import PlanEncoder
 from headrace.worker.execution.batch import PreparedBatch, StepResult, merge_results
 from headrace.worker.execution.interface import Executor, InFlightStep
 from headrace.worker.models.config import ModelConfig
+from headrace.worker.models.registry import ModelWeights
 from headrace.worker.scheduling.output import SchedulerOutput
 
 
@@ -47,7 +47,7 @@ class PendingStep:
 
 def start_distributed(
     config: EngineConfig,
-    model_path: Path,
+    source: ModelWeights,
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
@@ -55,7 +55,7 @@ def start_distributed(
 ) -> DistributedExecutor:
     """Check the split, start ranks 1..world-1, and build rank 0's shard."""
     check_model_splits(config, hf_config, device)
-    ranks = RankGroup(config, model_path, dtype, max_model_len)
+    ranks = RankGroup(config, source, dtype, max_model_len)
     try:
         shard = build_shard(ranks.setup, DRIVER_RANK, ranks.store)
     except BaseException:

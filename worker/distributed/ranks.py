@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn, cast
 
 import torch
@@ -40,7 +39,7 @@ from headrace.worker.execution.host_memory import keep_freed_memory
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
 from headrace.worker.lora.manager import start_lora
-from headrace.worker.models.registry import load_model
+from headrace.worker.models.registry import ModelWeights, load_model
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -58,7 +57,8 @@ class RankSetup:
     """Everything a rank needs to build its shard; pickled to each child at spawn."""
 
     config: EngineConfig
-    model_path: Path
+    #: The weights (and how the linear layers hold them).
+    source: ModelWeights
     dtype: torch.dtype
     max_model_len: int
     #: The TCPStore rank 0 hosts for the rendezvous.
@@ -99,7 +99,7 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
         keep_freed_memory()
     parallel, plan_group = _init_process_groups(setup, rank, store, device)
     kernels = select_kernels(config.kernel_backend, device)
-    loaded = load_model(setup.model_path, setup.dtype, device, parallel, kernels)
+    loaded = load_model(setup.source, setup.dtype, device, parallel, kernels)
     lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     local_blocks = kv_cache_blocks(config, loaded.model, device, setup.dtype, setup.max_model_len)
     # Every rank holds the same block ids, so the pool is what the tightest rank fits.
@@ -153,7 +153,7 @@ class RankGroup:
     def __init__(
         self,
         config: EngineConfig,
-        model_path: Path,
+        source: ModelWeights,
         dtype: torch.dtype,
         max_model_len: int,
     ) -> None:
@@ -168,7 +168,7 @@ class RankGroup:
         )
         self.setup = RankSetup(
             config=config,
-            model_path=model_path,
+            source=source,
             dtype=dtype,
             max_model_len=max_model_len,
             store_port=self.store.port,

@@ -42,6 +42,7 @@ from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import start_executor
 from headrace.worker.execution.interface import InFlightStep
 from headrace.worker.lora.manager import AdapterInfo
+from headrace.worker.models.registry import ModelWeights
 from headrace.worker.sampling.detokenizer import Detokenizer
 from headrace.worker.sampling.ops import select_rows
 from headrace.worker.sampling.sampler import Sampler
@@ -74,7 +75,7 @@ class Engine:
         spec = self.spec
         self.executor = start_executor(
             config,
-            spec.path,
+            ModelWeights(spec.path, spec.quantization, spec.gguf_file),
             spec.dtype,
             self.device,
             self.kernels,

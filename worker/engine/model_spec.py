@@ -15,7 +15,7 @@ import torch
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
 from headrace.worker.models.registry import model_factory, read_model_type
-from headrace.worker.models.store import resolve_model
+from headrace.worker.models.store import GGUF_SUFFIX, gguf_file, resolve_model
 from tokenizers import decoders
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers import GenerationConfig as HFGenerationConfig
@@ -36,6 +36,12 @@ class ModelSpec:
     eos_token_ids: frozenset[int]
     #: Longest text prompt in UTF-8 bytes that could fit (or the configured limit).
     max_prompt_bytes: int
+    #: How linear layers hold their weights: "none", "int8", "int4" or "gguf" ("auto"
+    #: settled: "gguf" for a .gguf model, else "none").
+    quantization: str = "none"
+    #: The GGUF file the weights are read from (a .gguf model, or "gguf" for a known model
+    #: shipped as one); None: the folder's safetensors.
+    gguf_file: Path | None = None
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelSpec:
@@ -57,7 +63,30 @@ class ModelSpec:
             tokenizer=tokenizer,
             eos_token_ids=_eos_token_ids(path, tokenizer),
             max_prompt_bytes=max_prompt_bytes,
+            quantization=_quantization(config),
+            gguf_file=_weights_gguf(config),
         )
+
+
+def _quantization(config: EngineConfig) -> str:
+    if config.quantization != "auto":
+        return config.quantization
+    return "gguf" if config.model.endswith(GGUF_SUFFIX) else "none"
+
+
+def _weights_gguf(config: EngineConfig) -> Path | None:
+    """Where the weights come from when not the folder's safetensors: a .gguf model's file
+    (whatever the quantization: "none" dequantizes it), a known model's for "gguf"."""
+    if not config.model.endswith(GGUF_SUFFIX) and config.quantization != "gguf":
+        return None
+    found = gguf_file(config.model)
+    if found is None:
+        raise InvalidArgumentError(
+            "quantization",
+            "gguf serves a GGUF file as shipped: give the model as a .gguf file or a known "
+            "model name shipped as one (headrace models list), not a checkpoint folder",
+        )
+    return found
 
 
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -37,7 +36,7 @@ from headrace.worker.execution.interface import Executor, InFlightStep
 from headrace.worker.execution.kv_cache import kv_cache_blocks
 from headrace.worker.execution.model_runner import ModelRunner
 from headrace.worker.lora.manager import start_lora
-from headrace.worker.models.registry import load_model
+from headrace.worker.models.registry import ModelWeights, load_model
 from headrace.worker.scheduling.output import SchedulerOutput
 from torch import nn
 
@@ -106,7 +105,7 @@ class OverlappedExecutor(UniprocExecutor):
 
 def start_executor(
     config: EngineConfig,
-    model_path: Path,
+    source: ModelWeights,
     dtype: torch.dtype,
     device: torch.device,
     kernels: KernelSet,
@@ -116,13 +115,13 @@ def start_executor(
     if device.type == "cpu" and config.cpu_bind:
         bind_process(parse_cpu_list(config.cpu_bind))  # before any rank or thread starts
     if config.world_size > 1:
-        return start_distributed(config, model_path, dtype, device, max_model_len, hf_config)
+        return start_distributed(config, source, dtype, device, max_model_len, hf_config)
     threads = None
     if device.type == "cpu":
         keep_freed_memory()
         threads = start_governor(config.cpu_threads)
         threads.apply()  # loading and warming up compute on this thread
-    loaded = load_model(model_path, dtype, device, kernels=kernels)
+    loaded = load_model(source, dtype, device, kernels=kernels)
     lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
     runner = ModelRunner(

@@ -82,7 +82,8 @@ class ModelRunner:
         self._logits_buffers = []
         if offload_weights and self.device.type != "cpu":
             for param in self.model.parameters():
-                param.data = param.data.to("cpu")
+                if not param.is_meta:  # (a quantized layer's weight: its shape only)
+                    param.data = param.data.to("cpu")
             self.weights_offloaded = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -91,7 +92,8 @@ class ModelRunner:
         """Undo `release_memory`: the weights back on the device, a fresh (zeroed) KV cache."""
         if self.weights_offloaded:
             for param in self.model.parameters():
-                param.data = param.data.to(self.device)
+                if not param.is_meta:
+                    param.data = param.data.to(self.device)
             self.weights_offloaded = False
         if not self.kv_caches:
             self.kv_caches = self._new_kv_caches()

@@ -14,6 +14,14 @@ decode step's few rows), or torch's where it has none.
 A layer may carry a `LinearDelta` (LoRA adapters, `headrace.worker.lora`): it adds its rows'
 deltas to this rank's output, before a row-parallel layer's all-reduce, which sums the partial
 deltas of the ranks' input slices as it sums the base layer's.
+
+A layer may hold its weight quantized (`quantize`, before loading): this rank's shard as
+integers in groups (`headrace.kernels.quantized`), multiplied by the kernel set's
+`quantized_linear`. Its ``weight`` parameter then keeps only the shape (on the meta device) and
+a loader that hands every checkpoint tensor to the same sharding code with the quantized
+weight as target: float tensors are quantized per rank as they land (the initial load and
+weight updates alike), and GGUF's quantized blocks are copied as they are. The quantized
+shard of a row-parallel layer is its columns' groups, so a group must not straddle ranks.
 """
 
 from __future__ import annotations
@@ -22,15 +30,18 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from headrace.kernels import KernelSet
+from headrace.kernels import KernelSet, quantized
 from headrace.kernels.precision import linear
+from headrace.kernels.quantized import QuantizedWeight
 from headrace.worker.distributed.parallel import ParallelConfig, all_reduce, divide
 from headrace.worker.layers.weights import (
     LoadedTensor,
+    LoadTarget,
     ShardId,
     check_shape,
     load_into,
     new_parameter,
+    shard_ids_of,
     shard_rows,
 )
 from torch import nn
@@ -56,9 +67,26 @@ class Matmul(Protocol):
     ) -> torch.Tensor: ...  # [T, out]
 
 
+class QuantizedMatmul(Protocol):
+    """A quantized layer's matmul (`KernelSet.quantized_linear`)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [T, in]
+        weight: QuantizedWeight,  # [out, in]
+        bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor: ...  # [T, out]
+
+
 def matmul_of(kernels: KernelSet | None) -> Matmul:
     """The backend's matmul; torch's (`precision.linear`) without a backend."""
     return linear if kernels is None else kernels.linear
+
+
+def quantized_matmul_of(kernels: KernelSet | None) -> QuantizedMatmul:
+    """The backend's quantized matmul; the reference's without a backend."""
+    return quantized.linear if kernels is None else kernels.quantized_linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,13 +104,48 @@ class RowShard:
 
 
 class _Adaptable(nn.Module):
-    """A linear layer a `LinearDelta` may be attached to once the model is built (LoRA)."""
+    """A linear layer a `LinearDelta` may be attached to once the model is built (LoRA), and
+    whose weight may be held quantized."""
 
     #: Added to this rank's output when set (LoRA adapters); None runs the base layer alone.
     lora: LinearDelta | None = None
+    #: This rank's weight as integers (`quantize`); None: the float ``weight`` parameter.
+    quantized: QuantizedWeight | None = None
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    matmul: Matmul
+    quantized_matmul: QuantizedMatmul
 
     def attach_delta(self, delta: LinearDelta) -> None:
         self.lora = delta
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device if self.quantized is None else self.quantized.device
+
+    def quantize(self, bits: int, group_size: int | None) -> None:
+        """Hold the weight as ``bits``-bit integers in groups of ``group_size`` along the
+        input (None: one group per output row) from now on; call before loading it."""
+        rows, cols = self.weight.shape
+        self.quantized = quantized.empty(
+            (rows, cols), bits, group_size or cols, device=self.weight.device
+        )
+        shard_ids, dtype = shard_ids_of(self.weight), self.weight.dtype
+        with torch.device("meta"):  # the shape and dtype only
+            self.weight = new_parameter((rows, cols), dtype, self._load_quantized, shard_ids)
+
+    def _load_quantized(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
+        assert self.quantized is not None
+        self.weight_loader(self.quantized, loaded, shard_id)
+
+    def weight_loader(self, param: LoadTarget, loaded: LoadedTensor, shard_id: ShardId) -> None:
+        raise NotImplementedError
+
+    def multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x Wᵀ + b over this rank's weight, float or quantized ([T, in] -> [T, out])."""
+        if self.quantized is None:
+            return self.matmul(x, self.weight, bias)
+        return self.quantized_matmul(x, self.quantized, bias)
 
 
 class ColumnParallelLinear(_Adaptable):
@@ -104,6 +167,7 @@ class ColumnParallelLinear(_Adaptable):
         super().__init__()
         self.parallel = parallel
         self.matmul = matmul_of(kernels)
+        self.quantized_matmul = quantized_matmul_of(kernels)
         self.input_size = input_size
         self.output_size = output_size
         size = parallel.tensor_parallel_size
@@ -115,15 +179,15 @@ class ColumnParallelLinear(_Adaptable):
         self.output_size_per_rank = output_size_per_rank
         shape = (output_size_per_rank, self.input_size)
         self.weight = new_parameter(shape, dtype, self.weight_loader, self.shard_ids)
-        self.bias: nn.Parameter | None = None
+        self.bias = None
         if bias:
             self.bias = new_parameter(shape[:1], dtype, self.weight_loader, self.shard_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight, self.bias)  # [T, output_size_per_rank]
+        y = self.multiply(x, self.bias)  # [T, output_size_per_rank]
         return y if self.lora is None else self.lora.add_to(x, y)
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
+    def weight_loader(self, param: LoadTarget, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's rows of a full checkpoint weight or bias into ``param``."""
         shard = self._row_shard(shard_id)
         if loaded.shape[0] != shard.full_rows:
@@ -207,6 +271,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         size = parallel.tensor_parallel_size
         self.parallel = parallel
         self.matmul = matmul_of(kernels)
+        self.quantized_matmul = quantized_matmul_of(kernels)
         self.input_size = hidden_size
         self.head_dim = head_dim
         self.num_heads = num_heads
@@ -262,23 +327,24 @@ class RowParallelLinear(_Adaptable):
         super().__init__()
         self.parallel = parallel
         self.matmul = matmul_of(kernels)
+        self.quantized_matmul = quantized_matmul_of(kernels)
         self.input_size = input_size
         self.input_size_per_rank = divide(input_size, parallel.tensor_parallel_size, "input size")
         shape = (output_size, self.input_size_per_rank)
         self.weight = new_parameter(shape, dtype, self.weight_loader)
-        self.bias: nn.Parameter | None = None
+        self.bias = None
         if bias:
             # The bias is whole on every rank; only rank 0 adds it, before the all-reduce.
             self.bias = new_parameter((output_size,), dtype, self.weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, input_size_per_rank]
         bias = self.bias if self.parallel.tensor_parallel_rank == 0 else None
-        y = self.matmul(x, self.weight, bias)  # [T, output_size]: this rank's partial sum
+        y = self.multiply(x, bias)  # [T, output_size]: this rank's partial sum
         if self.lora is not None:
             y = self.lora.add_to(x, y)
         return all_reduce(y, self.parallel)
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
+    def weight_loader(self, param: LoadTarget, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's input columns of the checkpoint weight (the bias is whole)."""
         assert shard_id is None, f"unexpected shard {shard_id!r}"
         if param.dim() == 2:
@@ -287,3 +353,25 @@ class RowParallelLinear(_Adaptable):
             start = self.parallel.tensor_parallel_rank * self.input_size_per_rank
             loaded = loaded.narrow(1, start, self.input_size_per_rank)
         load_into(param, loaded)
+
+
+#: Bits and group size of each quantized way of holding linear weights (EngineConfig's
+#: ``quantization``); a group of None is one per output row.
+QUANTIZED_LAYOUTS: dict[str, tuple[int, int | None]] = {
+    "int8": (8, None),
+    "int4": (4, quantized.INT4_GROUP_SIZE),
+    # GGUF files quantize linear weights in blocks of 32 (Q4_0 / Q4_1 as they are; a Q8_0 or
+    # other tensor is dequantized and quantized again into these, with a log line).
+    "gguf": (4, quantized.INT4_GROUP_SIZE),
+}
+
+
+def quantize_linear_layers(model: nn.Module, quantization: str) -> None:
+    """Hold every linear layer's weight in the layout ``quantization`` names (before the
+    weights load); "none" keeps them float."""
+    layout = QUANTIZED_LAYOUTS.get(quantization)
+    if layout is None:
+        return
+    for module in model.modules():
+        if isinstance(module, _Adaptable):
+            module.quantize(*layout)

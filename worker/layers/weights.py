@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
+from headrace.kernels.quantized import QuantizedWeight, dequantize
 from torch import nn
 
 #: Names one piece of a fused parameter: "q" / "k" / "v" for QKV, 0 / 1 for gate / up.
@@ -77,15 +78,21 @@ class CheckpointTensor:
         return self.source[tuple(slice(start, start + size) for start, size in box)]
 
 
-#: What a weight loader is given: a tensor in memory (tests, callers holding weights) or one
-#: still on disk.
-LoadedTensor = torch.Tensor | CheckpointTensor
+#: What a weight loader is given: a tensor in memory (tests, callers holding weights), one
+#: still on disk, or quantized weights as a file ships them (GGUF).
+LoadedTensor = torch.Tensor | CheckpointTensor | QuantizedWeight
+#: What a weight loader fills: a parameter (or a view of it), or a quantized layer's weight,
+#: which quantizes float values as they land.
+LoadTarget = torch.Tensor | QuantizedWeight
 WeightLoader = Callable[[nn.Parameter, LoadedTensor, ShardId], None]
 
 
 def read(loaded: LoadedTensor) -> torch.Tensor:
-    """``loaded`` in memory; a `CheckpointTensor` is read from disk now (only its box)."""
-    return loaded.read() if isinstance(loaded, CheckpointTensor) else loaded
+    """``loaded`` in memory as floats: a `CheckpointTensor` is read from disk now (only its
+    box), quantized weights are dequantized (for a float parameter: an embedding, a norm)."""
+    if isinstance(loaded, CheckpointTensor):
+        return loaded.read()
+    return dequantize(loaded) if isinstance(loaded, QuantizedWeight) else loaded
 
 
 def default_weight_loader(param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
@@ -94,13 +101,16 @@ def default_weight_loader(param: nn.Parameter, loaded: LoadedTensor, shard_id: S
     load_into(param, loaded)
 
 
-def load_into(target: torch.Tensor, loaded: LoadedTensor) -> None:
+def load_into(target: LoadTarget, loaded: LoadedTensor) -> None:
     """Copy ``loaded`` into ``target`` (converting the dtype); a misshapen tensor is refused
     before anything is read. ``target`` is the parameter or a view of it, never its ``.data``:
     the write then moves the parameter's version, which tells `kernels.prepacked` to pack
-    the weight again."""
+    the weight again. Quantized weights land in a quantized target as they are."""
     check_shape(loaded, target.shape)
-    target.copy_(read(loaded))
+    if isinstance(target, QuantizedWeight) and isinstance(loaded, QuantizedWeight):
+        target.copy_(loaded)
+    else:
+        target.copy_(read(loaded))
 
 
 def check_shape(loaded: LoadedTensor, expected: tuple[int, ...]) -> None:

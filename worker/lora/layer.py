@@ -63,7 +63,7 @@ class LinearLora:
         else:
             self.pieces = tuple(LoraPiece(s, layer.output_shard(s)) for s in layer.shard_ids)
             self.input_slice = (0, layer.input_size)
-        dtype, device = weight.dtype, weight.device
+        dtype, device = weight.dtype, layer.device  # (a quantized layer's weight is a shape)
         shape_a = (num_slots, len(self.pieces) * max_rank, self.input_slice[1])
         self.lora_a = torch.zeros(shape_a, dtype=dtype, device=device)
         self.lora_b = [

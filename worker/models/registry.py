@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.layers.linear import quantize_linear_layers
+from headrace.worker.layers.weights import LoadedTensor
 from headrace.worker.models.config import UnsupportedModelError
+from headrace.worker.models.gguf import iter_gguf_tensors
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.models.llama import LlamaForCausalLM
 from headrace.worker.models.loader import iter_checkpoint
+from torch import nn
 
-__all__ = ["MODEL_REGISTRY", "LoadedModel", "UnsupportedModelError", "load_model"]
+__all__ = ["MODEL_REGISTRY", "LoadedModel", "ModelWeights", "UnsupportedModelError", "load_model"]
 
 
 #: Builds a model with uninitialised weights from (HF config, parallel config, dtype, kernels).
@@ -32,6 +36,25 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    """Where a model's weights come from, and how its linear layers hold them."""
+
+    #: The Hugging Face folder: config.json, tokenizer, and the safetensors unless gguf_file.
+    folder: Path
+    #: "none", "int8", "int4" or "gguf" (`EngineConfig.quantization`, "auto" settled).
+    quantization: str = "none"
+    #: A GGUF file to read the tensors from instead (quantized ones as shipped).
+    gguf_file: Path | None = None
+
+    def tensors(self) -> Iterator[tuple[str, LoadedTensor]]:
+        """The checkpoint's tensors, by Hugging Face name, unread where the format allows."""
+        if self.gguf_file is not None:
+            yield from iter_gguf_tensors(self.gguf_file)
+        else:
+            yield from iter_checkpoint(self.folder)
+
+
 @dataclass(slots=True)
 class LoadedModel:
     #: The model, weights loaded, in eval mode, on the requested device and dtype.
@@ -41,20 +64,22 @@ class LoadedModel:
 
 
 def load_model(
-    model_path: str | Path,
+    source: str | Path | ModelWeights,
     dtype: torch.dtype,
     device: torch.device,
     parallel: ParallelConfig | None = None,
     kernels: KernelSet | None = None,
 ) -> LoadedModel:
-    """Build the model for a local HF checkpoint directory and load its weights.
+    """Build the model for a local HF checkpoint directory (or a `ModelWeights`: quantized,
+    or its tensors from a GGUF file) and load its weights.
 
     ``kernels`` defaults to the device's own backend (Triton on CUDA, torch elsewhere)."""
     from transformers import AutoConfig
 
-    path = Path(model_path)
-    factory = model_factory(read_model_type(path))
-    hf_config = AutoConfig.from_pretrained(path)
+    if not isinstance(source, ModelWeights):
+        source = ModelWeights(Path(source))
+    factory = model_factory(read_model_type(source.folder))
+    hf_config = AutoConfig.from_pretrained(source.folder)
     # Parameters are allocated straight on the target device, in the target dtype.
     with torch.device(device):
         model = factory(
@@ -63,7 +88,8 @@ def load_model(
             dtype,
             kernels or select_kernels("auto", device),
         )
-    model.load_weights(iter_checkpoint(path))
+    quantize_linear_layers(cast(nn.Module, model), source.quantization)
+    model.load_weights(source.tensors())
     model.eval()
     return LoadedModel(model, hf_config)
 
