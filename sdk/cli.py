@@ -45,6 +45,9 @@ SubParsers = argparse._SubParsersAction
 #: The kernel sets ``--kernel-backend`` chooses: headrace.kernels.BACKEND_NAMES, spelled out
 #: because this module never loads torch (tests/sdk/test_cli.py pins the two equal).
 KERNEL_BACKENDS = ("auto", "triton", "cpu", "reference")
+#: ``--quantization``'s choices: headrace.worker.config.QUANTIZATIONS, spelled out for the same
+#: reason (and pinned equal by the same test).
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 
 
 def add_kernel_backend_argument(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +160,7 @@ def _worker(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -195,6 +199,8 @@ services (and gRPC health and reflection) on --host:--port.
 
     headrace worker                                   # the default model, prepared once
     headrace worker --model /path/to/hf-checkpoint --port 50051 --dtype bf16
+    headrace worker --quantization gguf                # the default model's 4-bit GGUF as shipped
+    headrace worker --model /path/model.gguf           # any Llama-family GGUF, as shipped
     headrace worker --model PATH -tp 2 -pp 2          # tensor x pipeline parallel ranks
     headrace worker --model PATH --lora sql=/adapters/sql --lora chat=/adapters/chat
 """
@@ -219,6 +225,15 @@ def _add_worker(subparsers: SubParsers) -> None:
         "float32/fp32, bfloat16/bf16 or float16/fp16",
     )
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    add(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="how linear layers hold their weights: int8 (per output channel) or int4 (groups "
+        "of 32) quantized as they load; gguf: a GGUF file's Q8_0/Q4_0/Q4_1 tensors as shipped "
+        "(a .gguf --model, or a known model shipped as one); auto: gguf for a .gguf file, "
+        "else none",
+    )
     add(
         "--tool-call-parser",
         choices=TOOL_CALL_FORMATS,

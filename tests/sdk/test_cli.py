@@ -124,6 +124,16 @@ def test_kernel_backend_choices_are_the_kernel_backends(name: str) -> None:
     assert parser.parse_args([]).kernel_backend == "auto"
 
 
+def test_quantization_choices_are_the_engines() -> None:
+    from headrace.worker.config import QUANTIZATIONS
+
+    parser = _commands()["worker"]
+    (action,) = [a for a in parser._actions if "--quantization" in a.option_strings]
+    assert tuple(action.choices) == QUANTIZATIONS
+    assert parser.parse_args(["--quantization", "int4"]).quantization == "int4"
+    assert parser.parse_args([]).quantization == "auto"
+
+
 @pytest.mark.parametrize("name", ["worker", "bench engine"])
 def test_attention_backend_is_a_deprecated_spelling_of_kernel_backend(
     name: str, capsys: pytest.CaptureFixture[str]
