@@ -137,6 +137,20 @@ class QuantizedWeight:
         if self.offsets is not None and source.offsets is not None:
             self.offsets.copy_(source.offsets)
 
+    def gather(self, rows: torch.Tensor) -> QuantizedWeight:
+        """The rows ``rows`` ([T] int64) names, in that order (copies: an embedding lookup)."""
+        offsets = None if self.offsets is None else self.offsets[rows]
+        return QuantizedWeight(
+            self.bits, self.group_size, self.data[rows], self.scales[rows], offsets
+        )
+
+    def zero_(self) -> None:
+        """Every weight 0 (the padding rows of a vocabulary split across ranks)."""
+        self.data.zero_()
+        self.scales.zero_()
+        if self.offsets is not None:
+            self.offsets.zero_()
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         offsets = None if self.offsets is None else self.offsets.to(device)
         return QuantizedWeight(

@@ -4,28 +4,33 @@ The vocabulary is split into equal contiguous ranges, one per rank (padded at th
 divides evenly; padding rows are zero and never reach a caller). The embedding looks up the
 ids in its range, zeroes the rest, and all-reduces; the LM head computes logits for its range
 and all-gathers them.
+
+The table may be held quantized (`headrace.worker.layers.quantizable`): the embedding then
+dequantizes the rows it looks up, and the LM head multiplies with the kernel set's
+`quantized_linear`; a tied head shares the embedding's quantized table.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from headrace.kernels import KernelSet
+from headrace.kernels import KernelSet, quantized
 from headrace.kernels.argmax import RunningArgmax
 from headrace.kernels.precision import linear
 from headrace.worker.distributed.parallel import ParallelConfig, all_gather, all_reduce
-from headrace.worker.layers.linear import matmul_of
+from headrace.worker.layers.linear import matmul_of, quantized_matmul_of
+from headrace.worker.layers.quantizable import Quantizable
 from headrace.worker.layers.weights import (
     LoadedTensor,
+    LoadTarget,
     ShardId,
     check_shape,
     load_into,
     new_parameter,
 )
-from torch import nn
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Quantizable):
     def __init__(
         self,
         num_embeddings: int,
@@ -50,19 +55,25 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.parallel.is_single:
-            return F.embedding(input_ids, self.weight)
+            return self._look_up(input_ids)
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        embeddings = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1)
+        embeddings = self._look_up(local_ids) * in_range.unsqueeze(-1)
         return all_reduce(embeddings, self.parallel)
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
+    def _look_up(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.quantized is None:
+            return F.embedding(ids, self.weight)
+        rows = quantized.dequantize(self.quantized.gather(ids))
+        return rows.to(self.weight.dtype)
+
+    def weight_loader(self, param: LoadTarget, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's vocab rows; padding rows past the true vocab stay zero."""
         assert shard_id is None, f"unexpected shard {shard_id!r}"
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         num_rows = self.vocab_end - self.vocab_start
         param.zero_()
-        load_into(param[:num_rows], loaded.narrow(0, self.vocab_start, num_rows))
+        load_into(param.narrow(0, 0, num_rows), loaded.narrow(0, self.vocab_start, num_rows))
 
 
 #: Logits per call of the greedy head: 16 MiB of float32 (85 rows of a 49k vocabulary), so
@@ -89,25 +100,43 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, parallel=parallel, dtype=dtype)
         #: The greedy head's matmul (the backend's: on a CPU, the C kernel for few rows).
         self.matmul = matmul_of(kernels)
+        self.quantized_matmul = quantized_matmul_of(kernels)
         #: The backend whose running argmax the greedy head keeps (None: torch's).
         self.kernels = kernels
+        #: The embedding whose table this head shares (tie_word_embeddings), if any.
+        self.tied: VocabParallelEmbedding | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's weight (tie_word_embeddings): one tensor, loaded once."""
         self.weight = embedding.weight
+        self.tied = embedding
+
+    def quantize(self, bits: int, group_size: int | None) -> None:
+        if self.tied is None:
+            return super().quantize(bits, group_size)
+        self.tied.quantize(bits, group_size)
+        self.weight, self.quantized = self.tied.weight, self.tied.quantized
 
     def forward(  # [N, hidden] -> [N, vocab]
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """float32 logits; into ``out`` ([N, vocab] float32) where it can (one rank, float32)."""
         float32 = hidden.dtype == self.weight.dtype == torch.float32
-        if out is not None and self.parallel.is_single and float32:
+        if out is not None and self.parallel.is_single and float32 and self.quantized is None:
             return torch.mm(hidden, self.weight[: self.num_embeddings].t(), out=out)
         if self.parallel.is_single:  # the greedy head's matmul: its float32 logits, unrounded
-            return self.matmul(hidden, self.weight, None, torch.float32)
-        logits = linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
+            return self._multiply(hidden)
+        if self.quantized is None:
+            logits = linear(hidden, self.weight)  # [N, num_embeddings_per_rank]
+        else:
+            logits = self.quantized_matmul(hidden, self.quantized)
         logits = all_gather(logits, self.parallel)  # [N, padded vocab]
         return logits[:, : self.num_embeddings].float()
+
+    def _multiply(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
+        if self.quantized is None:
+            return self.matmul(hidden, self.weight, None, torch.float32)
+        return self.quantized_matmul(hidden, self.quantized, None, torch.float32)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
         """Each row's argmax over its logits, a few rows at a time (one rank only): the same
@@ -117,7 +146,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         tokens = []
         for start in range(0, hidden.shape[0], rows_per_call):
             rows = hidden[start : start + rows_per_call]
-            logits = self.matmul(rows, self.weight, None, torch.float32)
+            logits = self._multiply(rows)
             running = RunningArgmax(rows.shape[0], hidden.device, self.kernels)
             running.update(logits, 0)
             tokens.append(running.index)

@@ -15,12 +15,8 @@ A layer may carry a `LinearDelta` (LoRA adapters, `headrace.worker.lora`): it ad
 deltas to this rank's output, before a row-parallel layer's all-reduce, which sums the partial
 deltas of the ranks' input slices as it sums the base layer's.
 
-A layer may hold its weight quantized (`quantize`, before loading): this rank's shard as
-integers in groups (`headrace.kernels.quantized`), multiplied by the kernel set's
-`quantized_linear`. Its ``weight`` parameter then keeps only the shape (on the meta device) and
-a loader that hands every checkpoint tensor to the same sharding code with the quantized
-weight as target: float tensors are quantized per rank as they land (the initial load and
-weight updates alike), and GGUF's quantized blocks are copied as they are. The quantized
+A layer may hold its weight quantized (`headrace.worker.layers.quantizable`): this rank's
+shard as integers in groups, multiplied by the kernel set's `quantized_linear`. The quantized
 shard of a row-parallel layer is its columns' groups, so a group must not straddle ranks.
 """
 
@@ -34,6 +30,7 @@ from headrace.kernels import KernelSet, quantized
 from headrace.kernels.precision import linear
 from headrace.kernels.quantized import QuantizedWeight
 from headrace.worker.distributed.parallel import ParallelConfig, all_reduce, divide
+from headrace.worker.layers.quantizable import Quantizable
 from headrace.worker.layers.weights import (
     LoadedTensor,
     LoadTarget,
@@ -41,7 +38,6 @@ from headrace.worker.layers.weights import (
     check_shape,
     load_into,
     new_parameter,
-    shard_ids_of,
     shard_rows,
 )
 from torch import nn
@@ -103,43 +99,18 @@ class RowShard:
     full_rows: int
 
 
-class _Adaptable(nn.Module):
+class _Adaptable(Quantizable):
     """A linear layer a `LinearDelta` may be attached to once the model is built (LoRA), and
     whose weight may be held quantized."""
 
     #: Added to this rank's output when set (LoRA adapters); None runs the base layer alone.
     lora: LinearDelta | None = None
-    #: This rank's weight as integers (`quantize`); None: the float ``weight`` parameter.
-    quantized: QuantizedWeight | None = None
-    weight: nn.Parameter
     bias: nn.Parameter | None
     matmul: Matmul
     quantized_matmul: QuantizedMatmul
 
     def attach_delta(self, delta: LinearDelta) -> None:
         self.lora = delta
-
-    @property
-    def device(self) -> torch.device:
-        return self.weight.device if self.quantized is None else self.quantized.device
-
-    def quantize(self, bits: int, group_size: int | None) -> None:
-        """Hold the weight as ``bits``-bit integers in groups of ``group_size`` along the
-        input (None: one group per output row) from now on; call before loading it."""
-        rows, cols = self.weight.shape
-        self.quantized = quantized.empty(
-            (rows, cols), bits, group_size or cols, device=self.weight.device
-        )
-        shard_ids, dtype = shard_ids_of(self.weight), self.weight.dtype
-        with torch.device("meta"):  # the shape and dtype only
-            self.weight = new_parameter((rows, cols), dtype, self._load_quantized, shard_ids)
-
-    def _load_quantized(self, param: nn.Parameter, loaded: LoadedTensor, shard_id: ShardId) -> None:
-        assert self.quantized is not None
-        self.weight_loader(self.quantized, loaded, shard_id)
-
-    def weight_loader(self, param: LoadTarget, loaded: LoadedTensor, shard_id: ShardId) -> None:
-        raise NotImplementedError
 
     def multiply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x Wᵀ + b over this rank's weight, float or quantized ([T, in] -> [T, out])."""
@@ -366,12 +337,23 @@ QUANTIZED_LAYOUTS: dict[str, tuple[int, int | None]] = {
 }
 
 
-def quantize_linear_layers(model: nn.Module, quantization: str) -> None:
-    """Hold every linear layer's weight in the layout ``quantization`` names (before the
-    weights load); "none" keeps them float."""
-    layout = QUANTIZED_LAYOUTS.get(quantization)
-    if layout is None:
+#: The same for the vocabulary table (embedding and LM head): 8 bits, so the logits keep
+#: their precision where the layers take 4 (as llama.cpp's 4-bit files keep token_embd at 8
+#: or 6); a GGUF's Q8_0 table as shipped.
+QUANTIZED_VOCAB_LAYOUTS: dict[str, tuple[int, int | None]] = {
+    "int8": (8, None),
+    "int4": (8, None),
+    "gguf": (8, quantized.NIBBLE_BLOCK),
+}
+
+
+def quantize_layers(model: nn.Module, quantization: str) -> None:
+    """Hold every linear layer's weight, and the vocabulary table's, in the layouts
+    ``quantization`` names (before the weights load); "none" keeps them float."""
+    if quantization not in QUANTIZED_LAYOUTS:
         return
     for module in model.modules():
         if isinstance(module, _Adaptable):
-            module.quantize(*layout)
+            module.quantize(*QUANTIZED_LAYOUTS[quantization])
+        elif isinstance(module, Quantizable):
+            module.quantize(*QUANTIZED_VOCAB_LAYOUTS[quantization])

@@ -12,7 +12,7 @@ import torch
 from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
-from headrace.worker.layers.linear import quantize_linear_layers
+from headrace.worker.layers.linear import quantize_layers
 from headrace.worker.layers.weights import LoadedTensor
 from headrace.worker.models.config import UnsupportedModelError
 from headrace.worker.models.gguf import iter_gguf_tensors
@@ -88,7 +88,7 @@ def load_model(
             dtype,
             kernels or select_kernels("auto", device),
         )
-    quantize_linear_layers(cast(nn.Module, model), source.quantization)
+    quantize_layers(cast(nn.Module, model), source.quantization)
     model.load_weights(source.tensors())
     model.eval()
     return LoadedModel(model, hf_config)
