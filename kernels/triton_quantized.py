@@ -1,6 +1,3 @@
-# mypy: allow-untyped-defs
-# (@triton.jit kernels take pointers and tl.constexpr values that have no Python types, as
-# pyproject.toml's override says for the other Triton modules; the host wrapper is typed.)
 """Triton linear over a quantized weight (`headrace.kernels.quantized`): y = x Wᵀ + b with
 W formed in registers from its integers, scales and offsets, never as a float tensor.
 

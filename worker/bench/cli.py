@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headrace.sdk.cli import add_kernel_backend_argument
+from headrace.sdk.cli import QUANTIZATIONS, add_kernel_backend_argument
 from headrace.sdk.cli_help import HelpFormatter
 from headrace.worker.models.store import DEFAULT_MODEL
 
@@ -125,6 +125,12 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
     add("--dtype", default="bfloat16", help="float32, bfloat16 or float16")
+    add(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="how linear layers hold their weights (as the worker's flag)",
+    )
     add("--tiny", action="store_true", help="a 2-layer hidden-64 random model (overhead)")
     add("--num-requests", type=int, help="default: 64 (256 with --tiny)")
     add("--min-prompt-len", type=int, help="default: 32 (16 with --tiny)")

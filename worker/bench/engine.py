@@ -190,8 +190,10 @@ def _workload_shape(args: argparse.Namespace) -> tuple[int, tuple[int, int], int
 def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary:
     num_requests, prompt_lens, max_tokens = _workload_shape(args)
     config = EngineConfig(
-        model=str(model_path),
+        # a GGUF as shipped is found by the model's name (the prepared folder holds floats)
+        model=args.model if args.quantization == "gguf" else str(model_path),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_num_seqs=max(256, num_requests),
         max_num_batched_tokens=args.max_num_batched_tokens,
