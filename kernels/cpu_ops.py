@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 from headrace.kernels import native, prepacked, reference
@@ -210,29 +211,46 @@ def linear(
     whatever the other rows), else torch's on the weight packed once (`prepacked.linear`)."""
     if not _takes_skinny(x, weight):
         return prepacked.linear(x, weight, bias, out_dtype)
+
+    def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
+        return int(
+            library().headrace_skinny_linear(
+                _ptr(x),
+                x.stride(0),
+                _DTYPE_CODES[x.dtype],
+                x.shape[0],
+                _ptr(weight),
+                _DTYPE_CODES[weight.dtype],
+                weight.shape[0],
+                weight.shape[1],
+                None if bias is None else _ptr(bias),
+                _ptr(out),
+                out.stride(0),
+                _DTYPE_CODES[out.dtype],
+            )
+        )
+
+    return _skinny(x, bias, out_dtype, weight.shape[0], run)
+
+
+def _skinny(
+    x: torch.Tensor,  # [T, in]
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+    num_outputs: int,
+    run: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], int],
+) -> torch.Tensor:  # [T, num_outputs] in out_dtype (default: x's dtype)
+    """A C matmul's call (``run(x, bias, out)``, 0 or -1 when out of memory) with x's rows
+    contiguous, the bias in float32, and out in a dtype the kernel stores."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     out_dtype = out_dtype or x.dtype
     store_dtype = out_dtype if out_dtype in _DTYPE_CODES else torch.float32
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=store_dtype)
-    status = library().headrace_skinny_linear(
-        _ptr(x),
-        x.stride(0),
-        _DTYPE_CODES[x.dtype],
-        x.shape[0],
-        _ptr(weight),
-        _DTYPE_CODES[weight.dtype],
-        weight.shape[0],
-        weight.shape[1],
-        None if bias is None else _ptr(bias),
-        _ptr(out),
-        out.stride(0),
-        _DTYPE_CODES[store_dtype],
-    )
-    if status != 0:
-        raise MemoryError("the skinny linear could not allocate its float32 copy of x")
+    out = torch.empty(x.shape[0], num_outputs, dtype=store_dtype)
+    if run(x, bias, out) != 0:
+        raise MemoryError("the skinny matmul could not allocate its float32 copy of x")
     return out.to(out_dtype)
 
 
@@ -253,34 +271,30 @@ def quantized_linear(
         wide_bias = None if bias is None else bias.to(dtype)
         y = torch.nn.functional.linear(x.to(dtype), dequantize(weight, dtype), wide_bias)
         return y.to(out_dtype or x.dtype)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    out_dtype = out_dtype or x.dtype
-    store_dtype = out_dtype if out_dtype in _DTYPE_CODES else torch.float32
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=store_dtype)
     rows, cols = weight.shape
-    status = library().headrace_quantized_linear(
-        _ptr(x),
-        x.stride(0),
-        _DTYPE_CODES[x.dtype],
-        x.shape[0],
-        _ptr(weight.data),
-        weight.bits,
-        rows,
-        cols,
-        weight.group_size,
-        _ptr(weight.scales),
-        None if weight.offsets is None else _ptr(weight.offsets),
-        None if bias is None else _ptr(bias),
-        _ptr(out),
-        out.stride(0),
-        _DTYPE_CODES[store_dtype],
-    )
-    if status != 0:
-        raise MemoryError("the quantized linear could not allocate its float32 copy of x")
-    return out.to(out_dtype)
+
+    def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
+        return int(
+            library().headrace_quantized_linear(
+                _ptr(x),
+                x.stride(0),
+                _DTYPE_CODES[x.dtype],
+                x.shape[0],
+                _ptr(weight.data),
+                weight.bits,
+                rows,
+                cols,
+                weight.group_size,
+                _ptr(weight.scales),
+                None if weight.offsets is None else _ptr(weight.offsets),
+                None if bias is None else _ptr(bias),
+                _ptr(out),
+                out.stride(0),
+                _DTYPE_CODES[out.dtype],
+            )
+        )
+
+    return _skinny(x, bias, out_dtype, rows, run)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
