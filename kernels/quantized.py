@@ -19,7 +19,8 @@ kernel's over those values.
   load. ``--quantization int4`` is groups of 32 with the group's minimum as offset (GGUF's
   Q4_1 exactly); Q4_0 is offsets = -8 * scales.
 
-So ``group_size`` is a multiple of 32 (or K, for 8 bits per channel) and divides K. Slices
+So every row is whole blocks of 32 (the kernels step 16 lanes at a time, with no tail), and
+``group_size`` is a multiple of 32 (or K, for 8 bits per channel) that divides K. Slices
 of output rows, and of K at group boundaries, are again quantized weights: tensor
 parallelism splits them as it splits float weights.
 """
@@ -59,13 +60,7 @@ class QuantizedWeight:
         rows, cols = self.shape
         if self.bits not in (4, 8):
             raise ValueError(f"quantized weights have 8 or 4 bits, not {self.bits}")
-        if cols % self.group_size or (self.group_size % NIBBLE_BLOCK and self.group_size != cols):
-            raise ValueError(
-                f"group size {self.group_size} must divide the row of {cols} and be a "
-                f"multiple of {NIBBLE_BLOCK}"
-            )
-        if self.bits == 4 and cols % NIBBLE_BLOCK:
-            raise ValueError(f"4-bit rows are whole {NIBBLE_BLOCK}-element blocks, not {cols}")
+        check_row(cols, self.group_size)
         groups = (rows, cols // self.group_size)
         if tuple(self.scales.shape) != groups or self.scales.dtype != torch.float32:
             raise ValueError(f"scales must be float32 {groups}, not {tuple(self.scales.shape)}")
@@ -158,6 +153,17 @@ class QuantizedWeight:
         )
 
 
+def check_row(cols: int, group_size: int) -> None:
+    """Refuse rows of ``cols`` the layout cannot hold in groups of ``group_size``."""
+    if cols % NIBBLE_BLOCK:
+        raise ValueError(f"rows of {cols} are not whole blocks of {NIBBLE_BLOCK}")
+    if cols % group_size or (group_size % NIBBLE_BLOCK and group_size != cols):
+        raise ValueError(
+            f"group size {group_size} must divide the row of {cols} and be a multiple of "
+            f"{NIBBLE_BLOCK}"
+        )
+
+
 def empty(
     shape: tuple[int, int], bits: int, group_size: int, device: torch.device | None = None
 ) -> QuantizedWeight:
@@ -186,6 +192,7 @@ def quantize(
     channel of a whole row when a rank holds only part of it). 4 bits: offset = the group's
     minimum, scale = (max - min) / 15."""
     rows, cols = weight.shape
+    check_row(cols, group_size)
     w = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
     if bits == 8:
         if scales is None:

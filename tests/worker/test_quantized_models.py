@@ -290,7 +290,7 @@ def test_a_gguf_is_served_as_shipped_with_transformers_tokens(
     prompts = make_prompts(256)
     expected = hf_greedy(transformers_checkpoint(path, tmp_path / "oracle"), prompts, MAX_TOKENS)
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=16)
-    assert llm.engine.spec.quantization == "gguf"
+    assert llm.engine.spec.quantization == "gguf-q4"  # the file's projections are Q4_0 / Q4_1
     model: Any = llm.engine.runner.model
     held = [getattr(module, "quantized", None) for module in model.modules()]
     # qkv, o, gate_up and down of each layer hold the file's Q4_0 / Q4_1 blocks.
@@ -318,5 +318,6 @@ def test_int4_refuses_a_layer_whose_inputs_are_not_whole_groups(tmp_path: Path) 
     """down_proj's 80 inputs are not groups of 32: refused at start-up, naming the sizes. (So
     is a rank's share of a row-parallel layer: 96 inputs over two ranks are 48 each.)"""
     path = build_checkpoint(tmp_path, "llama", intermediate_size=80)
-    with pytest.raises(ValueError, match="group size 32 must divide the row of 80"):
+    with pytest.raises(InvalidArgumentError, match=r"down_proj.*rows of 80 are not") as error:
         LLM(str(path), dtype="float32", quantization="int4")
+    assert error.value.field == "quantization"

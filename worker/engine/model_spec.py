@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
+from headrace.worker.models.gguf import projection_bits
 from headrace.worker.models.registry import model_factory, read_model_type
 from headrace.worker.models.store import GGUF_SUFFIX, gguf_file, resolve_model
 from tokenizers import decoders
@@ -36,8 +37,8 @@ class ModelSpec:
     eos_token_ids: frozenset[int]
     #: Longest text prompt in UTF-8 bytes that could fit (or the configured limit).
     max_prompt_bytes: int
-    #: How linear layers hold their weights: "none", "int8", "int4" or "gguf" ("auto"
-    #: settled: "gguf" for a .gguf model, else "none").
+    #: How linear layers hold their weights: "none", "int8", "int4", or a GGUF file's blocks
+    #: as shipped, "gguf-q4" / "gguf-q8" (`_quantization`).
     quantization: str = "none"
     #: The GGUF file the weights are read from (a .gguf model, or "gguf" for a known model
     #: shipped as one); None: the folder's safetensors.
@@ -46,6 +47,7 @@ class ModelSpec:
     @classmethod
     def load(cls, config: EngineConfig) -> ModelSpec:
         path = resolve_model(config.model)
+        gguf = _weights_gguf(config)
         model_factory(read_model_type(path))  # before transformers reads the type
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -63,15 +65,23 @@ class ModelSpec:
             tokenizer=tokenizer,
             eos_token_ids=_eos_token_ids(path, tokenizer),
             max_prompt_bytes=max_prompt_bytes,
-            quantization=_quantization(config),
-            gguf_file=_weights_gguf(config),
+            quantization=_quantization(config, gguf),
+            gguf_file=gguf,
         )
 
 
-def _quantization(config: EngineConfig) -> str:
-    if config.quantization != "auto":
-        return config.quantization
-    return "gguf" if config.model.endswith(GGUF_SUFFIX) else "none"
+def _quantization(config: EngineConfig, gguf: Path | None) -> str:
+    """The layout the layers take (`headrace.worker.layers.linear.QUANTIZED_LAYOUTS`): as
+    asked, or for "gguf" (and "auto" on a .gguf file) the file's own: "gguf-q4" or "gguf-q8",
+    or "none" for a file of float projections."""
+    asked = config.quantization
+    if asked == "auto":
+        asked = "gguf" if gguf is not None else "none"
+    if asked != "gguf":
+        return asked
+    assert gguf is not None, "_weights_gguf found the file"
+    bits = projection_bits(gguf)
+    return "none" if bits is None else f"gguf-q{bits}"
 
 
 def _weights_gguf(config: EngineConfig) -> Path | None:

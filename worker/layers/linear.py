@@ -29,6 +29,7 @@ import torch
 from headrace.kernels import KernelSet, quantized
 from headrace.kernels.precision import linear
 from headrace.kernels.quantized import QuantizedWeight
+from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig, all_reduce, divide
 from headrace.worker.layers.quantizable import Quantizable
 from headrace.worker.layers.weights import (
@@ -331,9 +332,10 @@ class RowParallelLinear(_Adaptable):
 QUANTIZED_LAYOUTS: dict[str, tuple[int, int | None]] = {
     "int8": (8, None),
     "int4": (4, quantized.INT4_GROUP_SIZE),
-    # GGUF files quantize linear weights in blocks of 32 (Q4_0 / Q4_1 as they are; a Q8_0 or
-    # other tensor is dequantized and quantized again into these, with a log line).
-    "gguf": (4, quantized.INT4_GROUP_SIZE),
+    # A GGUF file's blocks of 32 as shipped: Q4_0 / Q4_1, or Q8_0 (`ModelSpec` picks the
+    # file's; a projection of another type is quantized into it).
+    "gguf-q4": (4, quantized.NIBBLE_BLOCK),
+    "gguf-q8": (8, quantized.NIBBLE_BLOCK),
 }
 
 
@@ -343,7 +345,8 @@ QUANTIZED_LAYOUTS: dict[str, tuple[int, int | None]] = {
 QUANTIZED_VOCAB_LAYOUTS: dict[str, tuple[int, int | None]] = {
     "int8": (8, None),
     "int4": (8, None),
-    "gguf": (8, quantized.NIBBLE_BLOCK),
+    "gguf-q4": (8, quantized.NIBBLE_BLOCK),
+    "gguf-q8": (8, quantized.NIBBLE_BLOCK),
 }
 
 
@@ -352,8 +355,14 @@ def quantize_layers(model: nn.Module, quantization: str) -> None:
     ``quantization`` names (before the weights load); "none" keeps them float."""
     if quantization not in QUANTIZED_LAYOUTS:
         return
-    for module in model.modules():
-        if isinstance(module, _Adaptable):
-            module.quantize(*QUANTIZED_LAYOUTS[quantization])
-        elif isinstance(module, Quantizable):
-            module.quantize(*QUANTIZED_VOCAB_LAYOUTS[quantization])
+    for name, module in model.named_modules():
+        if not isinstance(module, Quantizable):
+            continue
+        linear = isinstance(module, _Adaptable)
+        layout = (QUANTIZED_LAYOUTS if linear else QUANTIZED_VOCAB_LAYOUTS)[quantization]
+        try:
+            module.quantize(*layout)
+        except ValueError as error:
+            raise InvalidArgumentError(
+                "quantization", f"{quantization} cannot hold {name}'s weight: {error}"
+            ) from None

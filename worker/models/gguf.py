@@ -120,6 +120,35 @@ def iter_gguf_tensors(path: Path) -> Iterator[tuple[str, Weight]]:
         yield name, weight if num_heads is None else _unpermute(weight, num_heads)
 
 
+def projection_bits(path: Path) -> int | None:
+    """The bits the file's projections (attention and MLP weights) are shipped in: 4 if any
+    is Q4_0 / Q4_1, else 8 if any is Q8_0, else None (float or other types: dequantized).
+    A projection of another type than the one chosen is logged: it will be converted."""
+    reader = GGUFReader(path)
+    types = {
+        tensor.name: tensor.tensor_type
+        for tensor in reader.tensors
+        if (hf_name(tensor.name) or "").endswith("_proj.weight")
+    }
+    bits = {_BLOCK_FORMATS[t].bits for t in types.values() if t in _BLOCK_FORMATS}
+    chosen = min(bits, default=None)
+    others = sorted(
+        {
+            t.name
+            for t in types.values()
+            if t not in _BLOCK_FORMATS or _BLOCK_FORMATS[t].bits != chosen
+        }
+    )
+    if chosen is not None and others:
+        logger.info(
+            "%s: projections of types %s are converted to the file's %d-bit blocks",
+            path.name,
+            ", ".join(others),
+            chosen,
+        )
+    return chosen
+
+
 def hf_name(gguf_name: str) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for a
     tensor Hugging Face checkpoints do not have; ValueError for one this module does not know."""
