@@ -6,7 +6,9 @@ runs the same C ops back to back in one region, so every value is the per-op pat
 bit. It serves Llama-shaped stacks (fused qkv, neox rotary, gated SiLU MLP, no biases, no
 q/k norm) on one rank without LoRA, in one dtype shared by activations, weights and the KV
 cache, for steps whose rows are all decodes and few enough for the skinny matmul; the model
-asks `DecoderStack.fits` and keeps to the per-op path otherwise.
+asks `DecoderStack.fits` and keeps to the per-op path otherwise. The four matrices of every
+layer may instead be quantized alike (`headrace.kernels.quantized`: the same bits, and groups
+of one size or one per row).
 """
 
 from __future__ import annotations
@@ -16,22 +18,49 @@ from dataclasses import dataclass
 import torch
 from headrace.kernels import cpu_ops
 from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.quantized import QuantizedWeight
 
-#: Pointers per layer, in decode_stack.c's order (INPUT_NORM .. KV_CACHE).
-_LAYER_TENSORS = 7
+#: Pointers per layer, in decode_stack.c's order (INPUT_NORM .. KV_CACHE): two norms, the
+#: cache, and four matrices of three (data, scales, offsets).
+_LAYER_TENSORS = 15
+
+#: A layer's matrix: a float weight, or a quantized one.
+Matrix = torch.Tensor | QuantizedWeight
 
 
 @dataclass(frozen=True, slots=True)
 class DecoderLayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
-    o_proj: torch.Tensor  # [hidden, H D]
+    qkv: Matrix  # [(H + 2 Hkv) D, hidden]
+    o_proj: Matrix  # [hidden, H D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 I, hidden]
-    down: torch.Tensor  # [hidden, I]
+    gate_up: Matrix  # [2 I, hidden]
+    down: Matrix  # [hidden, I]
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.input_norm, self.qkv, self.o_proj, self.post_norm, self.gate_up, self.down)
+    def norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.input_norm, self.post_norm)
+
+    def matrices(self) -> tuple[Matrix, ...]:
+        return (self.qkv, self.o_proj, self.gate_up, self.down)
+
+    def pointers(self) -> list[int]:
+        """decode_stack.c's row for this layer, but the KV cache."""
+        qkv, o_proj, gate_up, down = (_matrix_pointers(m) for m in self.matrices())
+        return [
+            self.input_norm.data_ptr(),
+            *qkv,
+            *o_proj,
+            self.post_norm.data_ptr(),
+            *gate_up,
+            *down,
+        ]
+
+
+def _matrix_pointers(matrix: Matrix) -> tuple[int, int, int]:
+    if isinstance(matrix, torch.Tensor):
+        return (matrix.data_ptr(), 0, 0)
+    offsets = 0 if matrix.offsets is None else matrix.offsets.data_ptr()
+    return (matrix.data.data_ptr(), matrix.scales.data_ptr(), offsets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +86,12 @@ class DecoderStack:
         self.final_norm = final_norm  # [hidden]
         self.shape = shape
         self.dtype = final_norm.dtype
-        tensors = [t for layer in layers for t in layer.tensors()] + [final_norm]
-        self.usable = cpu_ops.available() and all(_in_kernel(t, self.dtype) for t in tensors)
+        norms = [t for layer in layers for t in layer.norms()] + [final_norm]
+        matrices = [m for layer in layers for m in layer.matrices()]
+        #: (bits, group size) of the matrices: (0, 0) in the dtype; a group of 0 is a row.
+        self.weights = _common_layout(matrices, self.dtype)
+        in_kernel = all(_in_kernel(t, self.dtype) for t in norms)
+        self.usable = cpu_ops.available() and in_kernel and self.weights is not None
 
     def fits(
         self,
@@ -71,7 +104,7 @@ class DecoderStack:
         rows = hidden.shape[0]
         if not self.usable or hidden.dtype != self.dtype or rows != metadata.num_seqs:
             return False
-        if metadata.num_decode_seqs != rows or not rows <= cpu_ops.skinny_max_rows(self.dtype):
+        if metadata.num_decode_seqs != rows or not rows <= self._max_rows():
             return False
         return all(_in_kernel(cache, self.dtype) for cache in kv_caches)
 
@@ -85,17 +118,37 @@ class DecoderStack:
     ) -> torch.Tensor:  # [T, hidden]: the final norm's output
         """The layers' output, as the per-op path computes it (the caller checked `fits`)."""
         pointers = [
-            t.data_ptr()
+            pointer
             for layer, cache in zip(self.layers, kv_caches, strict=True)
-            for t in (*layer.tensors(), cache)
+            for pointer in (*layer.pointers(), cache.data_ptr())
         ]
         return decode_layers(
             hidden, torch.tensor(pointers, dtype=torch.int64), self, cos, sin, metadata
         )
 
+    def _max_rows(self) -> int:
+        quantized = self.weights is not None and self.weights[0] != 0
+        return cpu_ops.SKINNY_MAX_ROWS if quantized else cpu_ops.skinny_max_rows(self.dtype)
+
 
 def _in_kernel(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
+
+
+def _common_layout(matrices: list[Matrix], dtype: torch.dtype) -> tuple[int, int] | None:
+    """(bits, group size) shared by every matrix ((0, 0): all float in dtype; group 0: one
+    per row), or None when they differ or one is not where the C stack reads it."""
+    layouts = {_layout(m, dtype) for m in matrices}
+    return layouts.pop() if len(layouts) == 1 and None not in layouts else None
+
+
+def _layout(matrix: Matrix, dtype: torch.dtype) -> tuple[int, int] | None:
+    if isinstance(matrix, torch.Tensor):
+        return (0, 0) if _in_kernel(matrix, dtype) else None
+    if matrix.device.type != "cpu":
+        return None
+    cols = matrix.shape[1]
+    return (matrix.bits, 0 if matrix.group_size == cols else matrix.group_size)
 
 
 def decode_layers(
@@ -108,8 +161,8 @@ def decode_layers(
 ) -> torch.Tensor:
     """The C stack on `DecoderStack.decode`'s pointer table: the final norm's output, in a
     copy of hidden that the call overwrites in place."""
-    shape = stack.shape
-    assert pointers.numel() == len(stack.layers) * _LAYER_TENSORS
+    shape, layout = stack.shape, stack.weights
+    assert pointers.numel() == len(stack.layers) * _LAYER_TENSORS and layout is not None
     out = hidden.contiguous().clone()
     tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)
     seq_ids = torch.arange(metadata.num_seqs, dtype=torch.int32)
@@ -128,6 +181,7 @@ def decode_layers(
         shape.num_kv_heads,
         shape.head_dim,
         cpu_ops.dtype_code(stack.dtype),
+        *layout,
         cos.data_ptr(),
         sin.data_ptr(),
         slots.data_ptr(),

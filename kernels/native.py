@@ -76,7 +76,8 @@ _SIGNATURES = {
     ),
     "headrace_decode_layers": (
         [_P, _I64, _INT, _P, _P, ctypes.c_float, _I64, _I64]
-        + [_INT] * 4
+        + [_INT] * 5
+        + [_I64]
         + [_P] * 4
         + [_I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT],
         _INT,

@@ -20,7 +20,7 @@ kernel's over those values.
   Q4_1 exactly); Q4_0 is offsets = -8 * scales.
 
 So every row is whole blocks of 32 (the kernels step 16 lanes at a time, with no tail), and
-``group_size`` is a multiple of 32 (or K, for 8 bits per channel) that divides K. Slices
+``group_size`` is a power of two from 32 (or K, for 8 bits per channel) that divides K. Slices
 of output rows, and of K at group boundaries, are again quantized weights: tensor
 parallelism splits them as it splits float weights.
 """
@@ -157,10 +157,11 @@ def check_row(cols: int, group_size: int) -> None:
     """Refuse rows of ``cols`` the layout cannot hold in groups of ``group_size``."""
     if cols % NIBBLE_BLOCK:
         raise ValueError(f"rows of {cols} are not whole blocks of {NIBBLE_BLOCK}")
-    if cols % group_size or (group_size % NIBBLE_BLOCK and group_size != cols):
+    power_of_two = group_size & (group_size - 1) == 0 and group_size >= NIBBLE_BLOCK
+    if cols % group_size or not (power_of_two or group_size == cols):
         raise ValueError(
-            f"group size {group_size} must divide the row of {cols} and be a multiple of "
-            f"{NIBBLE_BLOCK}"
+            f"group size {group_size} must divide the row of {cols} and be a power of two "
+            f"from {NIBBLE_BLOCK} (or the whole row)"
         )
 
 

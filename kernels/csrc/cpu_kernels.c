@@ -1027,7 +1027,7 @@ static inline int step_of(int layout) { return layout == BF16_PAIRS ? 2 * LANES 
 /* One call's operands: x [M, K] (float32, or bf16 for BF16_PAIRS; rows strided), w [N, K]
    contiguous in w_dtype (quantized: its integers, with scales and offsets [N, K / group_size]
    float32, offsets NULL for Q8), bias [N] float32 or NULL, y [M, N] in y_dtype (rows
-   strided); how many whole 6-row blocks of x there are, and how many rows of the next tile's
+   strided; groups of a power of two, or one per row); how many whole 6-row blocks of x there are, and how many rows of the next tile's
    weights each of them prefetches. */
 typedef struct {
     const void *x;
@@ -1035,7 +1035,7 @@ typedef struct {
     const void *w;
     int64_t N, K;
     const float *scales, *offsets;
-    int64_t group_size;
+    int group_shift; /* log2 of the group size, or -1: one group per row */
     const float *bias;
     void *y;
     int64_t y_stride;
@@ -1055,7 +1055,8 @@ static inline const void *weight_address(const Skinny *s, int64_t n, int64_t k, 
    each operation rounded on its own (the _round_ forms are never fused into one). */
 static inline __attribute__((always_inline)) v16 dequantize_step(const Skinny *s, int64_t n,
                                                                  int64_t k, int layout) {
-    const int64_t group = n * (s->K / s->group_size) + k / s->group_size;
+    const int shift = s->group_shift; /* (a division per step cost more than the arithmetic) */
+    const int64_t group = shift < 0 ? n : n * (s->K >> shift) + (k >> shift);
     const void *address = weight_address(s, n, k, layout);
 #ifdef __AVX512F__
     const __m128i bytes = _mm_loadu_si128((const __m128i *)address);
@@ -1411,8 +1412,25 @@ int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t
     return 0;
 }
 
+/* log2 of a group size (a power of two), or -1 for one group per row of K. */
+static int group_shift(int64_t group_size, int64_t K) {
+    return group_size == K ? -1 : __builtin_ctzll((unsigned long long)group_size);
+}
+
 /* The same over quantized weights (bits 8 or 4: kernels/quantized.py's layout, K a multiple
-   of 32 and of group_size): every output the float kernel's over the dequantized weights. */
+   of 32, groups of a power of two or one per row): every output the float kernel's over the
+   dequantized weights. */
+void hr_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
+                         int bits, int64_t N, int64_t K, int64_t group_size, const float *scales,
+                         const float *offsets, const float *bias, void *y, int64_t y_stride,
+                         int y_dtype, float *wide_x) {
+    const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
+                      .scales = scales, .offsets = offsets,
+                      .group_shift = group_shift(group_size, K), .bias = bias, .y = y,
+                      .y_stride = y_stride, .y_dtype = y_dtype};
+    skinny_run(s, x_dtype, bits == 8 ? Q8 : Q4, wide_x);
+}
+
 int headrace_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M,
                               const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
                               const float *scales, const float *offsets, const float *bias,
@@ -1420,11 +1438,9 @@ int headrace_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int6
     int failed;
     float *wide_x = alloc_wide_x(x_dtype, M, K, &failed);
     if (failed) return -1;
-    const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
-                      .scales = scales, .offsets = offsets, .group_size = group_size,
-                      .bias = bias, .y = y, .y_stride = y_stride, .y_dtype = y_dtype};
 #pragma omp parallel if (N * K >= (1 << 15))
-    skinny_run(s, x_dtype, bits == 8 ? Q8 : Q4, wide_x);
+    hr_quantized_linear(x, x_stride, x_dtype, M, w, bits, N, K, group_size, scales, offsets, bias,
+                        y, y_stride, y_dtype, wide_x);
     free(wide_x);
     return 0;
 }
@@ -1434,7 +1450,7 @@ int headrace_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int6
 void headrace_dequantize(const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
                          const float *scales, const float *offsets, void *out, int out_dtype) {
     const Skinny s = {.w = w, .N = N, .K = K, .scales = scales, .offsets = offsets,
-                      .group_size = group_size};
+                      .group_shift = group_shift(group_size, K)};
     const int layout = bits == 8 ? Q8 : Q4;
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 15))
     for (int64_t n = 0; n < N; n++) {

@@ -22,6 +22,13 @@ void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, c
                       int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
                       int64_t y_stride, int y_dtype, float *wide_x);
 
+/* hr_skinny_linear over quantized weights (kernels/quantized.py): bits 8 or 4, scales and
+   offsets [N, K / group_size] float32 (offsets NULL for 8 bits). */
+void hr_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
+                         int bits, int64_t N, int64_t K, int64_t group_size, const float *scales,
+                         const float *offsets, const float *bias, void *y, int64_t y_stride,
+                         int y_dtype, float *wide_x);
+
 void hr_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_stride_head,
                      int64_t num_heads, const void *key, int64_t k_stride_token,
                      int64_t k_stride_head, int64_t num_kv_heads, const void *cos, const void *sin,

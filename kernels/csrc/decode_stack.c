@@ -9,8 +9,9 @@
    the per-op path computes, bit for bit.
 
    The layers are Llama's: pre-norm attention with fused qkv and neox rotary, a gated SiLU
-   MLP with fused gate/up, no biases, one rank. Activations, weights and the KV cache share
-   one dtype. The caller checks that a step fits (decode rows only, few enough for the skinny
+   MLP with fused gate/up, no biases, one rank. Activations, the norms and the KV cache share
+   one dtype; the four matrices of every layer are in it too, or all quantized alike
+   (kernels/quantized.py: the same bits and group size). The caller checks that a step fits (decode rows only, few enough for the skinny
    matmul) and keeps to the per-op path otherwise. */
 
 #include <stdlib.h>
@@ -18,17 +19,26 @@
 
 #include "cpu_kernels.h"
 
-/* Each layer's tensors, as data pointers: the row of `layers` for layer l. */
+/* Each layer's tensors, as data pointers: the row of `layers` for layer l. A matrix takes
+   MATRIX_SLOTS: its data, then (quantized) its scales and offsets (0 where it has none). */
+#define MATRIX_SLOTS 3
 enum {
-    INPUT_NORM,   /* [hidden] */
-    QKV,          /* [(H + 2 Hkv) D, hidden] */
-    O_PROJ,       /* [hidden, H D] */
-    POST_NORM,    /* [hidden] */
-    GATE_UP,      /* [2 I, hidden] */
-    DOWN,         /* [hidden, I] */
-    KV_CACHE,     /* [num_blocks, 2, block_size, Hkv, D] */
-    LAYER_TENSORS /* row length */
+    INPUT_NORM = 0,                       /* [hidden] */
+    QKV = 1,                              /* [(H + 2 Hkv) D, hidden] */
+    O_PROJ = QKV + MATRIX_SLOTS,          /* [hidden, H D] */
+    POST_NORM = O_PROJ + MATRIX_SLOTS,    /* [hidden] */
+    GATE_UP = POST_NORM + 1,              /* [2 I, hidden] */
+    DOWN = GATE_UP + MATRIX_SLOTS,        /* [hidden, I] */
+    KV_CACHE = DOWN + MATRIX_SLOTS,       /* [num_blocks, 2, block_size, Hkv, D] */
+    LAYER_TENSORS                         /* row length */
 };
+
+/* How the matrices hold their weights: bits 0 (the dtype), 8 or 4; groups of group_size
+   along K, 0 for one per row. */
+typedef struct {
+    int bits;
+    int64_t group_size;
+} Weights;
 
 /* The step's activations: [T, n] rows in the model's dtype (wide: float32). */
 typedef struct {
@@ -59,10 +69,17 @@ static char *alloc_buffers(Buffers *b, int64_t T, int64_t hidden, int64_t inter,
     return base;
 }
 
-/* y [T, N] = x [T, K] w^T, no bias. */
-static void matmul(const void *x, int64_t T, const void *w, int64_t N, int64_t K, void *y,
-                   int dtype, float *wide) {
-    hr_skinny_linear(x, K, dtype, T, w, dtype, N, K, NULL, y, N, dtype, wide);
+/* y [T, N] = x [T, K] w^T, no bias; w the matrix at `matrix` (its MATRIX_SLOTS pointers). */
+static void matmul(const void *x, int64_t T, const int64_t *matrix, Weights w, int64_t N,
+                   int64_t K, void *y, int dtype, float *wide) {
+    const void *data = (const void *)matrix[0];
+    if (w.bits == 0) {
+        hr_skinny_linear(x, K, dtype, T, data, dtype, N, K, NULL, y, N, dtype, wide);
+    } else {
+        hr_quantized_linear(x, K, dtype, T, data, w.bits, N, K, w.group_size ? w.group_size : K,
+                            (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,
+                            dtype, wide);
+    }
 }
 
 /* The decoder layers of a decode step: hidden [T, hidden] holds the tokens' embeddings on
@@ -72,7 +89,8 @@ int headrace_decode_layers(
     void *hidden, int64_t T, int num_layers,
     const int64_t *layers, /* [num_layers, LAYER_TENSORS] data pointers */
     const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
-    int num_heads, int num_kv_heads, int head_dim, int dtype,
+    int num_heads, int num_kv_heads, int head_dim, int dtype, int weight_bits,
+    int64_t group_size,
     const void *cos, const void *sin, /* [T, head_dim] */
     const int64_t *slot_mapping,      /* [T] */
     const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
@@ -81,6 +99,7 @@ int headrace_decode_layers(
     const int64_t H = num_heads, Hkv = num_kv_heads, D = head_dim, I = intermediate_size;
     const int64_t qkv_cols = (H + 2 * Hkv) * D;
     const size_t size = dtype == F32 ? 4 : 2;
+    const Weights w = {.bits = weight_bits, .group_size = group_size};
     Buffers b;
     char *base = alloc_buffers(&b, T, hidden_size, I, H, Hkv, D, size);
     if (base == NULL) return -1;
@@ -99,7 +118,7 @@ int headrace_decode_layers(
                         (const void *)t[INPUT_NORM], eps, b.normed, b.residual, T, hidden_size,
                         dtype);
         }
-        matmul(b.normed, T, (const void *)t[QKV], qkv_cols, hidden_size, b.qkv, dtype, b.wide);
+        matmul(b.normed, T, t + QKV, w, qkv_cols, hidden_size, b.qkv, dtype, b.wide);
         const char *k = b.qkv + H * D * size, *v = k + Hkv * D * size;
         hr_apply_rotary(b.qkv, qkv_cols, D, H, k, qkv_cols, D, Hkv, cos, sin, b.query, b.key, T,
                         D, dtype);
@@ -109,14 +128,12 @@ int headrace_decode_layers(
                            query_start_loc, seq_lens, seq_ids, num_seqs, num_heads,
                            num_kv_heads, head_dim, block_size, scale, dtype, query_tile,
                            b.attention, &failed);
-        matmul(b.attention, T, (const void *)t[O_PROJ], hidden_size, H * D, b.hidden, dtype,
-               b.wide);
+        matmul(b.attention, T, t + O_PROJ, w, hidden_size, H * D, b.hidden, dtype, b.wide);
         hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, (const void *)t[POST_NORM],
                     eps, b.normed, b.residual, T, hidden_size, dtype);
-        matmul(b.normed, T, (const void *)t[GATE_UP], 2 * I, hidden_size, b.gate_up, dtype,
-               b.wide);
+        matmul(b.normed, T, t + GATE_UP, w, 2 * I, hidden_size, b.gate_up, dtype, b.wide);
         hr_silu_and_mul(b.gate_up, 2 * I, b.act, T, I, dtype);
-        matmul(b.act, T, (const void *)t[DOWN], hidden_size, I, b.hidden, dtype, b.wide);
+        matmul(b.act, T, t + DOWN, w, hidden_size, I, b.hidden, dtype, b.wide);
     }
     /* the final norm of the last layer's output and the residual stream */
     hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, final_norm, eps, hidden,

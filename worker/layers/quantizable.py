@@ -33,6 +33,10 @@ class Quantizable(nn.Module):
     def device(self) -> torch.device:
         return self.weight.device if self.quantized is None else self.quantized.device
 
+    def matrix(self) -> torch.Tensor | QuantizedWeight:
+        """This rank's weight as the kernels read it: quantized, or the parameter."""
+        return self.weight if self.quantized is None else self.quantized
+
     def quantize(self, bits: int, group_size: int | None) -> None:
         """Hold the weight as ``bits``-bit integers in groups of ``group_size`` along its
         rows (None: one group per row) from now on; call before loading it (once: a second

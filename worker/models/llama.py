@@ -155,11 +155,11 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         return cpu_decode.DecoderLayerWeights(
             input_norm=self.input_layernorm.weight,
-            qkv=attn.qkv_proj.weight,
-            o_proj=attn.o_proj.weight,
+            qkv=attn.qkv_proj.matrix(),
+            o_proj=attn.o_proj.matrix(),
             post_norm=self.post_attention_layernorm.weight,
-            gate_up=mlp.gate_up_proj.weight,
-            down=mlp.down_proj.weight,
+            gate_up=mlp.gate_up_proj.matrix(),
+            down=mlp.down_proj.matrix(),
         )
 
     def forward(
