@@ -104,10 +104,11 @@ class Engine:
         self._in_flight: deque[InFlightStep[Any]] = deque()
         self.adapters = Adapters(self.executor)  # LoRA
         logger.info(
-            "engine ready: model=%s dtype=%s device=%s kernels=%s kv_blocks=%d block_size=%d "
-            "tp=%d pp=%d",
-            self.spec.path,
+            "engine ready: model=%s dtype=%s quantization=%s device=%s kernels=%s kv_blocks=%d "
+            "block_size=%d tp=%d pp=%d",
+            self.spec.gguf_file or self.spec.path,
             self.spec.dtype,
+            self.spec.quantization,
             self.device,
             self.kernels.NAME,
             self.block_manager.num_blocks,
