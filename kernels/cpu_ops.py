@@ -271,7 +271,6 @@ def quantized_linear(
         wide_bias = None if bias is None else bias.to(dtype)
         y = torch.nn.functional.linear(x.to(dtype), dequantize(weight, dtype), wide_bias)
         return y.to(out_dtype or x.dtype)
-    rows, cols = weight.shape
 
     def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
         return int(
@@ -280,13 +279,7 @@ def quantized_linear(
                 x.stride(0),
                 _DTYPE_CODES[x.dtype],
                 x.shape[0],
-                _ptr(weight.data),
-                weight.bits,
-                rows,
-                cols,
-                weight.group_size,
-                _ptr(weight.scales),
-                None if weight.offsets is None else _ptr(weight.offsets),
+                *_quantized_operands(weight),
                 None if bias is None else _ptr(bias),
                 _ptr(out),
                 out.stride(0),
@@ -294,24 +287,29 @@ def quantized_linear(
             )
         )
 
-    return _skinny(x, bias, out_dtype, rows, run)
+    return _skinny(x, bias, out_dtype, weight.shape[0], run)
 
 
-def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight [out, in] in dtype: `quantized.dequantize`'s values, rounded once."""
-    out = torch.empty(weight.shape, dtype=dtype)
+def _quantized_operands(weight: QuantizedWeight) -> tuple[int | None, ...]:
+    """A quantized weight as the C kernels take it: data, bits, N, K, group size, scales,
+    offsets (None for 8 bits)."""
     rows, cols = weight.shape
-    library().headrace_dequantize(
+    offsets = None if weight.offsets is None else _ptr(weight.offsets)
+    return (
         _ptr(weight.data),
         weight.bits,
         rows,
         cols,
         weight.group_size,
         _ptr(weight.scales),
-        None if weight.offsets is None else _ptr(weight.offsets),
-        _ptr(out),
-        _DTYPE_CODES[dtype],
+        offsets,
     )
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [out, in] in dtype: `quantized.dequantize`'s values, rounded once."""
+    out = torch.empty(weight.shape, dtype=dtype)
+    library().headrace_dequantize(*_quantized_operands(weight), _ptr(out), _DTYPE_CODES[dtype])
     return out
 
 

@@ -68,11 +68,16 @@ def write_gguf(
     for name, (qtype, shape) in tensors.items():
         values = rng.standard_normal(shape, dtype=np.float32)
         writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    finish(writer)
+    return path
+
+
+def finish(writer: GGUFWriter) -> None:
+    """Write the header, metadata and tensors a GGUFWriter was given, and close it."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def as_float(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:

@@ -49,6 +49,7 @@ from tests.worker.test_engine_oracle import (
     greedy,
     make_prompts,
 )
+from tests.worker.test_gguf import finish
 
 MAX_TOKENS = 10
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -263,10 +264,7 @@ def write_llama_gguf(path: Path) -> Path:
         noise = rng.standard_normal(shape, dtype=np.float32)
         values = 1.0 + 0.2 * noise if len(shape) == 1 else WEIGHT_STD * noise
         writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 
