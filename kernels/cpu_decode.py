@@ -127,8 +127,8 @@ class DecoderStack:
         )
 
     def _max_rows(self) -> int:
-        quantized = self.weights is not None and self.weights[0] != 0
-        return cpu_ops.SKINNY_MAX_ROWS if quantized else cpu_ops.skinny_max_rows(self.dtype)
+        bits = 0 if self.weights is None else self.weights[0]
+        return cpu_ops.QUANTIZED_MAX_ROWS[bits] if bits else cpu_ops.skinny_max_rows(self.dtype)
 
 
 def _in_kernel(tensor: torch.Tensor, dtype: torch.dtype) -> bool:

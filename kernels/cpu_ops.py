@@ -77,6 +77,15 @@ SKINNY_MAX_ROWS_BF16 = 8
 #: multiplies tiles several times faster than the dot instruction: torch keeps its rows.)
 
 
+#: Rows up to which `quantized_linear` runs the C kernel, by bits: past them, torch's GEMM on
+#: the weight dequantized for the call wins. Measured 2026-11-24 on the 2-core machine,
+#: SmolLM2's 120 layer matmuls, C vs dequantize + GEMM: int4 48 rows 73 vs 104 ms, 96: 146 vs
+#: 165, 128: 218 vs 215, 256: 412 vs 371; int8 48: 62 vs 108, 128: 172 vs 216, 256: 355 vs
+#: 393 (not measured past 256). The weights are formed in registers once per 6 rows of x, so
+#: the kernel keeps float32's cost where the GEMM pays for a float copy of every weight.
+QUANTIZED_MAX_ROWS = {8: 256, 4: 112}
+
+
 def available() -> bool:
     """Whether the C kernels built and load on this machine."""
     return native.load() is not None
@@ -266,7 +275,7 @@ def quantized_linear(
     on_cpu = x.device.type == weight.device.type == "cpu" and x.dtype in _DTYPE_CODES
     if not on_cpu:
         return reference.quantized_linear(x, weight, bias, out_dtype)
-    if not 0 < x.shape[0] <= SKINNY_MAX_ROWS:
+    if not 0 < x.shape[0] <= QUANTIZED_MAX_ROWS[weight.bits]:
         dtype = compute_dtype(x.dtype, x.device)
         wide_bias = None if bias is None else bias.to(dtype)
         y = torch.nn.functional.linear(x.to(dtype), dequantize(weight, dtype), wide_bias)

@@ -5,12 +5,13 @@ The reference: int8 and int4 round each weight to within half a scale of its gro
 groups stay exactly zero, 4-bit nibbles are packed in GGML's block order, and a slice of rows
 or of whole groups of columns is the same slice of the dequantized weight.
 
-The C kernels: up to `cpu_ops.SKINNY_MAX_ROWS` rows, `quantized_linear` forms each weight in
-registers exactly as `dequantize` does and sums as the float32 kernel does, so its output is
-`cpu_ops.linear` over the dequantized weight bit for bit (x float32 or bf16, strided rows,
-with or without bias), and a row's output does not depend on the other rows. More rows
-multiply the weight dequantized in C (`cpu_ops.dequantize`: the reference's values rounded
-once) in torch's GEMM: the reference to float rounding (float32) or to bf16's.
+The C kernels: `quantized_linear` forms each weight in registers exactly as `dequantize` does
+and sums as the float32 kernel does, so up to `cpu_ops.SKINNY_MAX_ROWS` rows (where
+`cpu_ops.linear` runs the float32 C kernel) its output is `cpu_ops.linear` over the
+dequantized weight bit for bit (x float32 or bf16, strided rows, with or without bias), and a
+row's output does not depend on the other rows. Past `cpu_ops.QUANTIZED_MAX_ROWS` rows the
+weight is dequantized in C (`cpu_ops.dequantize`: the reference's values rounded once) for
+torch's GEMM: the reference to float rounding (float32) or to bf16's.
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ LAYOUT_IDS = [f"int{bits}-g{group or 'row'}-k{k}" for bits, group, k in LAYOUTS]
 NUM_OUT = 37  # not a multiple of the kernel's 4-row weight tile
 #: Rows of the C kernel's one-row weight streams (1, 2), around its 6-row tile, its last.
 SKINNY_ROWS = [1, 2, 5, 6, 13, cpu_ops.SKINNY_MAX_ROWS]
-#: Rows past the C kernel: the weight is dequantized for torch's GEMM.
-GEMM_ROWS = [cpu_ops.SKINNY_MAX_ROWS + 1, 64, 100]
+#: Rows past the float32 C kernel's limit: still the quantized C kernel (64, 100), then past
+#: its limit for the weight's bits (+1, +20), where the weight is dequantized for torch's GEMM.
+MORE_ROWS = ["64", "100", "limit+1", "limit+20"]
+
+
+def rows_of(case: str, bits: int) -> int:
+    limit = cpu_ops.QUANTIZED_MAX_ROWS[bits]
+    return limit + int(case.removeprefix("limit+")) if case.startswith("limit") else int(case)
 
 
 def make_weight(num_out: int, num_in: int, bits: int, group_size: int | None) -> QuantizedWeight:
@@ -158,15 +165,15 @@ def test_few_rows_are_the_float_kernel_over_the_dequantized_weight_bit_for_bit(
 
 @needs_c_compiler
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_rows", GEMM_ROWS)
+@pytest.mark.parametrize("rows", MORE_ROWS)
 @pytest.mark.parametrize(("bits", "group_size", "num_in"), LAYOUTS, ids=LAYOUT_IDS)
 def test_more_rows_equal_the_reference(
-    bits: int, group_size: int | None, num_in: int, num_rows: int, x_dtype: torch.dtype
+    bits: int, group_size: int | None, num_in: int, rows: str, x_dtype: torch.dtype
 ) -> None:
-    """torch's GEMM in x's compute dtype: float32 to float rounding; bf16 (where the CPU
-    multiplies it natively) to bf16's."""
+    """The C kernel to float rounding; past its limit torch's GEMM in x's compute dtype:
+    float32 to float rounding, bf16 (where the CPU multiplies it natively) to bf16's."""
     weight = make_weight(NUM_OUT, num_in, bits, group_size)
-    x = make_x(num_rows, num_in, x_dtype)
+    x = make_x(rows_of(rows, bits), num_in, x_dtype)
     bias = torch.randn(NUM_OUT)
     got = cpu_ops.quantized_linear(x, weight, bias, out_dtype=torch.float32)
     want = quantized.linear(x, weight, bias, out_dtype=torch.float32)
