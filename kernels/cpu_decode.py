@@ -153,7 +153,7 @@ def _layout(matrix: Matrix, dtype: torch.dtype) -> tuple[int, int] | None:
 
 def decode_layers(
     hidden: torch.Tensor,  # [T, hidden]
-    pointers: torch.Tensor,  # [L * 7] int64: each layer's tensors and KV cache
+    pointers: torch.Tensor,  # [L * 15] int64: each layer's tensors and KV cache
     stack: DecoderStack,
     cos: torch.Tensor,
     sin: torch.Tensor,

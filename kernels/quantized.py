@@ -185,19 +185,16 @@ def quantize(
     weight: torch.Tensor,  # [N, K]
     bits: int,
     group_size: int,
-    scales: torch.Tensor | None = None,  # [N, K / group_size] float32 (8 bits only)
 ) -> QuantizedWeight:
     """Round ``weight`` to ``bits`` in groups of ``group_size`` along K (round to nearest).
 
-    8 bits: symmetric, scale = max |w| / 127 of the group, unless ``scales`` are given (per
-    channel of a whole row when a rank holds only part of it). 4 bits: offset = the group's
+    8 bits: symmetric, scale = max |w| / 127 of the group. 4 bits: offset = the group's
     minimum, scale = (max - min) / 15."""
     rows, cols = weight.shape
     check_row(cols, group_size)
     w = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
     if bits == 8:
-        if scales is None:
-            scales = w.abs().amax(dim=2) / INT8_MAX
+        scales = w.abs().amax(dim=2) / INT8_MAX
         safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(2)
         q = torch.round(w / safe).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         return QuantizedWeight(8, group_size, q.reshape(rows, cols), scales.contiguous(), None)

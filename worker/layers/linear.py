@@ -327,26 +327,19 @@ class RowParallelLinear(_Adaptable):
         load_into(param, loaded)
 
 
-#: Bits and group size of each quantized way of holding linear weights (EngineConfig's
-#: ``quantization``); a group of None is one per output row.
-QUANTIZED_LAYOUTS: dict[str, tuple[int, int | None]] = {
-    "int8": (8, None),
-    "int4": (4, quantized.INT4_GROUP_SIZE),
-    # A GGUF file's blocks of 32 as shipped: Q4_0 / Q4_1, or Q8_0 (`ModelSpec` picks the
-    # file's; a projection of another type is quantized into it).
-    "gguf-q4": (4, quantized.NIBBLE_BLOCK),
-    "gguf-q8": (8, quantized.NIBBLE_BLOCK),
-}
-
-
-#: The same for the vocabulary table (embedding and LM head): 8 bits, so the logits keep
+#: Bits and group size of a quantized weight; a group of None is one per output row.
+Layout = tuple[int, int | None]
+#: Per way of holding the weights (`ModelSpec.quantization`): the linear layers' layout, then
+#: the vocabulary table's (embedding and LM head), which stays at 8 bits so the logits keep
 #: their precision where the layers take 4 (as llama.cpp's 4-bit files keep token_embd at 8
-#: or 6); a GGUF's Q8_0 table as shipped.
-QUANTIZED_VOCAB_LAYOUTS: dict[str, tuple[int, int | None]] = {
-    "int8": (8, None),
-    "int4": (8, None),
-    "gguf-q4": (8, quantized.NIBBLE_BLOCK),
-    "gguf-q8": (8, quantized.NIBBLE_BLOCK),
+#: or 6). "gguf-q4" / "gguf-q8": a GGUF file's blocks of 32 as shipped (Q4_0 / Q4_1, or Q8_0,
+#: as `ModelSpec` reads the file; a projection of another type is quantized into it) and its
+#: Q8_0 table.
+QUANTIZED_LAYOUTS: dict[str, tuple[Layout, Layout]] = {
+    "int8": ((8, None), (8, None)),
+    "int4": ((4, quantized.INT4_GROUP_SIZE), (8, None)),
+    "gguf-q4": ((4, quantized.NIBBLE_BLOCK), (8, quantized.NIBBLE_BLOCK)),
+    "gguf-q8": ((8, quantized.NIBBLE_BLOCK), (8, quantized.NIBBLE_BLOCK)),
 }
 
 
@@ -355,11 +348,11 @@ def quantize_layers(model: nn.Module, quantization: str) -> None:
     ``quantization`` names (before the weights load); "none" keeps them float."""
     if quantization not in QUANTIZED_LAYOUTS:
         return
+    linear_layout, table_layout = QUANTIZED_LAYOUTS[quantization]
     for name, module in model.named_modules():
         if not isinstance(module, Quantizable):
             continue
-        linear = isinstance(module, _Adaptable)
-        layout = (QUANTIZED_LAYOUTS if linear else QUANTIZED_VOCAB_LAYOUTS)[quantization]
+        layout = linear_layout if isinstance(module, _Adaptable) else table_layout
         try:
             module.quantize(*layout)
         except ValueError as error:
