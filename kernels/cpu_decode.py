@@ -8,7 +8,7 @@ q/k norm) on one rank without LoRA, in one dtype shared by activations, weights 
 cache, for steps whose rows are all decodes and few enough for the skinny matmul; the model
 asks `DecoderStack.fits` and keeps to the per-op path otherwise. The four matrices of every
 layer may instead be quantized alike (`headrace.kernels.quantized`: the same bits, and groups
-of one size or one per row).
+of one size or one per row), and the KV cache may be int8 (`headrace.kernels.kv_layout`).
 """
 
 from __future__ import annotations
@@ -100,20 +100,23 @@ class DecoderStack:
         metadata: AttentionMetadata,
     ) -> bool:
         """Whether this step can run in one call: every row a decode, few enough rows for
-        the skinny matmul, the stack's dtype throughout."""
+        the skinny matmul, the stack's dtype throughout (the caches in it, or all int8)."""
         rows = hidden.shape[0]
         if not self.usable or hidden.dtype != self.dtype or rows != metadata.num_seqs:
             return False
         if metadata.num_decode_seqs != rows or not rows <= self._max_rows():
             return False
-        return all(_in_kernel(cache, self.dtype) for cache in kv_caches)
+        cache_dtype = kv_caches[0].dtype if kv_caches else self.dtype
+        if cache_dtype not in (self.dtype, torch.int8):
+            return False
+        return all(_in_kernel(cache, cache_dtype) for cache in kv_caches)
 
     def decode(
         self,
         hidden: torch.Tensor,  # [T, hidden]: the tokens' embeddings
         cos: torch.Tensor,  # [T, 1, head_dim]
         sin: torch.Tensor,  # [T, 1, head_dim]
-        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, row]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]: the final norm's output
         """The layers' output, as the per-op path computes it (the caller checked `fits`)."""
@@ -122,9 +125,8 @@ class DecoderStack:
             for layer, cache in zip(self.layers, kv_caches, strict=True)
             for pointer in (*layer.pointers(), cache.data_ptr())
         ]
-        return decode_layers(
-            hidden, torch.tensor(pointers, dtype=torch.int64), self, cos, sin, metadata
-        )
+        table = torch.tensor(pointers, dtype=torch.int64)
+        return decode_layers(hidden, table, self, kv_caches[0].dtype, cos, sin, metadata)
 
     def _max_rows(self) -> int:
         bits = 0 if self.weights is None else self.weights[0]
@@ -155,6 +157,7 @@ def decode_layers(
     hidden: torch.Tensor,  # [T, hidden]
     pointers: torch.Tensor,  # [L * 15] int64: each layer's tensors and KV cache
     stack: DecoderStack,
+    kv_cache_dtype: torch.dtype,  # the stack's dtype, or int8
     cos: torch.Tensor,
     sin: torch.Tensor,
     metadata: AttentionMetadata,
@@ -181,6 +184,7 @@ def decode_layers(
         shape.num_kv_heads,
         shape.head_dim,
         cpu_ops.dtype_code(stack.dtype),
+        cpu_ops.kv_dtype_code(kv_cache_dtype),
         *layout,
         cos.data_ptr(),
         sin.data_ptr(),

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from headrace.kernels import native, prepacked, reference
 from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.kv_layout import head_dim_of, is_quantized
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, cpu_has_flag
 from headrace.kernels.quantized import QuantizedWeight
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: ... and of a KV cache's dtype: the float ones, or int8 rows with their scale (kv_layout).
+_KV_DTYPE_CODES = {**_DTYPE_CODES, torch.int8: 3}
 #: Queries of one prefill sequence that share each key tile (rows per work item, per KV head).
 QUERY_TILE = 16
 #: Prefill chunks longer than this go to torch's flash attention (measured crossover on a
@@ -103,6 +106,19 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES[dtype]
 
 
+def kv_dtype_code(dtype: torch.dtype) -> int:
+    """The C kernels' code for a KV cache's dtype: a float one's, or 3 for int8 rows."""
+    return _KV_DTYPE_CODES[dtype]
+
+
+def _row_dtype(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels take new K/V rows and queries in: a float cache's own; beside
+    an int8 cache, x's where the kernels read it (else float32)."""
+    if not is_quantized(kv_cache):
+        return kv_cache.dtype
+    return x.dtype if x.dtype in _DTYPE_CODES else torch.float32
+
+
 def _ptr(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
 
@@ -114,9 +130,10 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     _check_cache(kv_cache)
-    key, value = (_rows(t.to(kv_cache.dtype)) for t in (key, value))
+    dtype = _row_dtype(key, kv_cache)
+    key, value = (_rows(t.to(dtype)) for t in (key, value))
     slots = slot_mapping.to(torch.int64).contiguous()
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
     library().headrace_write_kv_cache(
         _ptr(key),
         key.stride(0),
@@ -128,9 +145,10 @@ def write_kv_cache(
         _ptr(slots),
         len(slots),
         num_kv_heads,
-        head_dim,
+        head_dim_of(kv_cache),
         block_size,
-        _DTYPE_CODES[kv_cache.dtype],
+        _DTYPE_CODES[dtype],
+        _KV_DTYPE_CODES[kv_cache.dtype],
     )
 
 
@@ -148,7 +166,7 @@ def paged_attention(
     """
     _check_cache(kv_cache)
     query_dtype = query.dtype
-    query = _rows(query.to(kv_cache.dtype))
+    query = _rows(query.to(_row_dtype(query, kv_cache)))
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
     starts_cpu = metadata.query_start_loc_cpu
@@ -201,7 +219,8 @@ def _attend_in_kernel(
         query.shape[2],
         kv_cache.shape[2],
         scale,
-        _DTYPE_CODES[kv_cache.dtype],
+        _DTYPE_CODES[query.dtype],
+        _KV_DTYPE_CODES[kv_cache.dtype],
         QUERY_TILE,
         _ptr(out),
     )
@@ -518,7 +537,7 @@ def _race(
 def _check_cache(kv_cache: torch.Tensor) -> None:
     if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         raise ValueError("the CPU kernels need a contiguous KV cache in CPU memory")
-    if kv_cache.dtype not in _DTYPE_CODES:
+    if kv_cache.dtype not in _KV_DTYPE_CODES:
         raise ValueError(f"the CPU kernels do not support KV-cache dtype {kv_cache.dtype}")
 
 

@@ -51,10 +51,14 @@ _INT = ctypes.c_int
 #: Argument types of each exported function, checked by ctypes on every call.
 _SIGNATURES = {
     "headrace_paged_attention": (
-        [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P] + [_INT] * 5 + [ctypes.c_float, _INT, _INT, _P],
+        [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P]
+        + [_INT] * 5
+        + [ctypes.c_float]
+        + [_INT] * 3
+        + [_P],
         _INT,
     ),
-    "headrace_write_kv_cache": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64] + [_INT] * 4, None),
+    "headrace_write_kv_cache": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64] + [_INT] * 5, None),
     "headrace_argmax_update": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
     "headrace_draw_tokens": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], None),
     "headrace_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),
@@ -76,7 +80,7 @@ _SIGNATURES = {
     ),
     "headrace_decode_layers": (
         [_P, _I64, _INT, _P, _P, ctypes.c_float, _I64, _I64]
-        + [_INT] * 5
+        + [_INT] * 6
         + [_I64]
         + [_P] * 4
         + [_I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT],

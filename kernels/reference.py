@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from headrace.kernels.argmax import argmax_update
 from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.kv_layout import cache_rows, dequantize_rows, head_dim_of, is_quantized
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, linear
 from headrace.kernels.quantized import linear as quantized_linear
@@ -45,14 +46,15 @@ __all__ = [
 def write_kv_cache(
     key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, row] (kv_layout)
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
+    """K and V into their slots, converted to the cache's dtype (int8: quantized rows)."""
     block_size = kv_cache.shape[2]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
-    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+    kv_cache[block_ids, 0, offsets] = cache_rows(key, kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = cache_rows(value, kv_cache.dtype)
 
 
 def rms_norm(
@@ -133,7 +135,8 @@ def gather_kv(
     block_tables: torch.Tensor,  # [B, max_num_blocks]
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [B, num_kv_heads, num_tokens, head_dim]
-    """The first num_tokens cached tokens of each sequence as K and V views for SDPA.
+    """The first num_tokens cached tokens of each sequence as K and V views for SDPA (an
+    int8 cache's rows dequantized to float32).
 
     K and V are gathered separately from their planes of the cache, so each gather yields a
     contiguous [B, nb, bs, Hkv, D] and the reshape / transpose after it copy nothing (the
@@ -143,10 +146,12 @@ def gather_kv(
     num_blocks = -(-num_tokens // block_size)
     index = block_tables[:, :num_blocks].long()
     batch = index.shape[0]
-    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    num_kv_heads, head_dim = kv_cache.shape[3], head_dim_of(kv_cache)
     planes = []
     for plane in (0, 1):
         gathered = kv_cache[:, plane][index]  # [B, nb, bs, Hkv, D], contiguous
+        if is_quantized(kv_cache):
+            gathered = dequantize_rows(gathered)
         flat = gathered.view(batch, num_blocks * block_size, num_kv_heads, head_dim)
         planes.append(flat[:, :num_tokens].transpose(1, 2))  # [B, Hkv, L, D] view
     return planes[0], planes[1]

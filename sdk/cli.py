@@ -48,6 +48,8 @@ KERNEL_BACKENDS = ("auto", "triton", "cpu", "reference")
 #: ``--quantization``'s choices: headrace.worker.config.QUANTIZATIONS, spelled out for the same
 #: reason (and pinned equal by the same test).
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
+#: ``--kv-cache-dtype``'s choices: headrace.kernels.kv_layout.KV_CACHE_DTYPES (pinned equal too).
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def add_kernel_backend_argument(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +163,7 @@ def _worker(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -233,6 +236,13 @@ def _add_worker(subparsers: SubParsers) -> None:
         "of 32) quantized as they load; gguf: a GGUF file's Q8_0/Q4_0/Q4_1 tensors as shipped "
         "(a .gguf --model, or a known model shipped as one); auto: gguf for a .gguf file, "
         "else none",
+    )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores K and V: auto (the model's dtype) or int8 (a float32 "
+        "scale per token and head; about half of bf16's memory per token)",
     )
     add(
         "--tool-call-parser",

@@ -12,6 +12,7 @@ from headrace.kernels.backend import (
     triton_device_error,
     triton_interpreted,
 )
+from headrace.kernels.kv_layout import KV_CACHE_DTYPES
 from headrace.kernels.precision import compute_dtype
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.weights import check_version
@@ -48,6 +49,10 @@ class EngineConfig:
     #: (the model's GGUF file as shipped: Q8_0 / Q4_0 / Q4_1 tensors kept in those layouts);
     #: "auto": "gguf" for a .gguf file, "none" for a float checkpoint.
     quantization: str = "auto"
+    #: How the KV cache stores K and V (`KV_CACHE_DTYPES`): "auto" in the dtype above, "int8"
+    #: as int8 with a float32 scale per token and head (a quarter of float32's bytes, about
+    #: half of bf16's; `headrace.kernels.kv_layout`).
+    kv_cache_dtype: str = "auto"
     #: Tokens per KV block.
     block_size: int = 16
     #: KV blocks in the pool; None sizes it from the memory budget below.
@@ -142,6 +147,11 @@ class EngineConfig:
             raise InvalidArgumentError(
                 "quantization",
                 f"must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}",
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgumentError(
+                "kv_cache_dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
             )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
@@ -254,6 +264,10 @@ class EngineConfig:
         if device.type == "cpu" and compute_dtype(checkpoint_dtype, device) == torch.float32:
             return torch.float32
         return checkpoint_dtype
+
+    def kv_cache_torch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype beside a model running in dtype."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else dtype
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

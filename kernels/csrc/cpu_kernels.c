@@ -93,6 +93,40 @@ static inline void store_row(void *dst, int dtype, const float *src, int n) {
 
 static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
+/* Bytes of one cached (token, head) row: head_dim values, and an int8 row's scale. */
+static inline int64_t kv_row_bytes(int kv_dtype, int head_dim) {
+    return kv_dtype == I8 ? head_dim + KV_SCALE_BYTES : head_dim * (int64_t)dtype_size(kv_dtype);
+}
+
+/* A cached row widened to float32: load_row's, or each int8 value times the row's scale
+   (one rounding, as kv_layout.dequantize_rows). */
+static inline void load_kv_row(const void *src, int kv_dtype, float *dst, int n) {
+    if (kv_dtype != I8) {
+        load_row(src, kv_dtype, dst, n);
+        return;
+    }
+    const int8_t *q = (const int8_t *)src;
+    float scale;
+    memcpy(&scale, q + n, sizeof scale);
+#pragma omp simd
+    for (int i = 0; i < n; i++) dst[i] = (float)q[i] * scale;
+}
+
+/* n float32 values as an int8 row: scale = max|x| / 127, q = round-half-even(x / scale), each
+   one float32 operation (kv_layout.quantize_rows); all zeros with scale 0 for a zero row. */
+static inline void store_kv_row_int8(const float *x, int n, int8_t *dst) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float scale = amax / 127.0f;
+    if (scale > 0.0f) {
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (int8_t)nearbyintf(x[i] / scale);
+    } else {
+        memset(dst, 0, (size_t)n);
+    }
+    memcpy(dst + n, &scale, sizeof scale);
+}
+
 /* ---- vectors ------------------------------------------------------------------------------ */
 
 /* 16 float32 lanes: one AVX-512 register (the compiler splits it where the CPU is narrower).
@@ -180,7 +214,9 @@ typedef struct {
     int64_t block_table_stride;
     const int32_t *query_start_loc; /* [B + 1] */
     const int32_t *seq_lens;        /* [B] */
-    int num_heads, num_kv_heads, head_dim, block_size, dtype;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    /* the queries' and output's dtype, and the cache's (I8: rows with their scale) */
+    int dtype, kv_dtype;
     float scale;
     void *out; /* [T, H, D] contiguous, dtype */
     /* head_dim rounded up to whole v16s: every float32 row below is padded with zeros. */
@@ -220,7 +256,7 @@ typedef struct {
 /* The K (plane 0) or V (plane 1) rows of the table's index-th block: [block_size, Hkv, D]. */
 static const char *block_plane(const Attention *a, const int32_t *table, int index, int plane) {
     const int64_t plane_bytes =
-        (int64_t)a->block_size * a->num_kv_heads * a->head_dim * dtype_size(a->dtype);
+        (int64_t)a->block_size * a->num_kv_heads * kv_row_bytes(a->kv_dtype, a->head_dim);
     return (const char *)a->kv_cache + ((int64_t)table[index] * 2 + plane) * plane_bytes;
 }
 
@@ -231,8 +267,8 @@ static const char *block_plane(const Attention *a, const int32_t *table, int ind
 static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int first, int count,
                           Scratch *s) {
     const int D = a->head_dim, Dp = a->padded_dim;
-    const int64_t row_bytes = (int64_t)a->num_kv_heads * D * dtype_size(a->dtype);
-    const int64_t head_bytes = (int64_t)kvh * D * dtype_size(a->dtype);
+    const int64_t row_bytes = a->num_kv_heads * kv_row_bytes(a->kv_dtype, D);
+    const int64_t head_bytes = kvh * kv_row_bytes(a->kv_dtype, D);
     int index = first / a->block_size, offset = first % a->block_size;
     const char *keys = block_plane(a, table, index, 0), *values = block_plane(a, table, index, 1);
     for (int j = 0; j < count; j++, offset++) {
@@ -247,8 +283,8 @@ static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int
             s->values[j] = (const float *)v;
         } else {
             float *kr = s->key_rows + (int64_t)j * Dp, *vr = s->value_rows + (int64_t)j * Dp;
-            load_row(k, a->dtype, kr, D);
-            load_row(v, a->dtype, vr, D);
+            load_kv_row(k, a->kv_dtype, kr, D);
+            load_kv_row(v, a->kv_dtype, vr, D);
             s->keys[j] = kr;
             s->values[j] = vr;
         }
@@ -534,13 +570,14 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
                         int64_t block_table_stride, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const int32_t *seq_ids, int num_selected,
                         int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int dtype, int query_tile, void *out, int *failed) {
+                        float scale, int dtype, int kv_dtype, int query_tile, void *out,
+                        int *failed) {
     const int padded_dim = (head_dim + LANES - 1) / LANES * LANES;
     Attention a = {query,        query_stride_token, query_stride_head, kv_cache,
                    block_tables, block_table_stride, query_start_loc,   seq_lens,
                    num_heads,    num_kv_heads,       head_dim,          block_size,
-                   dtype,        scale,              out,               padded_dim,
-                   dtype == F32 && head_dim == padded_dim};
+                   dtype,        kv_dtype,           scale,             out,
+                   padded_dim,   kv_dtype == F32 && head_dim == padded_dim};
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     /* each thread's own list (a few entries per sequence): no thread waits for another's */
     Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
@@ -603,27 +640,30 @@ int headrace_paged_attention(const void *query, int64_t query_stride_token,
                              const int32_t *query_start_loc, const int32_t *seq_lens,
                              const int32_t *seq_ids, int num_selected, int num_heads,
                              int num_kv_heads, int head_dim, int block_size, float scale,
-                             int dtype, int query_tile, void *out) {
+                             int dtype, int kv_dtype, int query_tile, void *out) {
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     int failed = 0;
 #pragma omp parallel if ((int64_t)num_tiles * num_kv_heads > 1)
     hr_paged_attention(query, query_stride_token, query_stride_head, kv_cache, block_tables,
                        block_table_stride, query_start_loc, seq_lens, seq_ids, num_selected,
-                       num_heads, num_kv_heads, head_dim, block_size, scale, dtype, query_tile,
-                       out, &failed);
+                       num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype,
+                       query_tile, out, &failed);
     return failed ? -1 : 0;
 }
 
 /* ---- KV-cache write ----------------------------------------------------------------------- */
 
-/* Token t's K and V rows ([Hkv, D], strided by head) go to cache slot slot_mapping[t] of
-   planes 0 and 1. The inputs are already in the cache's dtype. (hr_: the work of every thread
-   of a region; headrace_: the exported kernel, which opens one.) */
+/* Token t's K and V rows ([Hkv, D] in dtype, strided by head) go to cache slot
+   slot_mapping[t] of planes 0 and 1: copied when the cache is in dtype too, quantized when it
+   is I8. (hr_: the work of every thread of a region; headrace_: the exported kernel, which
+   opens one.) */
 void hr_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_stride_head,
                        const void *value, int64_t value_stride_token, int64_t value_stride_head,
                        void *kv_cache, const int64_t *slot_mapping, int64_t num_tokens,
-                       int num_kv_heads, int head_dim, int block_size, int dtype) {
-    const size_t esize = dtype_size(dtype), row_bytes = (size_t)head_dim * esize;
+                       int num_kv_heads, int head_dim, int block_size, int dtype, int kv_dtype) {
+    const size_t esize = dtype_size(dtype);
+    const int64_t row_bytes = kv_row_bytes(kv_dtype, head_dim);
+    float wide[kv_dtype == I8 ? head_dim : 1];
 #pragma omp for
     for (int64_t t = 0; t < num_tokens; t++) {
         int64_t slot = slot_mapping[t];
@@ -636,7 +676,13 @@ void hr_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_st
             char *dst = (char *)kv_cache +
                         (((block * 2 + plane) * block_size + offset) * num_kv_heads) * row_bytes;
             for (int h = 0; h < num_kv_heads; h++) {
-                memcpy(dst + h * row_bytes, src + (t * stride_t + h * stride_h) * esize, row_bytes);
+                const char *row = src + (t * stride_t + h * stride_h) * esize;
+                if (kv_dtype == I8) {
+                    load_row(row, dtype, wide, head_dim);
+                    store_kv_row_int8(wide, head_dim, (int8_t *)(dst + h * row_bytes));
+                } else {
+                    memcpy(dst + h * row_bytes, row, (size_t)row_bytes);
+                }
             }
         }
     }
@@ -646,11 +692,11 @@ void headrace_write_kv_cache(const void *key, int64_t key_stride_token, int64_t 
                              const void *value, int64_t value_stride_token,
                              int64_t value_stride_head, void *kv_cache,
                              const int64_t *slot_mapping, int64_t num_tokens, int num_kv_heads,
-                             int head_dim, int block_size, int dtype) {
+                             int head_dim, int block_size, int dtype, int kv_dtype) {
 #pragma omp parallel if (num_tokens >= 64)
     hr_write_kv_cache(key, key_stride_token, key_stride_head, value, value_stride_token,
                       value_stride_head, kv_cache, slot_mapping, num_tokens, num_kv_heads,
-                      head_dim, block_size, dtype);
+                      head_dim, block_size, dtype, kv_dtype);
 }
 
 /* ---- argmax ------------------------------------------------------------------------------- */

@@ -9,7 +9,11 @@
 
 #include <stdint.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
+enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 };
+
+/* I8 is a KV-cache dtype only (kernels/kv_layout.py): each (token, head) row holds head_dim
+   int8 values, then their float32 scale; a value reads back as q * scale. */
+#define KV_SCALE_BYTES 4
 
 /* Widest row rms_norm and silu_and_mul hold on the stack. */
 #define RMS_NORM_MAX_COLS 8192
@@ -38,14 +42,15 @@ void hr_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_stride
 void hr_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_stride_head,
                        const void *value, int64_t value_stride_token, int64_t value_stride_head,
                        void *kv_cache, const int64_t *slot_mapping, int64_t num_tokens,
-                       int num_kv_heads, int head_dim, int block_size, int dtype);
+                       int num_kv_heads, int head_dim, int block_size, int dtype, int kv_dtype);
 
 void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t query_stride_head,
                         const void *kv_cache, const int32_t *block_tables,
                         int64_t block_table_stride, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const int32_t *seq_ids, int num_selected,
                         int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int dtype, int query_tile, void *out, int *failed);
+                        float scale, int dtype, int kv_dtype, int query_tile, void *out,
+                        int *failed);
 
 void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
                      int64_t cols, int dtype);

@@ -9,8 +9,8 @@
    the per-op path computes, bit for bit.
 
    The layers are Llama's: pre-norm attention with fused qkv and neox rotary, a gated SiLU
-   MLP with fused gate/up, no biases, one rank. Activations, the norms and the KV cache share
-   one dtype; the four matrices of every layer are in it too, or all quantized alike
+   MLP with fused gate/up, no biases, one rank. Activations and the norms share one dtype, the
+   KV cache is in it too or int8 (kv_dtype); the four matrices of every layer are in it too, or all quantized alike
    (kernels/quantized.py: the same bits and group size). The caller checks that a step fits (decode rows only, few enough for the skinny
    matmul) and keeps to the per-op path otherwise. */
 
@@ -29,7 +29,7 @@ enum {
     POST_NORM = O_PROJ + MATRIX_SLOTS,    /* [hidden] */
     GATE_UP = POST_NORM + 1,              /* [2 I, hidden] */
     DOWN = GATE_UP + MATRIX_SLOTS,        /* [hidden, I] */
-    KV_CACHE = DOWN + MATRIX_SLOTS,       /* [num_blocks, 2, block_size, Hkv, D] */
+    KV_CACHE = DOWN + MATRIX_SLOTS,       /* [num_blocks, 2, block_size, Hkv, row] */
     LAYER_TENSORS                         /* row length */
 };
 
@@ -89,7 +89,7 @@ int headrace_decode_layers(
     void *hidden, int64_t T, int num_layers,
     const int64_t *layers, /* [num_layers, LAYER_TENSORS] data pointers */
     const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
-    int num_heads, int num_kv_heads, int head_dim, int dtype, int weight_bits,
+    int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype, int weight_bits,
     int64_t group_size,
     const void *cos, const void *sin, /* [T, head_dim] */
     const int64_t *slot_mapping,      /* [T] */
@@ -123,11 +123,11 @@ int headrace_decode_layers(
         hr_apply_rotary(b.qkv, qkv_cols, D, H, k, qkv_cols, D, Hkv, cos, sin, b.query, b.key, T,
                         D, dtype);
         hr_write_kv_cache(b.key, Hkv * D, D, v, qkv_cols, D, kv_cache, slot_mapping, T,
-                          num_kv_heads, head_dim, block_size, dtype);
+                          num_kv_heads, head_dim, block_size, dtype, kv_dtype);
         hr_paged_attention(b.query, H * D, D, kv_cache, block_tables, block_table_stride,
                            query_start_loc, seq_lens, seq_ids, num_seqs, num_heads,
-                           num_kv_heads, head_dim, block_size, scale, dtype, query_tile,
-                           b.attention, &failed);
+                           num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype,
+                           query_tile, b.attention, &failed);
         matmul(b.attention, T, t + O_PROJ, w, hidden_size, H * D, b.hidden, dtype, b.wide);
         hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, (const void *)t[POST_NORM],
                     eps, b.normed, b.residual, T, hidden_size, dtype);

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from headrace.kernels import AttentionMetadata, reference
+from headrace.kernels.kv_layout import cache_shape
 
 
 @dataclass
 class PagedBatch:
     query: torch.Tensor  # [T, H, D]: the new tokens' queries, flattened
-    kv_cache: torch.Tensor  # [num_blocks, 2, block_size, Hkv, D], every step's K/V written
+    kv_cache: torch.Tensor  # [num_blocks, 2, block_size, Hkv, row], every step's K/V written
     metadata: AttentionMetadata
     keys: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]
     values: list[torch.Tensor]
@@ -39,11 +40,15 @@ def build_paged_batch(
     head_dim: int,
     dtype: torch.dtype,
     device: str = "cpu",
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """The cached prefix of each sequence is written as earlier steps would have, then this
-    step's new K/V through the batch's slot mapping (the reference writer)."""
+    step's new K/V through the batch's slot mapping (the reference writer). The cache is in
+    kv_cache_dtype (default: dtype; int8: quantized rows, see `headrace.kernels.kv_layout`)."""
     num_blocks = sum(math.ceil(n / block_size) for n, _ in seqs) + 3
-    cache = torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+    cache_dtype = kv_cache_dtype or dtype
+    shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)
+    cache = torch.zeros(shape, dtype=cache_dtype)
     free = torch.randperm(num_blocks).tolist()  # scattered, non-contiguous blocks
     tables, keys, values = [], [], []
     for seq_len, _ in seqs:

@@ -2,7 +2,8 @@
 
 Both run the same C ops, so every value must match bit for bit: the same greedy tokens and
 the same logprobs (floats compared exactly) in every dtype the kernels take, one row and
-three, with grouped-query attention and a head size that is not a whole vector. Steps it
+three, with grouped-query attention and a head size that is not a whole vector, with the KV
+cache in the model's dtype or in int8. Steps it
 does not take (prefill chunks, mixed steps, LoRA) keep to the per-op path.
 """
 
@@ -59,19 +60,31 @@ def per_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama, "_decode_shape", lambda *args: None)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [
+        ("float32", "auto"),
+        ("bfloat16", "auto"),
+        ("float16", "auto"),
+        ("float32", "int8"),
+        ("bfloat16", "int8"),
+    ],
+)
 @pytest.mark.parametrize("shape", ["gqa", "odd-head-dim"])
-def test_decode_in_one_call_is_the_per_op_forward_bit_for_bit(monkeypatch, dtype, shape):
+def test_decode_in_one_call_is_the_per_op_forward_bit_for_bit(
+    monkeypatch, dtype, kv_cache_dtype, shape
+):
     kwargs = dict(num_heads=4, num_kv_heads=2) if shape == "gqa" else dict(head_dim=24)
     path = str(cached_checkpoint(family="llama", num_layers=3, **kwargs))
+    engine = dict(kv_cache_dtype=kv_cache_dtype)
     with monkeypatch.context() as patch:
         calls = Calls(patch)
-        fused = generate(path, dtype, PROMPTS)
-        alone = generate(path, dtype, PROMPTS[1:2])
+        fused = generate(path, dtype, PROMPTS, **engine)
+        alone = generate(path, dtype, PROMPTS[1:2], **engine)
     assert calls.rows and set(calls.rows) >= {1, 3}  # batches of three, and one alone
     per_op(monkeypatch)
-    assert fused == generate(path, dtype, PROMPTS)
-    assert alone == generate(path, dtype, PROMPTS[1:2])
+    assert fused == generate(path, dtype, PROMPTS, **engine)
+    assert alone == generate(path, dtype, PROMPTS[1:2], **engine)
 
 
 def test_steps_with_prefill_rows_stay_layer_by_layer(monkeypatch):

@@ -134,6 +134,16 @@ def test_quantization_choices_are_the_engines() -> None:
     assert parser.parse_args([]).quantization == "auto"
 
 
+def test_kv_cache_dtype_choices_are_the_engines() -> None:
+    from headrace.kernels.kv_layout import KV_CACHE_DTYPES
+
+    parser = _commands()["worker"]
+    (action,) = [a for a in parser._actions if "--kv-cache-dtype" in a.option_strings]
+    assert tuple(action.choices) == KV_CACHE_DTYPES
+    assert parser.parse_args(["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
+    assert parser.parse_args([]).kv_cache_dtype == "auto"
+
+
 @pytest.mark.parametrize("name", ["worker", "bench engine"])
 def test_attention_backend_is_a_deprecated_spelling_of_kernel_backend(
     name: str, capsys: pytest.CaptureFixture[str]

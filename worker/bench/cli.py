@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headrace.sdk.cli import QUANTIZATIONS, add_kernel_backend_argument
+from headrace.sdk.cli import KV_CACHE_DTYPES, QUANTIZATIONS, add_kernel_backend_argument
 from headrace.sdk.cli_help import HelpFormatter
 from headrace.worker.models.store import DEFAULT_MODEL
 
@@ -130,6 +130,12 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         choices=QUANTIZATIONS,
         help="how linear layers hold their weights (as the worker's flag)",
+    )
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the KV cache stores K and V (as the worker's flag)",
     )
     add("--tiny", action="store_true", help="a 2-layer hidden-64 random model (overhead)")
     add("--num-requests", type=int, help="default: 64 (256 with --tiny)")
@@ -295,9 +301,9 @@ def quality_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
     add(
         "--quantization",
-        default="none,int8,int4,gguf",
-        help="configurations, QUANT[:DTYPE] each (none, int8, int4, gguf); the first is the "
-        "baseline",
+        default="none,int8,int4,gguf,none/int8,int4/int8",
+        help="configurations, QUANT[:DTYPE][/KV] each (QUANT none, int8, int4, gguf; KV the "
+        "KV cache's dtype, auto or int8); the first is the baseline",
     )
     add("--dtype", default="float32", help="dtype of the configurations without :DTYPE")
     add("--window", type=int, default=512, help="tokens per perplexity window (stride too)")

@@ -194,6 +194,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         model=args.model if args.quantization == "gguf" else str(model_path),
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_num_seqs=max(256, num_requests),
         max_num_batched_tokens=args.max_num_batched_tokens,

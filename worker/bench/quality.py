@@ -1,11 +1,13 @@
 """``headrace bench quality``: what quantization costs in accuracy.
 
-    headrace bench quality                                   # SmolLM2-135M: none, int8, int4, gguf
+    headrace bench quality            # SmolLM2-135M: none, int8, int4, gguf; int8 KV too
     headrace bench quality --quantization none,int8 --max-windows 4
     headrace bench quality --quantization none,none:bfloat16 # a dtype per configuration
+    headrace bench quality --quantization none,none/int8     # the KV cache in int8
 
-Each configuration (``QUANT[:DTYPE]``, ``--dtype`` where no dtype is given) loads the model in
-an `LLM` of its own, one after the other, each released before the next loads. Figures:
+Each configuration (``QUANT[:DTYPE][/KV]``: ``--dtype`` where no dtype is given, the KV cache
+in the model's dtype where no KV is given) loads the model in an `LLM` of its own, one after
+the other, each released before the next loads. Figures:
 
 - perplexity: the text cut into non-overlapping windows of ``--window`` tokens (the tail that
   fills no window dropped), every window one prompt scored by the engine's prompt logprobs;
@@ -17,7 +19,9 @@ an `LLM` of its own, one after the other, each released before the next loads. F
   differs, averaged over prompts, ``identical`` the share of prompts whose tokens all equal.
 
 The bars quantization is held to, against a ``none`` baseline: int8's perplexity at most 1%
-over it, int4's at most 5% (`THRESHOLDS`); other configurations have none.
+over it, int4's at most 5% (`THRESHOLDS`), and an int8 KV cache at most 0.5% on top of its
+weights' bar (`KV_THRESHOLD`: none/int8 0.5%, int4/int8 5.5%); other configurations have
+none.
 
 The text (`TEXT_FILE`, shipped in ``data/``) is chapters I-IV of Lewis Carroll's *Alice's
 Adventures in Wonderland* (1865), verbatim: lines 30-923 of ``11-0.txt`` in Project
@@ -31,8 +35,9 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
+from typing import Any
 
 import torch
 from headrace.sdk.config import GenerationConfig
@@ -52,24 +57,33 @@ TEXT_FILE = "alice_chapters_1_4.txt"
 PROMPT_LEN = 32
 #: The bars quantization is held to: its perplexity at most this share over a ``none``
 #: baseline's.
-THRESHOLDS = {"int8": 0.01, "int4": 0.05}
+THRESHOLDS = {"none": 0.0, "int8": 0.01, "int4": 0.05}
+#: ... and what an int8 KV cache may add on top (a share of the weights' perplexity).
+KV_THRESHOLD = 0.005
 
 
 @dataclass(frozen=True, slots=True)
 class Configuration:
-    """One way to load the model: how linear layers hold weights, and the float dtype."""
+    """One way to load the model: how linear layers hold weights, the float dtype, and how the
+    KV cache stores K and V."""
 
     quantization: str
     dtype: str
+    kv_cache_dtype: str = "auto"
 
     @property
     def label(self) -> str:
-        return f"{self.quantization} {self.dtype}"
+        kv = "" if self.kv_cache_dtype == "auto" else f" kv-{self.kv_cache_dtype}"
+        return f"{self.quantization} {self.dtype}{kv}"
 
     @property
     def key(self) -> str:
         """The label as ``--json`` keys carry it."""
-        return f"{self.quantization}_{self.dtype}"
+        return self.label.replace(" ", "_").replace("-", "_")
+
+    def engine_options(self) -> dict[str, Any]:
+        """`EngineConfig`'s fields for this configuration (its own fields bear their names)."""
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +108,17 @@ class Measurement:
 
 
 def parse_configurations(text: str, default_dtype: str, model: str) -> list[Configuration]:
-    """``"none,int8,int4:bfloat16"`` as configurations, each checked as `EngineConfig` checks
-    it (before any model loads, so a typo in the last one does not cost the others' runs)."""
+    """``"none,int8,int4:bfloat16,none/int8"`` as configurations, each checked as
+    `EngineConfig` checks it (before any model loads, so a typo in the last one does not cost
+    the others' runs)."""
     configurations = []
     for part in text.split(","):
-        quantization, _, dtype = part.strip().partition(":")
-        configuration = Configuration(quantization, dtype or default_dtype)
-        EngineConfig(model=model, dtype=configuration.dtype, quantization=quantization)
+        weights, _, kv_cache_dtype = part.strip().partition("/")
+        quantization, _, dtype = weights.partition(":")
+        configuration = Configuration(
+            quantization, dtype or default_dtype, kv_cache_dtype or "auto"
+        )
+        EngineConfig(model=model, **configuration.engine_options())
         configurations.append(configuration)
     return configurations
 
@@ -176,7 +194,7 @@ def measure(
     num_new_tokens: int,
 ) -> Measurement:
     """Load the model as ``configuration`` says, score the windows, generate greedy, release."""
-    with LLM(model, configuration.dtype, quantization=configuration.quantization) as llm:
+    with LLM(model, **configuration.engine_options()) as llm:
         perplexity, num_scored = score_windows(llm, windows)
         token_ids = greedy(llm, prompts, num_new_tokens)
     return Measurement(configuration, perplexity, num_scored, token_ids)
@@ -245,8 +263,14 @@ def _report(measurements: list[Measurement]) -> Summary:
 
 def threshold(configuration: Configuration, baseline: Configuration) -> float | None:
     """The most ``configuration``'s perplexity may exceed the baseline's, as a share, where
-    `THRESHOLDS` sets a bar for it: only against a ``none`` baseline."""
-    return THRESHOLDS.get(configuration.quantization) if baseline.quantization == "none" else None
+    `THRESHOLDS` sets a bar for it: only against a ``none`` baseline with a float KV cache (a
+    float configuration has a bar only with an int8 KV cache, `KV_THRESHOLD`)."""
+    if (baseline.quantization, baseline.kv_cache_dtype) != ("none", "auto"):
+        return None
+    limit = THRESHOLDS.get(configuration.quantization)
+    if limit is None or configuration.kv_cache_dtype == "auto":
+        return limit or None
+    return (1.0 + limit) * (1.0 + KV_THRESHOLD) - 1.0
 
 
 def _verdict(ratio: float, limit: float | None) -> str:

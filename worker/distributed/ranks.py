@@ -107,7 +107,14 @@ def build_shard(setup: RankSetup, rank: int, store: dist.Store) -> Shard:
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=plan_group)
     num_blocks = int(agreed.item())
     runner = ModelRunner(
-        loaded.model, device, setup.dtype, config.block_size, num_blocks, parallel, lora=lora
+        loaded.model,
+        device,
+        setup.dtype,
+        config.block_size,
+        num_blocks,
+        parallel,
+        lora=lora,
+        kv_cache_dtype=config.kv_cache_torch_dtype(setup.dtype),
     )
     if device.type == "cuda":
         runner.warm_up_kernels(setup.max_model_len)

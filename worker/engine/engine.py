@@ -104,11 +104,12 @@ class Engine:
         self._in_flight: deque[InFlightStep[Any]] = deque()
         self.adapters = Adapters(self.executor)  # LoRA
         logger.info(
-            "engine ready: model=%s dtype=%s quantization=%s device=%s kernels=%s kv_blocks=%d "
-            "block_size=%d tp=%d pp=%d",
+            "engine ready: model=%s dtype=%s quantization=%s kv_cache=%s device=%s kernels=%s "
+            "kv_blocks=%d block_size=%d tp=%d pp=%d",
             self.spec.gguf_file or self.spec.path,
             self.spec.dtype,
             self.spec.quantization,
+            config.kv_cache_dtype,
             self.device,
             self.kernels.NAME,
             self.block_manager.num_blocks,

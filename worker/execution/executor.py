@@ -132,6 +132,7 @@ def start_executor(
         num_blocks,
         lora=lora,
         num_logits_buffers=config.steps_in_flight,  # no step's logits outlive the ring
+        kv_cache_dtype=config.kv_cache_torch_dtype(dtype),
     )
     if kernels.NAME != "triton" or device.type == "cuda":  # not Triton's CPU interpreter (tests)
         runner.warm_up(max_model_len, config.max_num_batched_tokens)

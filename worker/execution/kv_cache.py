@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+from headrace.kernels.kv_layout import cache_shape
 from headrace.worker.config import EngineConfig
 from headrace.worker.models.interface import CausalLM
 
 
-def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers."""
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    per_layer = 2 * block_size * model.num_kv_heads * model.head_dim * element_size
-    return per_layer * model.num_layers
+def kv_block_bytes(model: CausalLM, block_size: int, kv_cache_dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (int8: with each row's scale)."""
+    shape = cache_shape(1, block_size, model.num_kv_heads, model.head_dim, kv_cache_dtype)
+    element_size = torch.tensor([], dtype=kv_cache_dtype).element_size()
+    return math.prod(shape) * element_size * model.num_layers
 
 
 def kv_cache_blocks(
@@ -28,7 +31,7 @@ def kv_cache_blocks(
     """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    block_bytes = kv_block_bytes(model, config.block_size, dtype)
+    block_bytes = kv_block_bytes(model, config.block_size, config.kv_cache_torch_dtype(dtype))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from headrace.kernels import AttentionMetadata
+from headrace.kernels.kv_layout import cache_shape
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.execution.batch import (
     BatchChunk,
@@ -43,11 +44,14 @@ class ModelRunner:
         *,
         lora: LoraManager | None = None,
         num_logits_buffers: int = 0,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.parallel = parallel or ParallelConfig()
         self.device = device
         self.dtype = dtype
+        #: The KV cache's dtype: dtype's by default, or int8 (`headrace.kernels.kv_layout`).
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = self._new_kv_caches()
@@ -68,10 +72,16 @@ class ModelRunner:
 
     def _new_kv_caches(self) -> list[torch.Tensor]:
         model = self.model
-        # Per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim].
-        shape = (self.num_blocks, 2, self.block_size, model.num_kv_heads, model.head_dim)
+        # Per layer: [num_blocks, 2 (K, V), block_size, num_kv_heads, row].
+        shape = cache_shape(
+            self.num_blocks,
+            self.block_size,
+            model.num_kv_heads,
+            model.head_dim,
+            self.kv_cache_dtype,
+        )
         return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(model.num_layers)
         ]
 

@@ -85,11 +85,20 @@ def test_windows_do_not_overlap_and_drop_the_tail():
     assert quality.cut_windows(list(range(10)), 4, 1) == [[0, 1, 2, 3]]
 
 
-def test_configurations_take_a_dtype_each_and_refuse_an_unknown_quantization():
-    configurations = quality.parse_configurations("none,int8:bfloat16", "float32", "unused")
-    assert [c.label for c in configurations] == ["none float32", "int8 bfloat16"]
+def test_configurations_take_a_dtype_and_kv_cache_each_and_refuse_unknown_values():
+    text = "none,int8:bfloat16,int4/int8,none:bfloat16/int8"
+    configurations = quality.parse_configurations(text, "float32", "unused")
+    assert [c.label for c in configurations] == [
+        "none float32",
+        "int8 bfloat16",
+        "int4 float32 kv-int8",
+        "none bfloat16 kv-int8",
+    ]
+    assert configurations[2].key == "int4_float32_kv_int8"
     with pytest.raises(InvalidArgumentError, match="quantization"):
         quality.parse_configurations("none,int3", "float32", "unused")
+    with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
+        quality.parse_configurations("none,none/fp8", "float32", "unused")
 
 
 def test_the_thresholds_bind_int8_and_int4_against_a_none_baseline_only():
@@ -101,3 +110,11 @@ def test_the_thresholds_bind_int8_and_int4_against_a_none_baseline_only():
     assert quality.threshold(gguf, none) is None
     assert quality.threshold(none, none) is None
     assert quality.threshold(int8, int4) is None
+
+
+def test_an_int8_kv_cache_may_add_half_a_percent_on_top_of_its_weights_bar():
+    none = quality.Configuration("none", "float32")
+    none_kv, int4_kv = (quality.Configuration(q, "float32", "int8") for q in ("none", "int4"))
+    assert quality.threshold(none_kv, none) == pytest.approx(0.005)
+    assert quality.threshold(int4_kv, none) == pytest.approx(1.05 * 1.005 - 1)
+    assert quality.threshold(none, none_kv) is None  # bars hold against a float baseline only
