@@ -1,9 +1,12 @@
 """Triton paged attention: decode (one query per sequence, GQA, split-KV) and extend
 (a prefill chunk attending to its cached prefix and causally to itself).
 
-Both read K/V straight out of the paged cache ``[num_blocks, 2, block_size, Hkv, D]``
+Both read K/V straight out of the paged cache ``[num_blocks, 2, block_size, Hkv, row]``
 through each sequence's block table, one token row (``D`` contiguous elements) at a time,
-and run an online softmax in float32 (scores in base 2: ``exp2(s * scale * log2 e)``).
+and run an online softmax in float32 (scores in base 2: ``exp2(s * scale * log2 e)``). An
+int8 cache's rows (``D`` int8 values and a float32 scale, `headrace.kernels.kv_layout`) are
+dequantized as they are loaded, ``q * scale`` in float32, and attended to as a float32
+cache's would be; query and output keep the query's dtype.
 
 Decode: one program per (sequence, KV head, split) serves all ``H / Hkv`` query heads of
 that KV head, so each K/V byte is read once per step. With few sequences or long contexts
@@ -22,6 +25,8 @@ import triton
 import triton.language as tl
 from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.backend import triton_interpreted
+from headrace.kernels.kv_layout import head_dim_of, is_quantized
+from headrace.kernels.triton_cache import check_scale_alignment, scale_pointers
 
 LOG2E = 1.4426950408889634
 #: Read once, at import, when triton.jit also decides whether these kernels are interpreted.
@@ -52,6 +57,25 @@ def _dot(a, b, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(
+    row_ptrs,  # [N]: the first element of each cache row (a token's K or V for one KV head)
+    row_mask,  # [N]: rows that exist
+    dims,  # [BLOCK_D]
+    HEAD_DIM: tl.constexpr,
+    QUANTIZED_KV: tl.constexpr,  # int8 rows with a float32 scale after their values
+):  # -> [N, BLOCK_D]: the cache's dtype, or float32 for an int8 cache; 0 where masked
+    """Rows of the cache as attention multiplies them: an int8 row's values times its scale,
+    rounded once to float32 as kv_layout.dequantize_rows does."""
+    mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    x = tl.load(row_ptrs[:, None] + dims[None, :], mask=mask, other=0.0)
+    if QUANTIZED_KV:
+        # Masked rows get scale 0, not whatever bytes their (block 0) slot holds.
+        scale = tl.load(scale_pointers(row_ptrs, HEAD_DIM), mask=row_mask, other=0.0)  # [N]
+        x = x.to(tl.float32) * scale[:, None]
+    return x
+
+
+@triton.jit
 def _attend_tile(
     q,  # [M, BLOCK_D]: the query rows (decode: a KV head's query heads; extend: query tokens)
     acc,  # [M, BLOCK_D] float32: running sum of p @ V
@@ -72,29 +96,30 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     MASKED: tl.constexpr,  # false: every position exists and every row sees it (no masks)
+    QUANTIZED_KV: tl.constexpr,  # an int8 cache: rows are dequantized to float32
 ):
     """One K/V tile of the online softmax: the tile's rows gathered through the block table,
     scored, and folded into (acc, m, l)."""
     if MASKED:
         block_ids = tl.load(block_table + positions // PAGE_SIZE, mask=in_range, other=0)
-        kv_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+        row_mask = in_range
     else:
         block_ids = tl.load(block_table + positions // PAGE_SIZE)
-        kv_mask = (positions[:, None] >= 0) & (dims[None, :] < HEAD_DIM)  # [N, D]: head_dim only
+        row_mask = positions >= 0  # [N]: all true, only head_dim is masked
     rows = block_ids.to(tl.int64) * cache_stride_block + (positions % PAGE_SIZE) * (
         cache_stride_token
     )
-    k = tl.load(kv_base + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-    scores = _dot(q, tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
+    k_rows = kv_base + rows  # [N]
+    k = _load_rows(k_rows, row_mask, dims, HEAD_DIM, QUANTIZED_KV)  # [N, D]
+    # q in K's dtype: a no-op for a float cache; float32 queries for an int8 one.
+    scores = _dot(q.to(k.dtype), tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)  # noqa: E741
-    v = tl.load(
-        kv_base + cache_stride_plane + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0
-    )
+    v = _load_rows(k_rows + cache_stride_plane, row_mask, dims, HEAD_DIM, QUANTIZED_KV)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, DOT_PRECISION)
     return acc, m_new, l
 
@@ -104,7 +129,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["block_tables_stride", "split_len"])
 def _decode_kernel(
     query_ptr,  # [B, H, D]: the decode rows of the query (one per sequence)
-    cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, D]
+    cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, row]: row D values (int8: D + 4, kv_layout)
     block_tables_ptr,  # [B, max_num_blocks] int32
     seq_lens_ptr,  # [B] int32: context length of each sequence, this token included
     out_ptr,  # SPLIT: [B, H, num_splits, D] float32 partial outputs; else the [B, H, D] output
@@ -129,6 +154,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,  # the grid's third axis cuts the context into num_splits parts
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -159,7 +185,7 @@ def _decode_kernel(
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, in_range, in_range[None, :], dims,
             scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True, QUANTIZED_KV,
         )  # fmt: skip
 
     if not SPLIT:
@@ -211,7 +237,7 @@ def _merge_splits_kernel(
 @triton.jit(do_not_specialize=["first_seq", "block_tables_stride"])
 def _extend_kernel(
     query_ptr,  # [T, H, D]: the whole flattened batch's queries
-    cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, D]: already holds this step's K/V
+    cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, row]: already holds this step's K/V
     block_tables_ptr,  # [B, max_num_blocks] int32
     seq_lens_ptr,  # [B] int32: context length after this step
     query_start_loc_ptr,  # [B + 1] int32
@@ -235,6 +261,7 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
 ):
     seq = first_seq + tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -271,7 +298,7 @@ def _extend_kernel(
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, positions, positions, dims,
             scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False, QUANTIZED_KV,
         )  # fmt: skip
     for tile_start in range(full_end, kv_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
@@ -281,7 +308,7 @@ def _extend_kernel(
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, in_range, visible, dims,
             scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True,
+            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True, QUANTIZED_KV,
         )  # fmt: skip
 
     out = acc / l[:, None]
@@ -291,7 +318,7 @@ def _extend_kernel(
 
 def paged_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, row] (kv_layout)
     metadata: AttentionMetadata,
     scale: float,
     *,
@@ -322,12 +349,13 @@ def paged_attention(
 def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != head_dim:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or head_dim_of(kv_cache) != head_dim:
         raise ValueError(f"kv_cache shape {tuple(kv_cache.shape)} does not fit query {query.shape}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("query and kv_cache need a contiguous last (head_dim) axis")
+    check_scale_alignment(kv_cache)
     if metadata.query_start_loc_cpu[-1] != query.shape[0]:
         raise ValueError(
             f"metadata covers {metadata.query_start_loc_cpu[-1]} rows, query has {query.shape[0]}"
@@ -406,6 +434,7 @@ def _decode(
         SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST=_upcast_dot(query.dtype),
+        QUANTIZED_KV=is_quantized(kv_cache),
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
     )
@@ -469,6 +498,7 @@ def _extend(
         PAGE_SIZE=kv_cache.shape[2],
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST=_upcast_dot(query.dtype),
+        QUANTIZED_KV=is_quantized(kv_cache),
         num_warps=EXTEND_NUM_WARPS,
         num_stages=EXTEND_NUM_STAGES,
     )

@@ -1,9 +1,11 @@
 """Every Triton kernel equals its torch reference (on CPU through TRITON_INTERPRET=1, set by
 tests/conftest.py; on a GPU compiled), across head dims, block sizes, GQA ratios, sequence
-lengths around block boundaries, and fp32 / bf16.
+lengths around block boundaries, and fp32 / bf16; the KV-cache write and attention also over an
+int8 cache (quantized rows with inline scales, `headrace.kernels.kv_layout`).
 
 Tolerances: fp32 agrees to float rounding (1e-5). bf16 attention is compared with the float32
 reference over the same bf16 inputs: both round probabilities and outputs to bf16 (2e-2).
+The int8 write is bit-exact; int8-cache attention's bounds are argued in its test.
 bf16 norm / rotary may differ by about one bf16 ulp (2^-7 relative to the operands): the
 interpreter truncates float32 -> bf16 where a GPU rounds to nearest.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from headrace.kernels import reference, triton_attention, triton_ops
+from headrace.kernels.kv_layout import cache_shape, dequantize_rows
 from headrace.worker.layers.rotary import RopeConfig, RotaryEmbedding
 
 from tests.kernels.paged import build_paged_batch, contiguous_attention
@@ -104,6 +107,87 @@ def test_write_kv_cache_equals_reference(block_size, num_kv_heads, head_dim, dty
     reference.write_kv_cache(key, value, want, slots)
     triton_ops.write_kv_cache(key, value, got, slots)
     assert torch.equal(got, want)  # a copy: bit-exact, untouched slots too
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=str)
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(1, 64), (3, 96), (8, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_int8_kv_cache_equals_reference(block_size, num_kv_heads, head_dim, dtype):
+    """Quantized rows bit for bit: values, scales, zero rows (scale 0), ties rounded half to
+    even, rows of very different magnitudes; slots not written keep their bytes."""
+    torch.manual_seed(6)
+    num_tokens, num_blocks = 37, 6
+    # K and V as strided views of one fused projection output, rows scaled over 1e-3..1e2.
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_dim, device=DEVICE)
+    fused *= 10.0 ** torch.randint(-3, 3, (num_tokens, 3, num_kv_heads, 1), device=DEVICE)
+    fused[0, 1, 0] = 0.0  # one zero key row
+    fused[1, 2] = 0.0  # a token whose value rows are all zero
+    fused[2, 1, 0, :5] = torch.tensor([127.0, 2.5, -0.5, 3.5, 1.5])  # scale 1: ties
+    fused[2, 1, 0, 5:] = 0.0
+    fused = fused.to(dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim, torch.int8)
+    want = torch.randint(-128, 128, shape, dtype=torch.int8, device=DEVICE)  # arbitrary bytes
+    got = want.clone()
+    reference.write_kv_cache(key, value, want, slots)
+    triton_ops.write_kv_cache(key, value, got, slots)
+    assert torch.equal(got, want)  # bit-exact, untouched slots too
+
+    block_size = got.shape[2]
+    rows = got[slots // block_size, :, slots % block_size]  # [T, 2, Hkv, D + 4]
+    scales = rows[..., head_dim:].contiguous().view(torch.float32)  # [T, 2, Hkv, 1]
+    assert scales[0, 0, 0].item() == 0.0 and (scales[1, 1] == 0.0).all()
+    assert (rows[0, 0, 0, :head_dim] == 0).all() and (rows[1, 1, :, :head_dim] == 0).all()
+    ties = dequantize_rows(rows[2, 0, 0])[:5]
+    assert ties.tolist() == [127.0, 2.0, 0.0, 4.0, 2.0]
+
+
+def test_int8_kv_cache_shape_checks():
+    """An int8 cache's last axis is head_dim + 4, and its float32 scales must be aligned."""
+    key = torch.randn(3, 2, 64, device=DEVICE)
+    slots = torch.arange(3, device=DEVICE)
+    unscaled = torch.zeros(2, 2, 16, 2, 64, dtype=torch.int8, device=DEVICE)  # no scale bytes
+    with pytest.raises(ValueError, match="does not fit"):
+        triton_ops.write_kv_cache(key, key, unscaled, slots)
+    storage = torch.zeros(2 * 2 * 16 * 2 * 68 + 1, dtype=torch.int8, device=DEVICE)
+    misaligned = storage[1:].view(2, 2, 16, 2, 68)  # scales one byte off a float32 boundary
+    with pytest.raises(ValueError, match="misaligned"):
+        triton_ops.write_kv_cache(key, key, misaligned, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
+@pytest.mark.parametrize(("block_size", "head_dim"), [(16, 64), (32, 128)])
+def test_paged_attention_int8_cache_equals_reference(
+    head_dim, block_size, num_heads, num_kv_heads, dtype
+):
+    """Attention over an int8 cache equals the reference's over the same cache.
+
+    Both dequantize each row to the same float32 values (q * scale, one rounding) and attend
+    in float32, so they differ only in summation order: 1e-5 for fp32 queries. With bf16
+    queries both compute in float32 and round the output to bf16 once, but the interpreter
+    truncates where torch rounds to nearest: one bf16 ulp apart (rtol 2^-7; atol 1e-5 near 0).
+    Compiled on a GPU, bf16 queries score in tf32, as the float cache's test allows (2e-2).
+    """
+    torch.manual_seed(head_dim + block_size + num_heads)
+    seqs, num_decode = decode_and_prefill_seqs(block_size)
+    batch = build_paged_batch(
+        seqs, num_decode, block_size, num_heads, num_kv_heads, head_dim, dtype, DEVICE,
+        kv_cache_dtype=torch.int8,
+    )  # fmt: skip
+    expected = reference.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    if dtype == torch.float32:
+        atol, rtol = 1e-5, 1e-5
+    else:
+        atol, rtol = (1e-5, 2**-7) if triton_attention.INTERPRETED else (2e-2, 2e-2)
+    # The float test's forced split counts: none, and splits some short contexts leave empty.
+    for num_kv_splits in (1, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, num_kv_splits=num_kv_splits
+        )
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
