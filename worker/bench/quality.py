@@ -276,4 +276,4 @@ def threshold(configuration: Configuration, baseline: Configuration) -> float | 
 def _verdict(ratio: float, limit: float | None) -> str:
     if limit is None:
         return "-"
-    return f"{'pass' if ratio <= 1.0 + limit else 'FAIL'} (<= +{limit:.0%})"
+    return f"{'pass' if ratio <= 1.0 + limit else 'FAIL'} (<= +{limit:.1%})"
