@@ -234,8 +234,8 @@ def _add_worker(subparsers: SubParsers) -> None:
         choices=QUANTIZATIONS,
         help="how linear layers hold their weights: int8 (per output channel) or int4 (groups "
         "of 32) quantized as they load; gguf: a GGUF file's Q8_0/Q4_0/Q4_1 tensors as shipped "
-        "(a .gguf --model, or a known model shipped as one); auto: gguf for a .gguf file, "
-        "else none",
+        "(a .gguf --model, or a known model shipped as one); auto: gguf for a .gguf file, a "
+        "compressed-tensors checkpoint's int4 / int8 layers as stored, else none",
     )
     add(
         "--kv-cache-dtype",

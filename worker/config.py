@@ -47,7 +47,8 @@ class EngineConfig:
     #: How linear layers hold their weights (`QUANTIZATIONS`): "none" (the dtype above),
     #: "int8" (per output channel) or "int4" (groups of 32) quantized as they load, or "gguf"
     #: (the model's GGUF file as shipped: Q8_0 / Q4_0 / Q4_1 tensors kept in those layouts);
-    #: "auto": "gguf" for a .gguf file, "none" for a float checkpoint.
+    #: "auto": "gguf" for a .gguf file, a compressed-tensors checkpoint's W4A16 / W8A16
+    #: layers as stored, "none" for a float checkpoint.
     quantization: str = "auto"
     #: How the KV cache stores K and V (`KV_CACHE_DTYPES`): "auto" in the dtype above, "int8"
     #: as int8 with a float32 scale per token and head (a quarter of float32's bytes, about

@@ -37,6 +37,9 @@ class CountingSlice:
     def get_shape(self) -> list[int]:
         return self.source.get_shape()
 
+    def get_dtype(self) -> str:
+        return self.source.get_dtype()
+
     def __getitem__(self, box: tuple[slice, ...]) -> torch.Tensor:
         tensor = self.source[box]
         self.counts[self.name] += tensor.numel()

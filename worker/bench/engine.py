@@ -67,6 +67,7 @@ from headrace.worker.bench.profile import StepProfile
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
 from headrace.worker.execution.host_memory import freeze_startup_heap
+from headrace.worker.execution.kv_cache import kv_block_bytes
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 
@@ -187,6 +188,21 @@ def _workload_shape(args: argparse.Namespace) -> tuple[int, tuple[int, int], int
     return num_requests, (min_len, max_len), max_tokens
 
 
+def _kv_cache_summary(engine: Engine, kv_cache_dtype: str) -> Summary:
+    """The KV cache's dtype, size and what a token of context costs in it, and how often the
+    run ran out of it (preemptions)."""
+    runner = engine.runner
+    block_bytes = kv_block_bytes(runner.model, runner.block_size, runner.kv_cache_dtype)
+    summary: Summary = {
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_blocks": engine.block_manager.num_blocks,
+        "kv_bytes_per_token": block_bytes // runner.block_size,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+    print("  KV cache: " + ", ".join(f"{key} {value}" for key, value in summary.items()))
+    return summary
+
+
 def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary:
     num_requests, prompt_lens, max_tokens = _workload_shape(args)
     config = EngineConfig(
@@ -225,6 +241,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     print("  (host overhead: a decode step's time minus the model's forward and LM head)")
     summary: Summary = {"bench": "engine", "model": model_name, "dtype": args.dtype}
     summary.update(ours.summary())
+    summary.update(_kv_cache_summary(engine, args.kv_cache_dtype))
     if num_requests == 1 and ours.decode_step_s:  # a single stream: each step reads it all
         summary.update(compare_with_read(engine.runner.model, quantile(ours.decode_step_s, 0.5)))
     if profile is not None:

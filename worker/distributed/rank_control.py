@@ -30,7 +30,7 @@ from headrace.worker.distributed.weight_sync import (
     WeightSource,
 )
 from headrace.worker.execution.model_runner import ModelRunner
-from headrace.worker.models.loader import iter_checkpoint
+from headrace.worker.models.loader import iter_weights
 from headrace.worker.models.weight_check import TensorMeta
 
 #: Rank 0 broadcasts `FromTensors` from itself.
@@ -150,7 +150,7 @@ class RankControl:
     def _load(self, source: WeightSource | FromRankZero) -> None:
         model = self.runner.model
         if isinstance(source, FromDisk):
-            model.load_weights(iter_checkpoint(source.path))
+            model.load_weights(iter_weights(source.path))
         elif isinstance(source, FromTensors) and self.parallel.world_size == 1:
             model.load_weights(source.tensors)
         elif isinstance(source, FromTensors):

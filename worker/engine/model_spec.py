@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
+from headrace.worker.models.compressed_tensors import COMPRESSED, read_scheme
 from headrace.worker.models.gguf import projection_bits
 from headrace.worker.models.registry import model_factory, read_model_type
 from headrace.worker.models.store import GGUF_SUFFIX, gguf_file, resolve_model
@@ -37,8 +38,9 @@ class ModelSpec:
     eos_token_ids: frozenset[int]
     #: Longest text prompt in UTF-8 bytes that could fit (or the configured limit).
     max_prompt_bytes: int
-    #: How linear layers hold their weights: "none", "int8", "int4", or a GGUF file's blocks
-    #: as shipped, "gguf-q4" / "gguf-q8" (`_quantization`).
+    #: How linear layers hold their weights: "none", "int8", "int4", a GGUF file's blocks
+    #: as shipped, "gguf-q4" / "gguf-q8", or a compressed-tensors checkpoint's layers as
+    #: stored, "compressed-tensors" (`_quantization`).
     quantization: str = "none"
     #: The GGUF file the weights are read from (a .gguf model, or "gguf" for a known model
     #: shipped as one); None: the folder's safetensors.
@@ -49,6 +51,7 @@ class ModelSpec:
         path = resolve_model(config.model)
         gguf = _weights_gguf(config)
         model_factory(read_model_type(path))  # before transformers reads the type
+        compressed = read_scheme(path) is not None
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         max_model_len = _max_model_len(config, hf_config)
@@ -65,18 +68,25 @@ class ModelSpec:
             tokenizer=tokenizer,
             eos_token_ids=_eos_token_ids(path, tokenizer),
             max_prompt_bytes=max_prompt_bytes,
-            quantization=_quantization(config, gguf),
+            quantization=_quantization(config, gguf, compressed),
             gguf_file=gguf,
         )
 
 
-def _quantization(config: EngineConfig, gguf: Path | None) -> str:
+def _quantization(config: EngineConfig, gguf: Path | None, compressed: bool) -> str:
     """The layout the layers take (`headrace.worker.layers.linear.QUANTIZED_LAYOUTS`): as
     asked, or for "gguf" (and "auto" on a .gguf file) the file's own: "gguf-q4" or "gguf-q8",
-    or "none" for a file of float projections."""
+    or "none" for a file of float projections; a compressed-tensors checkpoint's own for
+    "auto" ("compressed-tensors"), dequantized for "none", and nothing else."""
     asked = config.quantization
+    if compressed and asked not in ("auto", "none"):
+        raise InvalidArgumentError(
+            "quantization",
+            f"{asked}: the checkpoint is quantized already (compressed-tensors); give auto to "
+            "serve it as stored or none to dequantize it",
+        )
     if asked == "auto":
-        asked = "gguf" if gguf is not None else "none"
+        asked = COMPRESSED if compressed else "gguf" if gguf is not None else "none"
     if asked != "gguf":
         return asked
     assert gguf is not None, "_weights_gguf found the file"

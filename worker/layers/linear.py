@@ -343,16 +343,24 @@ QUANTIZED_LAYOUTS: dict[str, tuple[Layout, Layout]] = {
 }
 
 
-def quantize_layers(model: nn.Module, quantization: str) -> None:
+def quantize_layers(
+    model: nn.Module, quantization: str, layouts: tuple[Layout, Layout | None] | None = None
+) -> None:
     """Hold every linear layer's weight, and the vocabulary table's, in the layouts
-    ``quantization`` names (before the weights load); "none" keeps them float."""
-    if quantization not in QUANTIZED_LAYOUTS:
-        return
-    linear_layout, table_layout = QUANTIZED_LAYOUTS[quantization]
+    ``quantization`` names (`QUANTIZED_LAYOUTS`), or in ``layouts`` (linear, table; a table
+    layout of None keeps the table float) where given (before the weights load); "none"
+    keeps them float."""
+    if layouts is None:
+        if quantization not in QUANTIZED_LAYOUTS:
+            return
+        layouts = QUANTIZED_LAYOUTS[quantization]
+    linear_layout, table_layout = layouts
     for name, module in model.named_modules():
         if not isinstance(module, Quantizable):
             continue
         layout = linear_layout if isinstance(module, _Adaptable) else table_layout
+        if layout is None:
+            continue
         try:
             module.quantize(*layout)
         except ValueError as error:

@@ -25,6 +25,7 @@ from headrace.worker.layers.weights import (
     shard_ids_of,
     weight_loader_of,
 )
+from headrace.worker.models.compressed_tensors import compressed_tensors, read_scheme
 from safetensors import safe_open
 from torch import nn
 
@@ -62,6 +63,16 @@ def iter_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, CheckpointTenso
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, CheckpointTensor.whole(name, f.get_slice(name))
+
+
+def iter_weights(checkpoint_dir: Path) -> Iterator[tuple[str, LoadedTensor]]:
+    """`iter_checkpoint`, with a compressed-tensors checkpoint's quantized layers joined into
+    `QuantizedWeight`s (`headrace.worker.models.compressed_tensors`)."""
+    scheme = read_scheme(checkpoint_dir)
+    if scheme is None:
+        yield from iter_checkpoint(checkpoint_dir)
+    else:
+        yield from compressed_tensors(iter_checkpoint(checkpoint_dir), scheme)
 
 
 def load_weights(

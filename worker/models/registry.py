@@ -12,13 +12,14 @@ import torch
 from headrace.kernels import KernelSet, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
-from headrace.worker.layers.linear import quantize_layers
+from headrace.worker.layers.linear import Layout, quantize_layers
 from headrace.worker.layers.weights import LoadedTensor
+from headrace.worker.models.compressed_tensors import COMPRESSED, read_scheme
 from headrace.worker.models.config import UnsupportedModelError
 from headrace.worker.models.gguf import iter_gguf_tensors
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.models.llama import LlamaForCausalLM
-from headrace.worker.models.loader import iter_checkpoint
+from headrace.worker.models.loader import iter_weights
 from torch import nn
 
 __all__ = ["MODEL_REGISTRY", "LoadedModel", "ModelWeights", "UnsupportedModelError", "load_model"]
@@ -42,17 +43,25 @@ class ModelWeights:
 
     #: The Hugging Face folder: config.json, tokenizer, and the safetensors unless gguf_file.
     folder: Path
-    #: "none", "int8", "int4" or "gguf" (`EngineConfig.quantization`, "auto" settled).
+    #: "none", "int8", "int4", "gguf-q4" / "gguf-q8" or "compressed-tensors"
+    #: (`ModelSpec.quantization`).
     quantization: str = "none"
     #: A GGUF file to read the tensors from instead (quantized ones as shipped).
     gguf_file: Path | None = None
 
     def tensors(self) -> Iterator[tuple[str, LoadedTensor]]:
-        """The checkpoint's tensors, by Hugging Face name, unread where the format allows."""
+        """The checkpoint's tensors, by Hugging Face name, unread where the format allows
+        (quantized layers as `QuantizedWeight`s)."""
         if self.gguf_file is not None:
             yield from iter_gguf_tensors(self.gguf_file)
         else:
-            yield from iter_checkpoint(self.folder)
+            yield from iter_weights(self.folder)
+
+    def layouts(self) -> tuple[Layout, Layout | None] | None:
+        """(linear, vocabulary table) layouts where not `QUANTIZED_LAYOUTS`' for the name: a
+        compressed-tensors checkpoint's own (its table float)."""
+        scheme = read_scheme(self.folder) if self.quantization == COMPRESSED else None
+        return None if scheme is None else (scheme.layout, None)
 
 
 @dataclass(slots=True)
@@ -88,7 +97,7 @@ def load_model(
             dtype,
             kernels or select_kernels("auto", device),
         )
-    quantize_layers(cast(nn.Module, model), source.quantization)
+    quantize_layers(cast(nn.Module, model), source.quantization, source.layouts())
     model.load_weights(source.tensors())
     model.eval()
     return LoadedModel(model, hf_config)

@@ -89,6 +89,9 @@ class _ShapeOnly:
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
+    def get_dtype(self) -> str:
+        return "F32"  # (no values: any float dtype would do)
+
     def __getitem__(self, box: tuple[slice, ...]) -> torch.Tensor:
         return torch.empty([s.stop - s.start for s in box], device="meta")
 
