@@ -8,7 +8,8 @@ dequantizes them itself), so its greedy tokens are the oracle: headrace, reading
 integers into its int4 / int8 layouts without forming floats, must give the same tokens on the
 C kernels and the torch references, with chunked prefill and preemption, and at two
 tensor-parallel ranks. Each layer's `dequantize` equals the library's own unpacking times the
-scale, bit for bit. ``quantization="none"`` serves the same weights dequantized. Schemes
+scale, bit for bit. ``quantization="none"`` serves the same weights dequantized, and an
+update from another compressed checkpoint serves that checkpoint's tokens. Schemes
 headrace does not serve are refused when the engine starts, naming what the checkpoint has.
 """
 
@@ -162,6 +163,18 @@ def test_int4_over_two_tensor_parallel_ranks_equals_transformers(case) -> None:
         assert tokens_of(llm) == expected
     finally:
         llm.close()
+
+
+def test_an_update_from_another_compressed_checkpoint_serves_its_tokens(
+    case, tmp_path: Path
+) -> None:
+    """The update is checked (each packed layer as the float weight it stands for) and its
+    layers land in the int4 weights as stored."""
+    path, _ = case(Scheme(4, 32))
+    other = compress(build_checkpoint(tmp_path / "float", seed=7), tmp_path / "b", Scheme(4, 32))
+    with LLM(str(path), dtype="float32") as llm:
+        llm.update_weights(str(other), version="b")
+        assert tokens_of(llm) == hf_greedy(other, PROMPTS, MAX_TOKENS)
 
 
 def test_none_serves_the_same_weights_dequantized(case) -> None:

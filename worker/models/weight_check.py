@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 from headrace.kernels import select_kernels
+from headrace.kernels.quantized import QuantizedWeight
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.weights import CheckpointTensor
 from headrace.worker.models.interface import LoadableModel
-from headrace.worker.models.loader import checkpoint_files
+from headrace.worker.models.loader import iter_weights
 from headrace.worker.models.registry import model_factory, read_model_type
-from safetensors import safe_open
 
 #: safetensors' dtype names (the header's "dtype") for the dtypes torch can hold.
 SAFETENSORS_DTYPES = {
@@ -64,19 +64,21 @@ class WeightsError(InvalidArgumentError):
 
 
 def checkpoint_metas(checkpoint_dir: Path) -> list[TensorMeta]:
-    """Every tensor of a safetensors checkpoint, from the files' headers (no values read)."""
+    """Every tensor of a safetensors checkpoint, from the files' headers (no values read); a
+    compressed-tensors layer as the float weight it stands for (its parts are read)."""
     if not checkpoint_dir.is_dir():
         raise InvalidArgumentError("path", f"{checkpoint_dir} is not a directory")
     metas = []
-    for path in checkpoint_files(checkpoint_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                source = f.get_slice(name)
-                dtype_name = source.get_dtype()
-                dtype = SAFETENSORS_DTYPES.get(dtype_name)
-                if dtype is None:
-                    raise WeightsError(f"{name}: unsupported dtype {dtype_name}")
-                metas.append(TensorMeta(name, tuple(source.get_shape()), dtype))
+    for name, tensor in iter_weights(checkpoint_dir):
+        if isinstance(tensor, QuantizedWeight):
+            metas.append(TensorMeta(name, tensor.shape, torch.float32))
+            continue
+        assert isinstance(tensor, CheckpointTensor)
+        dtype_name = tensor.source.get_dtype()
+        dtype = SAFETENSORS_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise WeightsError(f"{name}: unsupported dtype {dtype_name}")
+        metas.append(TensorMeta(name, tuple(tensor.shape), dtype))
     return metas
 
 
