@@ -6,7 +6,8 @@ batch composition of the engine oracle's matrix (chunked prefill, one-token bloc
 overlapped steps, prefix reuse), on the C kernels, the torch references and Triton, gives each
 prompt the tokens it gets alone. Each (token, head) row is quantized on its own, so nothing
 about a batch can reach a row's bits. That the oracle is not the float model's tokens is
-checked, so the equality is not vacuous; also: the same memory holds (D + 4) / (4 D) as many
+checked, so the equality is not vacuous; beams that fork mid-block copy int8 blocks whole;
+the same memory holds (D + 4) / (4 D) as many
 float32 blocks' worth, two tensor-parallel ranks (each caching its own heads) equal one, and
 an unknown value is refused naming the field.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from headrace.sdk import InvalidArgumentError
+from headrace.sdk import GenerationConfig, InvalidArgumentError
 from headrace.worker import LLM, EngineConfig
 from transformers import AutoConfig
 
@@ -79,6 +80,31 @@ def test_reused_prefix_blocks_give_the_same_tokens(case):
     hits_before = llm.engine.block_manager.num_prefix_hit_blocks
     assert tokens_of(llm, prompts) == expected
     assert llm.engine.block_manager.num_prefix_hit_blocks > hits_before
+    assert_all_blocks_free(llm.engine)
+
+
+def test_forked_beams_copy_int8_blocks_whole(case):
+    """Beams forking mid-block (block size 4) copy the shared int8 block, values and scales,
+    before writing: the beams equal those of the same search on the reference kernels in
+    blocks of 16, alone, and the batch's other requests keep their tokens."""
+    path, prompts, expected = case
+    beams = GenerationConfig(max_tokens=8, temperature=0.0, num_beams=3, n=3, ignore_eos=True)
+    alone = LLM(str(path), kernel_backend="reference", **INT8).generate([prompts[3]], beams)[0]
+    llm = LLM(str(path), block_size=4, **INT8)
+    copies: list[tuple[int, int]] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        step = schedule(*args, **kwargs)
+        copies.extend(step.block_copies)
+        return step
+
+    llm.engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    batch = llm.generate(prompts, [greedy(MAX_TOKENS)] * 3 + [beams] + [greedy(MAX_TOKENS)] * 2)
+    assert [c.token_ids for c in batch[3].outputs] == [c.token_ids for c in alone.outputs]
+    others = [r.token_ids for i, r in enumerate(batch) if i != 3]
+    assert others == [t for i, t in enumerate(expected) if i != 3]
+    assert copies  # the forks did copy blocks
     assert_all_blocks_free(llm.engine)
 
 
