@@ -79,15 +79,21 @@ def test_decode_only_and_prefill_only_against_contiguous_sdpa(seqs, num_decode):
         torch.testing.assert_close(out[start:end], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.int8)],
+    ids=str,
+)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_a_decode_alone_and_among_many_gets_the_same_bits(block_size, dtype):
+def test_a_decode_alone_and_among_many_gets_the_same_bits(block_size, dtype, kv_cache_dtype):
     """Many decodes run every KV head of one decode in one work item, key tile by key tile
     (the kernel's `run_tile_heads`); a decode alone runs a head per item. Each row's sums are
-    the same either way, so the outputs are equal bit for bit."""
+    the same either way, so the outputs are equal bit for bit (over an int8 cache too)."""
     torch.manual_seed(block_size)
     seqs = [(n, 1) for n in (1, 15, 16, 17, 40, 99, 300, 5)]
-    batch = build_paged_batch(seqs, len(seqs), block_size, 9, 3, 64, dtype)
+    batch = build_paged_batch(
+        seqs, len(seqs), block_size, 9, 3, 64, dtype, kv_cache_dtype=kv_cache_dtype
+    )
     together = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
     for i, (seq_len, _) in enumerate(seqs):
         alone = AttentionMetadata(

@@ -8,8 +8,8 @@ scale, written and read by the torch reference and the C kernels alike.
 - The C attention over an int8 cache equals the reference's over the same cache: both
   dequantize each value with one float32 multiply, so they differ only as their float
   attention does (float32 queries 1e-5; bf16 / fp16 queries round the output once, the
-  tolerances of tests/kernels/test_cpu.py). And a decode alone gets the bits it gets among
-  many.
+  tolerances of tests/kernels/test_cpu.py). (That a decode alone gets the bits it gets among
+  many, over an int8 cache too, is test_cpu.py's test.)
 - The reference attention over int8 is close to float attention over the unquantized K/V
   (the quantization error, not a layout mix-up: a misplaced scale or row would be far off).
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 import torch
 from headrace.kernels import cpu_ops, reference
-from headrace.kernels.attention import AttentionMetadata
 from headrace.kernels.kv_layout import (
     SCALE_BYTES,
     cache_shape,
@@ -114,30 +113,6 @@ def test_c_attention_over_int8_equals_the_reference(
     assert out.dtype == dtype and out.shape == batch.query.shape
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
-
-
-@needs_c_compiler
-def test_a_decode_over_int8_alone_and_among_many_gets_the_same_bits():
-    torch.manual_seed(5)
-    block_size = 16
-    seqs = [(n, 1) for n in (1, 15, 16, 17, 40, 99, 300, 5)]
-    batch = build_paged_batch(
-        seqs, len(seqs), block_size, 9, 3, 64, torch.float32, "cpu", torch.int8
-    )
-    together = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
-    for i, (seq_len, _) in enumerate(seqs):
-        alone = AttentionMetadata(
-            slot_mapping=batch.metadata.slot_mapping[i : i + 1],
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-            block_tables=batch.metadata.block_tables[i : i + 1],
-            num_decode_seqs=1,
-            query_start_loc_cpu=[0, 1],
-            seq_lens_cpu=[seq_len],
-            block_size=block_size,
-        )
-        out = cpu_ops.paged_attention(batch.query[i : i + 1], batch.kv_cache, alone, batch.scale)
-        assert torch.equal(out[0], together[i]), f"decode {i} ({seq_len} keys)"
 
 
 def test_int8_attention_is_float_attention_within_the_quantization_error():
