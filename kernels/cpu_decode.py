@@ -88,7 +88,8 @@ class DecoderStack:
         self.dtype = final_norm.dtype
         norms = [t for layer in layers for t in layer.norms()] + [final_norm]
         matrices = [m for layer in layers for m in layer.matrices()]
-        #: (bits, group size) of the matrices: (0, 0) in the dtype; a group of 0 is a row.
+        #: (bits, group size, int8 activations) of the matrices: (0, 0, 0) in the dtype; a
+        #: group of 0 is a row.
         self.weights = _common_layout(matrices, self.dtype)
         in_kernel = all(_in_kernel(t, self.dtype) for t in norms)
         self.usable = cpu_ops.available() and in_kernel and self.weights is not None
@@ -129,7 +130,9 @@ class DecoderStack:
         return decode_layers(hidden, table, self, kv_caches[0].dtype, cos, sin, metadata)
 
     def _max_rows(self) -> int:
-        bits = 0 if self.weights is None else self.weights[0]
+        bits, _, int8_activations = self.weights or (0, 0, 0)
+        if int8_activations:  # its kernel takes any rows, as the per-op path does
+            return cpu_ops.QUANTIZED_MAX_ROWS[8]
         return cpu_ops.QUANTIZED_MAX_ROWS[bits] if bits else cpu_ops.skinny_max_rows(self.dtype)
 
 
@@ -137,20 +140,22 @@ def _in_kernel(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
-def _common_layout(matrices: list[Matrix], dtype: torch.dtype) -> tuple[int, int] | None:
-    """(bits, group size) shared by every matrix ((0, 0): all float in dtype; group 0: one
-    per row), or None when they differ or one is not where the C stack reads it."""
+def _common_layout(matrices: list[Matrix], dtype: torch.dtype) -> tuple[int, int, int] | None:
+    """(bits, group size, int8 activations) shared by every matrix ((0, 0, 0): all float in
+    dtype; group 0: one per row), or None when they differ or one is not where the C stack
+    reads it."""
     layouts = {_layout(m, dtype) for m in matrices}
     return layouts.pop() if len(layouts) == 1 and None not in layouts else None
 
 
-def _layout(matrix: Matrix, dtype: torch.dtype) -> tuple[int, int] | None:
+def _layout(matrix: Matrix, dtype: torch.dtype) -> tuple[int, int, int] | None:
     if isinstance(matrix, torch.Tensor):
-        return (0, 0) if _in_kernel(matrix, dtype) else None
+        return (0, 0, 0) if _in_kernel(matrix, dtype) else None
     if matrix.device.type != "cpu":
         return None
     cols = matrix.shape[1]
-    return (matrix.bits, 0 if matrix.group_size == cols else matrix.group_size)
+    group = 0 if matrix.group_size == cols else matrix.group_size
+    return (matrix.bits, group, int(matrix.int8_activations))
 
 
 def decode_layers(

@@ -71,6 +71,10 @@ _SIGNATURES = {
         [_P, _I64, _INT, _I64, _P, _INT, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT],
         _INT,
     ),
+    "headrace_quantized_linear_a8": (
+        [_P, _I64, _INT, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT],
+        _INT,
+    ),
     "headrace_dequantize": ([_P, _INT, _I64, _I64, _I64, _P, _P, _P, _INT], None),
     "headrace_rms_norm": ([_P, _I64, _P, _I64, _P, ctypes.c_float, _P, _P, _I64, _I64, _INT], None),
     "headrace_silu_and_mul": ([_P, _I64, _P, _I64, _I64, _INT], None),
@@ -81,7 +85,7 @@ _SIGNATURES = {
     "headrace_decode_layers": (
         [_P, _I64, _INT, _P, _P, ctypes.c_float, _I64, _I64]
         + [_INT] * 6
-        + [_I64]
+        + [_I64, _INT]
         + [_P] * 4
         + [_I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT],
         _INT,

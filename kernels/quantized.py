@@ -23,11 +23,23 @@ So every row is whole blocks of 32 (the kernels step 16 lanes at a time, with no
 ``group_size`` is a power of two from 32 (or K, for 8 bits per channel) that divides K. Slices
 of output rows, and of K at group boundaries, are again quantized weights: tensor
 parallelism splits them as it splits float weights.
+
+A 4-bit weight may also say ``int8_activations``: it is then multiplied by x quantized to
+int8 per block of 32 (llama.cpp's Q8_1 scheme, which lets a CPU use int8 dot products),
+`linear_int8_activations`:
+
+    sx[b] = max |x_b| / 127,  xq = round_half_even(x_b / sx[b])      (as the int8 KV cache)
+    y[n]  = sum_b scales[n, g(b)] * sx[b] * (q[n, b] . xq[b])  +  sum_b offsets[n, g(b)] * S[b]
+    S[b]  = sx[b] * sum(xq[b])
+
+The integer dot products are exact; the rest is float, so kernels agree with this reference
+to float rounding, not bit for bit, and with the float oracle only to the activations'
+quantization error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,6 +67,8 @@ class QuantizedWeight:
     scales: torch.Tensor
     #: float32 [N, K / group_size] (4 bits), or None (8 bits: symmetric).
     offsets: torch.Tensor | None
+    #: 4 bits: multiplied by x quantized to int8 per block (module docstring).
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
@@ -66,6 +80,8 @@ class QuantizedWeight:
             raise ValueError(f"scales must be float32 {groups}, not {tuple(self.scales.shape)}")
         if (self.offsets is None) != (self.bits == 8):
             raise ValueError("4-bit weights have offsets and 8-bit weights have none")
+        if self.int8_activations and self.bits != 4:
+            raise ValueError("int8 activations multiply 4-bit weights only")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,12 +101,11 @@ class QuantizedWeight:
     def rows(self, start: int, length: int) -> QuantizedWeight:
         """Output rows [start, start + length) (views)."""
         offsets = None if self.offsets is None else self.offsets.narrow(0, start, length)
-        return QuantizedWeight(
-            self.bits,
-            self.group_size,
-            self.data.narrow(0, start, length),
-            self.scales.narrow(0, start, length),
-            offsets,
+        return replace(
+            self,
+            data=self.data.narrow(0, start, length),
+            scales=self.scales.narrow(0, start, length),
+            offsets=offsets,
         )
 
     def columns(self, start: int, length: int) -> QuantizedWeight:
@@ -102,12 +117,11 @@ class QuantizedWeight:
         data = self.data.narrow(1, start // per_byte, length // per_byte)
         offsets = None if self.offsets is None else self.offsets.narrow(1, start // g, length // g)
         scales = self.scales.narrow(1, start // g, length // g)
-        return QuantizedWeight(
-            self.bits,
-            g,
-            data.contiguous(),
-            scales.contiguous(),
-            None if offsets is None else offsets.contiguous(),
+        return replace(
+            self,
+            data=data.contiguous(),
+            scales=scales.contiguous(),
+            offsets=None if offsets is None else offsets.contiguous(),
         )
 
     def dim(self) -> int:
@@ -135,9 +149,7 @@ class QuantizedWeight:
     def gather(self, rows: torch.Tensor) -> QuantizedWeight:
         """The rows ``rows`` ([T] int64) names, in that order (copies: an embedding lookup)."""
         offsets = None if self.offsets is None else self.offsets[rows]
-        return QuantizedWeight(
-            self.bits, self.group_size, self.data[rows], self.scales[rows], offsets
-        )
+        return replace(self, data=self.data[rows], scales=self.scales[rows], offsets=offsets)
 
     def zero_(self) -> None:
         """Every weight 0 (the padding rows of a vocabulary split across ranks)."""
@@ -148,8 +160,8 @@ class QuantizedWeight:
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
         offsets = None if self.offsets is None else self.offsets.to(device)
-        return QuantizedWeight(
-            self.bits, self.group_size, self.data.to(device), self.scales.to(device), offsets
+        return replace(
+            self, data=self.data.to(device), scales=self.scales.to(device), offsets=offsets
         )
 
 
@@ -166,7 +178,11 @@ def check_row(cols: int, group_size: int) -> None:
 
 
 def empty(
-    shape: tuple[int, int], bits: int, group_size: int, device: torch.device | None = None
+    shape: tuple[int, int],
+    bits: int,
+    group_size: int,
+    device: torch.device | None = None,
+    int8_activations: bool = False,
 ) -> QuantizedWeight:
     """An uninitialised quantized weight of the float shape [N, K]."""
     rows, cols = shape
@@ -176,9 +192,8 @@ def empty(
     else:
         data = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
     offsets = torch.empty(groups, device=device) if bits == 4 else None
-    return QuantizedWeight(
-        bits, group_size, data, torch.empty(groups, dtype=torch.float32, device=device), offsets
-    )
+    scales = torch.empty(groups, dtype=torch.float32, device=device)
+    return QuantizedWeight(bits, group_size, data, scales, offsets, int8_activations)
 
 
 def quantize(
@@ -243,7 +258,44 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [T, N] in out_dtype (default: x's dtype)
-    """The reference: x (as float32) against the dequantized weight, in float32."""
+    """The reference: x (as float32) against the dequantized weight, in float32 (with
+    ``int8_activations``, `linear_int8_activations`)."""
     bias32 = None if bias is None else bias.to(torch.float32)
+    if weight.int8_activations:
+        y = linear_int8_activations(x, weight)
+        return (y if bias32 is None else y + bias32).to(out_dtype or x.dtype)
     y = torch.nn.functional.linear(x.to(torch.float32), dequantize(weight), bias32)
     return y.to(out_dtype or x.dtype)
+
+
+def quantize_activations(
+    x: torch.Tensor,  # [T, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (xq [T, K / 32, 32] int8, sx [T, K / 32] float32)
+    """x per block of 32 as int8 and a float32 scale: sx = max|x| / 127, xq =
+    round_half_even(x / sx) (0 for a zero block), each one float32 operation."""
+    rows, cols = x.shape
+    blocks = x.to(torch.float32).reshape(rows, cols // NIBBLE_BLOCK, NIBBLE_BLOCK)
+    sx = blocks.abs().amax(dim=2) / INT8_MAX
+    safe = torch.where(sx > 0, sx, torch.ones_like(sx)).unsqueeze(2)
+    return torch.round(blocks / safe).to(torch.int8), sx
+
+
+def linear_int8_activations(
+    x: torch.Tensor,  # [T, K]
+    weight: QuantizedWeight,  # [N, K], 4 bits
+) -> torch.Tensor:  # [T, N] float32
+    """x quantized per block of 32 against the 4-bit integers (module docstring), summed in
+    float64 and rounded once: every kernel's result to float rounding."""
+    rows, cols = weight.shape
+    xq, sx = quantize_activations(x)  # [T, B, 32], [T, B]
+    num_blocks, g = cols // NIBBLE_BLOCK, weight.group_size
+    q = unpack_nibbles(weight.data).to(torch.float64).reshape(rows, num_blocks, NIBBLE_BLOCK)
+    dots = torch.einsum("nbk,tbk->tnb", q, xq.to(torch.float64))  # exact integers
+    per_block = g // NIBBLE_BLOCK  # blocks of a group
+    scales = weight.scales.to(torch.float64).repeat_interleave(per_block, dim=1)  # [N, B]
+    offsets = weight.offsets
+    assert offsets is not None
+    mins = offsets.to(torch.float64).repeat_interleave(per_block, dim=1)
+    sums = sx.to(torch.float64) * xq.to(torch.float64).sum(dim=2)  # [T, B]: S
+    y = (dots * scales[None] * sx.to(torch.float64)[:, None, :]).sum(dim=2) + sums @ mins.T
+    return y.to(torch.float32)

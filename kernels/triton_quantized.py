@@ -148,7 +148,10 @@ def quantized_linear(
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [T, N] in out_dtype (default: x's dtype)
-    """`headrace.kernels.quantized.linear`, with W dequantized in registers."""
+    """`headrace.kernels.quantized.linear`, with W dequantized in registers (not built for
+    ``int8_activations``: refused)."""
+    if weight.int8_activations:
+        raise ValueError("int8 activations run on the cpu and reference kernels, not triton")
     out_dtype = out_dtype or x.dtype
     _check_inputs(x, weight, bias, out_dtype)
     num_tokens = x.shape[0]

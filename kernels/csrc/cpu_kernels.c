@@ -1491,6 +1491,161 @@ int headrace_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int6
     return 0;
 }
 
+/* ---- 4-bit weights against int8 activations ---------------------------------------------- */
+
+/* kernels/quantized.py's ``int8_activations``: each row of x quantized per block of 32 to int8
+   (sx = max|x| / 127, xq = round-half-even(x / sx): one float32 operation each), then every
+   block's integer dot product with the weight's nibbles taken exactly, in int32, by the
+   VNNI instruction that multiplies 64 unsigned bytes by 64 signed ones and sums each four
+   (four blocks' 16-element halves per instruction, where the float kernel forms and
+   multiplies 16 weights at a time). Each block's sum is scaled by scale * sx (rounded once)
+   into float32 lanes; the offsets' term is sum_g offset_g * S_g, S_g the group's
+   sum_b sx_b * sum(xq_b). Every output of a row is computed the same way whatever the other
+   rows, so a row's result does not depend on the batch.
+
+   Layouts, per pair of blocks (b0 = 2p, b1 = 2p + 1; a missing b1 is zeros): xq 64 bytes
+   [b0 elements 0-15 | b1 0-15 | b0 16-31 | b1 16-31], which is how the 32 nibble bytes of
+   the two blocks unpack (low nibbles, then high ones); sxv 16 floats, sx of the block each
+   lane of the dot product sums (lanes 0-3 and 8-11: b0; 4-7 and 12-15: b1). */
+
+/* Blocks of 32 in a row of K, and pairs of them. */
+static inline int64_t a8_pairs(int64_t K) { return (K / 32 + 1) / 2; }
+
+/* Scratch floats per row of x: xq (64 bytes a pair), sxv (16 floats a pair), S (a float a
+   group, at most one a block). */
+static inline int64_t a8_row_floats(int64_t K) { return hr_a8_floats(1, K); }
+
+/* Row m of x (x_dtype) as xq, sxv and S (groups of `per_group` blocks). */
+static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int64_t per_group, int8_t *xq,
+                            float *sxv, float *S) {
+    const int64_t B = K / 32;
+    float values[32];
+    for (int64_t b = 0; b < 2 * a8_pairs(K); b++) {
+        int8_t *first = xq + (b / 2) * 64 + (b % 2) * 16, *second = first + 32;
+        float *lanes = sxv + (b / 2) * 16 + (b % 2) * 4;
+        float sx = 0.0f;
+        int32_t total = 0;
+        if (b < B) {
+            load_row(element(x, b * 32, x_dtype), x_dtype, values, 32);
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(values[i]));
+            sx = amax / 127.0f;
+            for (int i = 0; i < 32; i++) {
+                const int32_t q = sx > 0.0f ? (int32_t)nearbyintf(values[i] / sx) : 0;
+                (i < 16 ? first : second)[i % 16] = (int8_t)q;
+                total += q;
+            }
+            if (b % per_group == 0) S[b / per_group] = 0.0f;
+            S[b / per_group] += sx * (float)total;
+        } else {
+            memset(first, 0, 16);
+            memset(second, 0, 16);
+        }
+        for (int j = 0; j < 4; j++) lanes[j] = lanes[8 + j] = sx;
+    }
+}
+
+/* sum_i a[i] * b[i] over n floats, 16 lanes at a time then the lanes (one fixed order). */
+static inline float a8_dot(const float *a, const float *b, int64_t n) {
+    v16 acc = splat(0.0f);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) acc = acc + *(const v16u *)(a + i) * *(const v16u *)(b + i);
+    float total = lane_total(acc);
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+#ifdef __AVX512VNNI__
+/* Weight row n's pair p as 64 unsigned bytes in xq's order, and each lane's scale. */
+static inline void a8_weight_pair(const uint8_t *row, const float *scales, int64_t p, int64_t B,
+                                  int64_t per_group, __m512i *bytes, __m512 *lane_scales) {
+    const int two = 2 * p + 1 < B;
+    const __m256i packed = two ? _mm256_loadu_si256((const __m256i *)(row + 32 * p))
+                               : _mm256_maskz_loadu_epi8(0xFFFF, row + 32 * p);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    const __m256i low = _mm256_and_si256(packed, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+    *bytes = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    const float s0 = scales[(2 * p) / per_group], s1 = two ? scales[(2 * p + 1) / per_group] : s0;
+    *lane_scales = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+}
+#endif
+
+/* Weight row n against every row of x (prepared: xq, sxv, S per row, `row_floats` apart). */
+static void a8_weight_row(const Skinny *s, int64_t n, const float *prepared, int64_t row_floats,
+                          int64_t per_group) {
+    const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = (B + per_group - 1) / per_group;
+    const uint8_t *row = (const uint8_t *)s->w + n * K / 2;
+    const float *scales = s->scales + n * G, *offsets = s->offsets + n * G;
+#ifdef __AVX512VNNI__
+    __m512i bytes[P];
+    __m512 lane_scales[P];
+    for (int64_t p = 0; p < P; p++)
+        a8_weight_pair(row, scales, p, B, per_group, &bytes[p], &lane_scales[p]);
+#endif
+    for (int64_t m = 0; m < s->M; m++) {
+        const float *base = prepared + m * row_floats;
+        const int8_t *xq = (const int8_t *)base;
+        const float *sxv = base + P * 16, *S = base + P * 32;
+#ifdef __AVX512VNNI__
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t p = 0; p < P; p++) {
+            const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[p],
+                                                     _mm512_loadu_si512(xq + 64 * p));
+            const __m512 factor = _mm512_mul_ps(lane_scales[p], _mm512_loadu_ps(sxv + 16 * p));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), factor, acc);
+        }
+        float sum = lane_total((v16)acc);
+#else
+        float sum = 0.0f;
+        for (int64_t b = 0; b < B; b++) {
+            const int8_t *first = xq + (b / 2) * 64 + (b % 2) * 16, *second = first + 32;
+            int32_t dot = 0;
+            for (int i = 0; i < 16; i++) {
+                dot += (row[16 * b + i] & 15) * first[i] + (row[16 * b + i] >> 4) * second[i];
+            }
+            sum += (float)dot * (scales[b / per_group] * sxv[(b / 2) * 16 + (b % 2) * 4]);
+        }
+#endif
+        sum += a8_dot(offsets, S, G) + (s->bias != NULL ? s->bias[n] : 0.0f);
+        store_outputs(s, m, n, &sum, 1);
+    }
+}
+
+/* y [M, N] = x [M, K] against 4-bit weights [N, K] with int8 activations (above), x in x_dtype
+   (rows strided), y in y_dtype. scratch: room for hr_a8_floats(M, K) floats. Called by every
+   thread of a region. */
+void hr_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
+                            const void *w, int64_t N, int64_t K, int64_t group_size,
+                            const float *scales, const float *offsets, const float *bias,
+                            void *y, int64_t y_stride, int y_dtype, float *scratch) {
+    const int64_t per_group = group_size / 32, row_floats = a8_row_floats(K);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *base = scratch + m * row_floats;
+        a8_quantize_row(element(x, m * x_stride, x_dtype), x_dtype, K, per_group,
+                        (int8_t *)base, base + a8_pairs(K) * 16, base + a8_pairs(K) * 32);
+    }
+    const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
+                      .scales = scales, .offsets = offsets, .bias = bias, .y = y,
+                      .y_stride = y_stride, .y_dtype = y_dtype};
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, per_group);
+}
+
+int headrace_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
+                                 const void *w, int64_t N, int64_t K, int64_t group_size,
+                                 const float *scales, const float *offsets, const float *bias,
+                                 void *y, int64_t y_stride, int y_dtype) {
+    float *scratch = M > 0 ? malloc((size_t)hr_a8_floats(M, K) * sizeof(float)) : NULL;
+    if (M > 0 && scratch == NULL) return -1;
+#pragma omp parallel if (N * K >= (1 << 15))
+    hr_quantized_linear_a8(x, x_stride, x_dtype, M, w, N, K, group_size, scales, offsets, bias,
+                           y, y_stride, y_dtype, scratch);
+    free(scratch);
+    return 0;
+}
+
 /* out [N, K] in out_dtype = the quantized weights as floats (`dequantize`), each rounded once
    to out_dtype: what a GEMM multiplies when a step has too many rows for the skinny kernel. */
 void headrace_dequantize(const void *w, int bits, int64_t N, int64_t K, int64_t group_size,

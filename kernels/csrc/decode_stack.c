@@ -34,10 +34,11 @@ enum {
 };
 
 /* How the matrices hold their weights: bits 0 (the dtype), 8 or 4; groups of group_size
-   along K, 0 for one per row. */
+   along K, 0 for one per row; int8_activations: 4-bit weights against x quantized to int8. */
 typedef struct {
     int bits;
     int64_t group_size;
+    int int8_activations;
 } Weights;
 
 /* The step's activations: [T, n] rows in the model's dtype (wide: float32). */
@@ -55,7 +56,9 @@ static char *alloc_buffers(Buffers *b, int64_t T, int64_t hidden, int64_t inter,
     const size_t widths[] = {hidden, hidden, qkv, H * D, Hkv * D, H * D, 2 * inter, inter, hidden};
     size_t total = 0;
     for (int i = 0; i < 9; i++) total += (widths[i] * T * size + 63) / 64 * 64;
-    const size_t wide = max3(hidden, inter, H * D) * T * sizeof(float);
+    const int64_t widest = (int64_t)max3(hidden, inter, H * D);
+    const int64_t a8 = hr_a8_floats(T, widest); /* the int8 activations' scratch, if larger */
+    const size_t wide = (size_t)(a8 > widest * T ? a8 : widest * T) * sizeof(float);
     char *base = aligned_alloc(64, (total + wide + 63) / 64 * 64);
     if (base == NULL) return NULL;
     char **slots[] = {&b->residual, &b->normed, &b->qkv,    &b->query, &b->key,
@@ -75,6 +78,10 @@ static void matmul(const void *x, int64_t T, const int64_t *matrix, Weights w, i
     const void *data = (const void *)matrix[0];
     if (w.bits == 0) {
         hr_skinny_linear(x, K, dtype, T, data, dtype, N, K, NULL, y, N, dtype, wide);
+    } else if (w.int8_activations) {
+        hr_quantized_linear_a8(x, K, dtype, T, data, N, K, w.group_size ? w.group_size : K,
+                               (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,
+                               dtype, wide);
     } else {
         hr_quantized_linear(x, K, dtype, T, data, w.bits, N, K, w.group_size ? w.group_size : K,
                             (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,
@@ -90,7 +97,7 @@ int headrace_decode_layers(
     const int64_t *layers, /* [num_layers, LAYER_TENSORS] data pointers */
     const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
     int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype, int weight_bits,
-    int64_t group_size,
+    int64_t group_size, int int8_activations,
     const void *cos, const void *sin, /* [T, head_dim] */
     const int64_t *slot_mapping,      /* [T] */
     const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
@@ -99,7 +106,8 @@ int headrace_decode_layers(
     const int64_t H = num_heads, Hkv = num_kv_heads, D = head_dim, I = intermediate_size;
     const int64_t qkv_cols = (H + 2 * Hkv) * D;
     const size_t size = dtype == F32 ? 4 : 2;
-    const Weights w = {.bits = weight_bits, .group_size = group_size};
+    const Weights w = {.bits = weight_bits, .group_size = group_size,
+                       .int8_activations = int8_activations};
     Buffers b;
     char *base = alloc_buffers(&b, T, hidden_size, I, H, Hkv, D, size);
     if (base == NULL) return -1;

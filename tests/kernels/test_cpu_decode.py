@@ -3,7 +3,7 @@
 Both run the same C ops, so every value must match bit for bit: the same greedy tokens and
 the same logprobs (floats compared exactly) in every dtype the kernels take, one row and
 three, with grouped-query attention and a head size that is not a whole vector, with the KV
-cache in the model's dtype or in int8. Steps it
+cache in the model's dtype or in int8, and 4-bit weights against int8 activations. Steps it
 does not take (prefill chunks, mixed steps, LoRA) keep to the per-op path.
 """
 
@@ -60,23 +60,23 @@ def per_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama, "_decode_shape", lambda *args: None)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "kv_cache_dtype"),
-    [
-        ("float32", "auto"),
-        ("bfloat16", "auto"),
-        ("float16", "auto"),
-        ("float32", "int8"),
-        ("bfloat16", "int8"),
-    ],
-)
+#: (dtype, engine options) of the cases: each dtype, the KV cache in int8, and 4-bit weights
+#: against int8 activations.
+CASES = [
+    ("float32", {}),
+    ("bfloat16", {}),
+    ("float16", {}),
+    ("float32", dict(kv_cache_dtype="int8")),
+    ("bfloat16", dict(kv_cache_dtype="int8")),
+    ("float32", dict(quantization="int4", int8_activations=True)),
+]
+
+
+@pytest.mark.parametrize(("dtype", "engine"), CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("shape", ["gqa", "odd-head-dim"])
-def test_decode_in_one_call_is_the_per_op_forward_bit_for_bit(
-    monkeypatch, dtype, kv_cache_dtype, shape
-):
+def test_decode_in_one_call_is_the_per_op_forward_bit_for_bit(monkeypatch, dtype, engine, shape):
     kwargs = dict(num_heads=4, num_kv_heads=2) if shape == "gqa" else dict(head_dim=24)
     path = str(cached_checkpoint(family="llama", num_layers=3, **kwargs))
-    engine = dict(kv_cache_dtype=kv_cache_dtype)
     with monkeypatch.context() as patch:
         calls = Calls(patch)
         fused = generate(path, dtype, PROMPTS, **engine)

@@ -12,9 +12,16 @@ dequantized weight bit for bit (x float32 or bf16, strided rows, with or without
 row's output does not depend on the other rows. Past `cpu_ops.QUANTIZED_MAX_ROWS` rows the
 weight is dequantized in C (`cpu_ops.dequantize`: the reference's values rounded once) for
 torch's GEMM: the reference to float rounding (float32) or to bf16's.
+
+Int8 activations (4-bit weights): the reference is x rounded per block of 32 times the
+dequantized weight (checked against float64 arithmetic written out in the test); the C
+kernel equals it to float32 rounding at every row count, and a row's output is the same
+bits in any batch.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -212,3 +219,65 @@ def test_rows_that_are_not_whole_blocks_of_32_are_refused(bits: int) -> None:
     group is the row) would be summed wrong and dequantized past its end, so it is refused."""
     with pytest.raises(ValueError, match="rows of 40 are not whole blocks of 32"):
         quantized.quantize(torch.randn(37, 40), bits, 40 if bits == 8 else 32)
+
+
+# --- int8 activations --------------------------------------------------------------------------
+
+#: (group size, K) of 4-bit weights for int8 activations: odd numbers of blocks (96: 3, 160:
+#: 5), even ones (192: 6, SmolLM2's 576: 18), groups of 32 and 64.
+A8_LAYOUTS = [(32, 96), (32, 160), (64, 192), (32, 576)]
+
+
+def with_int8_activations(weight: QuantizedWeight) -> QuantizedWeight:
+    return dataclasses.replace(weight, int8_activations=True)
+
+
+def test_int8_activations_are_the_activations_rounded_per_block() -> None:
+    """The reference's own definition, against float64 arithmetic written out here: x rounded
+    to int8 per block of 32 (scale max|x| / 127), then the dequantized weight times it."""
+    weight = make_weight(NUM_OUT, 96, 4, 32)
+    x = make_x(5, 96, torch.float32).contiguous()
+    x[1, 32:64] = 0  # a zero block: scale 0, values 0
+    blocks = x.reshape(5, 3, 32).double()
+    sx = blocks.abs().amax(dim=2, keepdim=True) / 127
+    rounded = torch.where(sx > 0, torch.round(blocks / torch.where(sx > 0, sx, 1)) * sx, 0)
+    want = rounded.reshape(5, 96) @ quantized.dequantize(weight).double().T
+    got = quantized.linear(x, with_int8_activations(weight))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, quantized.linear(x, weight), atol=1e-4)  # x was rounded
+
+
+@needs_c_compiler
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 13, 64, 300])
+@pytest.mark.parametrize(("group_size", "num_in"), A8_LAYOUTS, ids=lambda v: str(v))
+def test_int8_activations_in_c_equal_the_reference_to_float_rounding(
+    group_size: int, num_in: int, num_rows: int, x_dtype: torch.dtype
+) -> None:
+    """Every row count takes the kernel (no GEMM past a limit); the integer dot products are
+    exact, so the outputs differ from the float64 reference by float32 rounding of the
+    scales and sums: within 1e-6 of sum |x| |w|."""
+    weight = with_int8_activations(make_weight(NUM_OUT, num_in, 4, group_size))
+    x = make_x(num_rows, num_in, x_dtype)
+    bias = torch.randn(NUM_OUT)
+    got = cpu_ops.quantized_linear(x, weight, bias, out_dtype=torch.float32)
+    want = quantized.linear(x, weight, bias, out_dtype=torch.float32)
+    magnitude = x.float().abs() @ quantized.dequantize(weight).abs().T + bias.abs()
+    assert float(((got - want).abs() / magnitude).max()) < 1e-6
+
+
+@needs_c_compiler
+@pytest.mark.parametrize(("group_size", "num_in"), A8_LAYOUTS, ids=lambda v: str(v))
+def test_int8_activations_give_a_row_the_bits_it_gets_in_any_batch(
+    group_size: int, num_in: int
+) -> None:
+    weight = with_int8_activations(make_weight(NUM_OUT, num_in, 4, group_size))
+    x = make_x(40, num_in, torch.float32)
+    batched = cpu_ops.quantized_linear(x, weight)
+    for rows in (slice(7, 8), slice(3, 5), slice(0, 13)):
+        assert torch.equal(cpu_ops.quantized_linear(x[rows], weight), batched[rows])
+
+
+def test_int8_activations_are_for_4_bit_weights_only() -> None:
+    with pytest.raises(ValueError, match="4-bit weights only"):
+        with_int8_activations(make_weight(NUM_OUT, 96, 8, None))

@@ -132,6 +132,11 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="how linear layers hold their weights (as the worker's flag)",
     )
     add(
+        "--int8-activations",
+        action="store_true",
+        help="4-bit layers multiply int8 activations (as the worker's flag)",
+    )
+    add(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,
@@ -301,9 +306,9 @@ def quality_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default=DEFAULT_MODEL, help="checkpoint folder or known name")
     add(
         "--quantization",
-        default="none,int8,int4,gguf,none/int8,int4/int8",
-        help="configurations, QUANT[:DTYPE][/KV] each (QUANT none, int8, int4, gguf; KV the "
-        "KV cache's dtype, auto or int8); the first is the baseline",
+        default="none,int8,int4,gguf,gguf+a8,none/int8,int4/int8",
+        help="configurations, QUANT[+a8][:DTYPE][/KV] each (QUANT none, int8, int4, gguf; +a8: "
+        "int8 activations; KV the KV cache's dtype, auto or int8); the first is the baseline",
     )
     add("--dtype", default="float32", help="dtype of the configurations without :DTYPE")
     add("--window", type=int, default=512, help="tokens per perplexity window (stride too)")

@@ -210,6 +210,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         model=args.model if args.quantization == "gguf" else str(model_path),
         dtype=args.dtype,
         quantization=args.quantization,
+        int8_activations=args.int8_activations,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_num_seqs=max(256, num_requests),

@@ -4,10 +4,12 @@
     headrace bench quality --quantization none,int8 --max-windows 4
     headrace bench quality --quantization none,none:bfloat16 # a dtype per configuration
     headrace bench quality --quantization none,none/int8     # the KV cache in int8
+    headrace bench quality --quantization none,gguf+a8       # int8 activations
 
-Each configuration (``QUANT[:DTYPE][/KV]``: ``--dtype`` where no dtype is given, the KV cache
-in the model's dtype where no KV is given) loads the model in an `LLM` of its own, one after
-the other, each released before the next loads. Figures:
+Each configuration (``QUANT[+a8][:DTYPE][/KV]``: ``+a8`` for int8 activations, ``--dtype``
+where no dtype is given, the KV cache in the model's dtype where no KV is given) loads the
+model in an `LLM` of its own, one after the other, each released before the next loads.
+Figures:
 
 - perplexity: the text cut into non-overlapping windows of ``--window`` tokens (the tail that
   fills no window dropped), every window one prompt scored by the engine's prompt logprobs;
@@ -70,16 +72,18 @@ class Configuration:
     quantization: str
     dtype: str
     kv_cache_dtype: str = "auto"
+    int8_activations: bool = False
 
     @property
     def label(self) -> str:
         kv = "" if self.kv_cache_dtype == "auto" else f" kv-{self.kv_cache_dtype}"
-        return f"{self.quantization} {self.dtype}{kv}"
+        a8 = "+a8" if self.int8_activations else ""
+        return f"{self.quantization}{a8} {self.dtype}{kv}"
 
     @property
     def key(self) -> str:
         """The label as ``--json`` keys carry it."""
-        return self.label.replace(" ", "_").replace("-", "_")
+        return self.label.replace(" ", "_").replace("-", "_").replace("+", "_")
 
     def engine_options(self) -> dict[str, Any]:
         """`EngineConfig`'s fields for this configuration (its own fields bear their names)."""
@@ -115,8 +119,9 @@ def parse_configurations(text: str, default_dtype: str, model: str) -> list[Conf
     for part in text.split(","):
         weights, _, kv_cache_dtype = part.strip().partition("/")
         quantization, _, dtype = weights.partition(":")
+        quantization, a8, _ = quantization.partition("+a8")
         configuration = Configuration(
-            quantization, dtype or default_dtype, kv_cache_dtype or "auto"
+            quantization, dtype or default_dtype, kv_cache_dtype or "auto", bool(a8)
         )
         EngineConfig(model=model, **configuration.engine_options())
         configurations.append(configuration)

@@ -72,10 +72,17 @@ class Engine:
         self.spec = ModelSpec.load(config)
         self.device = config.torch_device()
         self.kernels = select_kernels(config.kernel_backend, self.device)
+        if config.int8_activations and self.kernels.NAME == "triton":
+            raise InvalidArgumentError(
+                "int8_activations", "runs on the cpu and reference kernels, not triton"
+            )
         spec = self.spec
+        weights = ModelWeights(
+            spec.path, spec.quantization, spec.gguf_file, config.int8_activations
+        )
         self.executor = start_executor(
             config,
-            ModelWeights(spec.path, spec.quantization, spec.gguf_file),
+            weights,
             spec.dtype,
             self.device,
             self.kernels,
@@ -104,11 +111,12 @@ class Engine:
         self._in_flight: deque[InFlightStep[Any]] = deque()
         self.adapters = Adapters(self.executor)  # LoRA
         logger.info(
-            "engine ready: model=%s dtype=%s quantization=%s kv_cache=%s device=%s kernels=%s "
+            "engine ready: model=%s dtype=%s quantization=%s%s kv_cache=%s device=%s kernels=%s "
             "kv_blocks=%d block_size=%d tp=%d pp=%d",
             self.spec.gguf_file or self.spec.path,
             self.spec.dtype,
             self.spec.quantization,
+            " (int8 activations)" if config.int8_activations else "",
             config.kv_cache_dtype,
             self.device,
             self.kernels.NAME,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
-from headrace.worker.models.compressed_tensors import COMPRESSED, read_scheme
+from headrace.worker.models.compressed_tensors import COMPRESSED, CompressedScheme, read_scheme
 from headrace.worker.models.gguf import projection_bits
 from headrace.worker.models.registry import model_factory, read_model_type
 from headrace.worker.models.store import GGUF_SUFFIX, gguf_file, resolve_model
@@ -51,7 +51,7 @@ class ModelSpec:
         path = resolve_model(config.model)
         gguf = _weights_gguf(config)
         model_factory(read_model_type(path))  # before transformers reads the type
-        compressed = read_scheme(path) is not None
+        scheme = read_scheme(path)
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         max_model_len = _max_model_len(config, hf_config)
@@ -68,17 +68,32 @@ class ModelSpec:
             tokenizer=tokenizer,
             eos_token_ids=_eos_token_ids(path, tokenizer),
             max_prompt_bytes=max_prompt_bytes,
-            quantization=_quantization(config, gguf, compressed),
+            quantization=_check_activations(config, _quantization(config, gguf, scheme), scheme),
             gguf_file=gguf,
         )
 
 
-def _quantization(config: EngineConfig, gguf: Path | None, compressed: bool) -> str:
+def _check_activations(
+    config: EngineConfig, quantization: str, scheme: CompressedScheme | None
+) -> str:
+    """``quantization``, once int8 activations (if asked) are known to meet 4-bit layers."""
+    four_bits = quantization in ("int4", "gguf-q4") or (
+        quantization == COMPRESSED and scheme is not None and scheme.bits == 4
+    )
+    if config.int8_activations and not four_bits:
+        raise InvalidArgumentError(
+            "int8_activations",
+            f"multiply 4-bit layers (int4, a Q4 GGUF, a W4A16 checkpoint), not {quantization}",
+        )
+    return quantization
+
+
+def _quantization(config: EngineConfig, gguf: Path | None, scheme: CompressedScheme | None) -> str:
     """The layout the layers take (`headrace.worker.layers.linear.QUANTIZED_LAYOUTS`): as
     asked, or for "gguf" (and "auto" on a .gguf file) the file's own: "gguf-q4" or "gguf-q8",
     or "none" for a file of float projections; a compressed-tensors checkpoint's own for
     "auto" ("compressed-tensors"), dequantized for "none", and nothing else."""
-    asked = config.quantization
+    asked, compressed = config.quantization, scheme is not None
     if compressed and asked not in ("auto", "none"):
         raise InvalidArgumentError(
             "quantization",

@@ -111,10 +111,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
         self.tied = embedding
 
-    def quantize(self, bits: int, group_size: int | None) -> None:
+    def quantize(self, bits: int, group_size: int | None, int8_activations: bool = False) -> None:
         if self.tied is None:
-            return super().quantize(bits, group_size)
-        self.tied.quantize(bits, group_size)
+            return super().quantize(bits, group_size, int8_activations)
+        self.tied.quantize(bits, group_size, int8_activations)
         self.weight, self.quantized = self.tied.weight, self.tied.quantized
 
     def forward(  # [N, hidden] -> [N, vocab]

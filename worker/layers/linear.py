@@ -344,12 +344,15 @@ QUANTIZED_LAYOUTS: dict[str, tuple[Layout, Layout]] = {
 
 
 def quantize_layers(
-    model: nn.Module, quantization: str, layouts: tuple[Layout, Layout | None] | None = None
+    model: nn.Module,
+    quantization: str,
+    layouts: tuple[Layout, Layout | None] | None = None,
+    int8_activations: bool = False,
 ) -> None:
     """Hold every linear layer's weight, and the vocabulary table's, in the layouts
     ``quantization`` names (`QUANTIZED_LAYOUTS`), or in ``layouts`` (linear, table; a table
     layout of None keeps the table float) where given (before the weights load); "none"
-    keeps them float."""
+    keeps them float. ``int8_activations``: 4-bit linear layers multiply int8 activations."""
     if layouts is None:
         if quantization not in QUANTIZED_LAYOUTS:
             return
@@ -358,11 +361,12 @@ def quantize_layers(
     for name, module in model.named_modules():
         if not isinstance(module, Quantizable):
             continue
-        layout = linear_layout if isinstance(module, _Adaptable) else table_layout
+        linear = isinstance(module, _Adaptable)
+        layout = linear_layout if linear else table_layout
         if layout is None:
             continue
         try:
-            module.quantize(*layout)
+            module.quantize(*layout, int8_activations=linear and int8_activations)
         except ValueError as error:
             raise InvalidArgumentError(
                 "quantization", f"{quantization} cannot hold {name}'s weight: {error}"

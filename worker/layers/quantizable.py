@@ -37,15 +37,16 @@ class Quantizable(nn.Module):
         """This rank's weight as the kernels read it: quantized, or the parameter."""
         return self.weight if self.quantized is None else self.quantized
 
-    def quantize(self, bits: int, group_size: int | None) -> None:
+    def quantize(self, bits: int, group_size: int | None, int8_activations: bool = False) -> None:
         """Hold the weight as ``bits``-bit integers in groups of ``group_size`` along its
-        rows (None: one group per row) from now on; call before loading it (once: a second
-        call, e.g. on a weight another layer shares, changes nothing)."""
+        rows (None: one group per row) from now on, multiplied by int8 activations where
+        asked (4 bits); call before loading it (once: a second call, e.g. on a weight another
+        layer shares, changes nothing)."""
         if self.quantized is not None:
             return
         rows, cols = self.weight.shape
         self.quantized = quantized.empty(
-            (rows, cols), bits, group_size or cols, device=self.weight.device
+            (rows, cols), bits, group_size or cols, self.weight.device, int8_activations
         )
         shard_ids, dtype = shard_ids_of(self.weight), self.weight.dtype
         with torch.device("meta"):  # the shape and dtype only

@@ -48,6 +48,8 @@ class ModelWeights:
     quantization: str = "none"
     #: A GGUF file to read the tensors from instead (quantized ones as shipped).
     gguf_file: Path | None = None
+    #: 4-bit linear layers multiply activations quantized to int8 (`EngineConfig`).
+    int8_activations: bool = False
 
     def tensors(self) -> Iterator[tuple[str, LoadedTensor]]:
         """The checkpoint's tensors, by Hugging Face name, unread where the format allows
@@ -97,7 +99,9 @@ def load_model(
             dtype,
             kernels or select_kernels("auto", device),
         )
-    quantize_layers(cast(nn.Module, model), source.quantization, source.layouts())
+    quantize_layers(
+        cast(nn.Module, model), source.quantization, source.layouts(), source.int8_activations
+    )
     model.load_weights(source.tensors())
     model.eval()
     return LoadedModel(model, hf_config)

@@ -85,16 +85,18 @@ def test_windows_do_not_overlap_and_drop_the_tail():
     assert quality.cut_windows(list(range(10)), 4, 1) == [[0, 1, 2, 3]]
 
 
-def test_configurations_take_a_dtype_and_kv_cache_each_and_refuse_unknown_values():
-    text = "none,int8:bfloat16,int4/int8,none:bfloat16/int8"
+def test_configurations_take_a_dtype_kv_cache_and_activations_and_refuse_unknown_values():
+    text = "none,int8:bfloat16,int4/int8,none:bfloat16/int8,int4+a8:bfloat16/int8"
     configurations = quality.parse_configurations(text, "float32", "unused")
     assert [c.label for c in configurations] == [
         "none float32",
         "int8 bfloat16",
         "int4 float32 kv-int8",
         "none bfloat16 kv-int8",
+        "int4+a8 bfloat16 kv-int8",
     ]
     assert configurations[2].key == "int4_float32_kv_int8"
+    assert configurations[4].int8_activations and configurations[4].quantization == "int4"
     with pytest.raises(InvalidArgumentError, match="quantization"):
         quality.parse_configurations("none,int3", "float32", "unused")
     with pytest.raises(InvalidArgumentError, match="kv_cache_dtype"):
