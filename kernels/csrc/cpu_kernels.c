@@ -1571,16 +1571,29 @@ static inline void a8_weight_pair(const uint8_t *row, const float *scales, int64
 }
 #endif
 
-/* Weight row n against every row of x (prepared: xq, sxv, S per row, `row_floats` apart). */
+#ifdef __AVX512VNNI__
+/* One row of x's sum over pairs [0, P): the blocks' int32 dot products (VNNI), each lane
+   scaled by its weight scale times its activation scale (rounded once), summed in lanes. */
+static inline __m512 a8_pair_sum(__m512 acc, __m512i bytes, __m512 lane_scales, const int8_t *xq,
+                                 const float *sxv) {
+    const __m512i dots =
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, _mm512_loadu_si512(xq));
+    const __m512 factor = _mm512_mul_ps(lane_scales, _mm512_loadu_ps(sxv));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), factor, acc);
+}
+#endif
+
+/* Weight row n against every row of x (prepared: xq, sxv, S per row, `row_floats` apart). A
+   single row of x unpacks each pair as it goes; more rows unpack the weight row once. */
 static void a8_weight_row(const Skinny *s, int64_t n, const float *prepared, int64_t row_floats,
                           int64_t per_group) {
     const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = (B + per_group - 1) / per_group;
     const uint8_t *row = (const uint8_t *)s->w + n * K / 2;
     const float *scales = s->scales + n * G, *offsets = s->offsets + n * G;
 #ifdef __AVX512VNNI__
-    __m512i bytes[P];
-    __m512 lane_scales[P];
-    for (int64_t p = 0; p < P; p++)
+    __m512i bytes[s->M > 1 ? P : 1];
+    __m512 lane_scales[s->M > 1 ? P : 1];
+    for (int64_t p = 0; s->M > 1 && p < P; p++)
         a8_weight_pair(row, scales, p, B, per_group, &bytes[p], &lane_scales[p]);
 #endif
     for (int64_t m = 0; m < s->M; m++) {
@@ -1590,10 +1603,9 @@ static void a8_weight_row(const Skinny *s, int64_t n, const float *prepared, int
 #ifdef __AVX512VNNI__
         __m512 acc = _mm512_setzero_ps();
         for (int64_t p = 0; p < P; p++) {
-            const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes[p],
-                                                     _mm512_loadu_si512(xq + 64 * p));
-            const __m512 factor = _mm512_mul_ps(lane_scales[p], _mm512_loadu_ps(sxv + 16 * p));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), factor, acc);
+            if (s->M == 1) a8_weight_pair(row, scales, p, B, per_group, &bytes[0], &lane_scales[0]);
+            const int64_t at = s->M == 1 ? 0 : p;
+            acc = a8_pair_sum(acc, bytes[at], lane_scales[at], xq + 64 * p, sxv + 16 * p);
         }
         float sum = lane_total((v16)acc);
 #else
