@@ -94,8 +94,8 @@ def _scheme(weights: dict[str, Any]) -> CompressedScheme:
     if strategy == "channel":
         return CompressedScheme(bits, None)
     if strategy != "group" or not isinstance(size, int) or size < 32 or size & (size - 1):
-        _refuse(f"strategy {strategy!r} with group_size {size!r} (channel, or groups of a power "
-                "of two from 32)")  # fmt: skip
+        served = "channel, or groups of a power of two from 32"
+        _refuse(f"strategy {strategy!r} with group_size {size!r} ({served})")
     return CompressedScheme(bits, size)
 
 
@@ -133,10 +133,10 @@ def _quantized_weight(parts: dict[str, torch.Tensor], scheme: CompressedScheme) 
     unsigned = _unpack(parts["weight_packed"], scheme.bits, rows, cols)  # q + 2^(bits - 1)
     group_size = scheme.group_size or cols
     if tuple(scale.shape) != (rows, cols // group_size):
+        shape, weight = tuple(scale.shape), f"a [{rows}, {cols}] weight"
         raise InvalidArgumentError(
-            "model", f"weight_scale of shape {tuple(scale.shape)} for a [{rows}, {cols}] weight "
-            f"in groups of {group_size}"
-        )  # fmt: skip
+            "model", f"weight_scale of shape {shape} for {weight} in groups of {group_size}"
+        )
     if scheme.bits == 8:
         data = (unsigned.to(torch.int16) - 128).to(torch.int8)
         return QuantizedWeight(8, group_size, data, scale.contiguous(), None)
