@@ -1515,8 +1515,9 @@ static inline int64_t a8_pairs(int64_t K) { return (K / 32 + 1) / 2; }
    group, at most one a block). */
 static inline int64_t a8_row_floats(int64_t K) { return hr_a8_floats(1, K); }
 
-/* Row m of x (x_dtype) as xq, sxv and S (groups of `per_group` blocks). */
-static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int64_t per_group, int8_t *xq,
+/* Row m of x (x_dtype) as xq, sxv and S (groups of 2^shift blocks: a shift, not a division,
+   finds a block's group). */
+static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, int8_t *xq,
                             float *sxv, float *S) {
     const int64_t B = K / 32;
     float values[32];
@@ -1535,8 +1536,8 @@ static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int64_t per_g
                 (i < 16 ? first : second)[i % 16] = (int8_t)q;
                 total += q;
             }
-            if (b % per_group == 0) S[b / per_group] = 0.0f;
-            S[b / per_group] += sx * (float)total;
+            if ((b & ((1 << shift) - 1)) == 0) S[b >> shift] = 0.0f;
+            S[b >> shift] += sx * (float)total;
         } else {
             memset(first, 0, 16);
             memset(second, 0, 16);
@@ -1556,24 +1557,24 @@ static inline float a8_dot(const float *a, const float *b, int64_t n) {
 }
 
 #ifdef __AVX512VNNI__
-/* Weight row n's pair p as 64 unsigned bytes in xq's order, and each lane's scale. */
-static inline void a8_weight_pair(const uint8_t *row, const float *scales, int64_t p, int64_t B,
-                                  int64_t per_group, __m512i *bytes, __m512 *lane_scales) {
-    const int two = 2 * p + 1 < B;
+/* Weight row pair p (blocks 2p and, if `two`, 2p + 1) as 64 unsigned bytes in xq's order. */
+static inline __m512i a8_bytes(const uint8_t *row, int64_t p, int two) {
     const __m256i packed = two ? _mm256_loadu_si256((const __m256i *)(row + 32 * p))
                                : _mm256_maskz_loadu_epi8(0xFFFF, row + 32 * p);
     const __m256i nibble = _mm256_set1_epi8(15);
     const __m256i low = _mm256_and_si256(packed, nibble);
     const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
-    *bytes = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-    const float s0 = scales[(2 * p) / per_group], s1 = two ? scales[(2 * p + 1) / per_group] : s0;
-    *lane_scales = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
-#endif
 
-#ifdef __AVX512VNNI__
-/* One row of x's sum over pairs [0, P): the blocks' int32 dot products (VNNI), each lane
-   scaled by its weight scale times its activation scale (rounded once), summed in lanes. */
+/* Each lane's weight scale for pair p (lanes 4-7 and 12-15 are block 2p + 1's). */
+static inline __m512 a8_lane_scales(const float *scales, int64_t p, int two, int shift) {
+    const float s0 = scales[(2 * p) >> shift], s1 = two ? scales[(2 * p + 1) >> shift] : s0;
+    return _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+}
+
+/* acc + pair p's contribution: the blocks' int32 dot products (VNNI), each lane scaled by
+   its weight scale times its activation scale (rounded once). */
 static inline __m512 a8_pair_sum(__m512 acc, __m512i bytes, __m512 lane_scales, const int8_t *xq,
                                  const float *sxv) {
     const __m512i dots =
@@ -1581,33 +1582,58 @@ static inline __m512 a8_pair_sum(__m512 acc, __m512i bytes, __m512 lane_scales, 
     const __m512 factor = _mm512_mul_ps(lane_scales, _mm512_loadu_ps(sxv));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), factor, acc);
 }
+
+/* acc + the offsets' term offsets[g] * S[g], lane by lane over the G groups. */
+static inline __m512 a8_offset_sum(__m512 acc, const float *offsets, const float *S, int64_t G) {
+    int64_t g = 0;
+    for (; g + LANES <= G; g += LANES)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + g), _mm512_loadu_ps(S + g), acc);
+    if (g < G) {
+        const __mmask16 tail = (__mmask16)((1u << (G - g)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, offsets + g),
+                              _mm512_maskz_loadu_ps(tail, S + g), acc);
+    }
+    return acc;
+}
 #endif
 
-/* Weight row n against every row of x (prepared: xq, sxv, S per row, `row_floats` apart). A
-   single row of x unpacks each pair as it goes; more rows unpack the weight row once. */
+/* Weight row n against every row of x (prepared: xq, sxv, S per row, `row_floats` apart):
+   per row, the pairs in order, then the offsets' term, then one sum of the lanes. A single
+   row of x unpacks each pair as it goes; more rows unpack the weight row once. */
 static void a8_weight_row(const Skinny *s, int64_t n, const float *prepared, int64_t row_floats,
-                          int64_t per_group) {
-    const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = (B + per_group - 1) / per_group;
+                          int shift) {
+    const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = B >> shift, M = s->M;
     const uint8_t *row = (const uint8_t *)s->w + n * K / 2;
     const float *scales = s->scales + n * G, *offsets = s->offsets + n * G;
 #ifdef __AVX512VNNI__
-    __m512i bytes[s->M > 1 ? P : 1];
-    __m512 lane_scales[s->M > 1 ? P : 1];
-    for (int64_t p = 0; s->M > 1 && p < P; p++)
-        a8_weight_pair(row, scales, p, B, per_group, &bytes[p], &lane_scales[p]);
+    __m512i bytes[M > 1 ? P : 1];
+    __m512 lane_scales[M > 1 ? P : 1];
+    for (int64_t p = 0; M > 1 && p < P; p++) {
+        bytes[p] = a8_bytes(row, p, 2 * p + 1 < B);
+        lane_scales[p] = a8_lane_scales(scales, p, 2 * p + 1 < B, shift);
+    }
 #endif
-    for (int64_t m = 0; m < s->M; m++) {
+    for (int64_t m = 0; m < M; m++) {
         const float *base = prepared + m * row_floats;
         const int8_t *xq = (const int8_t *)base;
         const float *sxv = base + P * 16, *S = base + P * 32;
 #ifdef __AVX512VNNI__
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t p = 0; p < P; p++) {
-            if (s->M == 1) a8_weight_pair(row, scales, p, B, per_group, &bytes[0], &lane_scales[0]);
-            const int64_t at = s->M == 1 ? 0 : p;
-            acc = a8_pair_sum(acc, bytes[at], lane_scales[at], xq + 64 * p, sxv + 16 * p);
+        if (M == 1) {
+            for (int64_t p = 0; p < B / 2; p++) {
+                acc = a8_pair_sum(acc, a8_bytes(row, p, 1), a8_lane_scales(scales, p, 1, shift),
+                                  xq + 64 * p, sxv + 16 * p);
+            }
+            if (B % 2) {
+                const int64_t p = B / 2;
+                acc = a8_pair_sum(acc, a8_bytes(row, p, 0), a8_lane_scales(scales, p, 0, shift),
+                                  xq + 64 * p, sxv + 16 * p);
+            }
+        } else {
+            for (int64_t p = 0; p < P; p++)
+                acc = a8_pair_sum(acc, bytes[p], lane_scales[p], xq + 64 * p, sxv + 16 * p);
         }
-        float sum = lane_total((v16)acc);
+        float sum = _mm512_reduce_add_ps(a8_offset_sum(acc, offsets, S, G));
 #else
         float sum = 0.0f;
         for (int64_t b = 0; b < B; b++) {
@@ -1616,10 +1642,11 @@ static void a8_weight_row(const Skinny *s, int64_t n, const float *prepared, int
             for (int i = 0; i < 16; i++) {
                 dot += (row[16 * b + i] & 15) * first[i] + (row[16 * b + i] >> 4) * second[i];
             }
-            sum += (float)dot * (scales[b / per_group] * sxv[(b / 2) * 16 + (b % 2) * 4]);
+            sum += (float)dot * (scales[b >> shift] * sxv[(b / 2) * 16 + (b % 2) * 4]);
         }
+        sum += a8_dot(offsets, S, G);
 #endif
-        sum += a8_dot(offsets, S, G) + (s->bias != NULL ? s->bias[n] : 0.0f);
+        sum += s->bias != NULL ? s->bias[n] : 0.0f;
         store_outputs(s, m, n, &sum, 1);
     }
 }
@@ -1631,18 +1658,19 @@ void hr_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_
                             const void *w, int64_t N, int64_t K, int64_t group_size,
                             const float *scales, const float *offsets, const float *bias,
                             void *y, int64_t y_stride, int y_dtype, float *scratch) {
-    const int64_t per_group = group_size / 32, row_floats = a8_row_floats(K);
+    const int shift = __builtin_ctzll((unsigned long long)(group_size / 32)); /* a power of 2 */
+    const int64_t row_floats = a8_row_floats(K);
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         float *base = scratch + m * row_floats;
-        a8_quantize_row(element(x, m * x_stride, x_dtype), x_dtype, K, per_group,
+        a8_quantize_row(element(x, m * x_stride, x_dtype), x_dtype, K, shift,
                         (int8_t *)base, base + a8_pairs(K) * 16, base + a8_pairs(K) * 32);
     }
     const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
                       .scales = scales, .offsets = offsets, .bias = bias, .y = y,
                       .y_stride = y_stride, .y_dtype = y_dtype};
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, per_group);
+    for (int64_t n = 0; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, shift);
 }
 
 int headrace_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
