@@ -220,6 +220,15 @@ def quantize(
     return QuantizedWeight(4, group_size, pack_nibbles(q.reshape(rows, cols)), scales, low)
 
 
+def quantize_columns(weight: torch.Tensor, start: int, length: int) -> QuantizedWeight:
+    """Columns [start, start + length) of ``weight`` [N, K] at 8 bits, each row scaled as the
+    whole row is (one group of ``length``): a per-channel int8 weight split along K across
+    ranks keeps the scales one rank would have."""
+    whole = quantize(weight, 8, weight.shape[1])
+    columns = whole.data[:, start : start + length].contiguous()
+    return QuantizedWeight(8, length, columns, whole.scales, None)
+
+
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """uint8 values in [0, 15] [N, K] -> [N, K / 2] in nibble blocks (module docstring)."""
     rows, cols = q.shape

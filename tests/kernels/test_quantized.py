@@ -281,3 +281,14 @@ def test_int8_activations_give_a_row_the_bits_it_gets_in_any_batch(
 def test_int8_activations_are_for_4_bit_weights_only() -> None:
     with pytest.raises(ValueError, match="4-bit weights only"):
         with_int8_activations(make_weight(NUM_OUT, 96, 8, None))
+
+
+def test_columns_quantized_at_the_whole_rows_scale_are_the_whole_weights_columns() -> None:
+    """What a row-parallel rank holds of a per-channel int8 weight: its columns of the weight
+    one rank would hold, bit for bit."""
+    w = torch.randn(NUM_OUT, 128)
+    whole = quantized.dequantize(quantized.quantize(w, 8, 128))
+    for start in (0, 64):
+        half = quantized.quantize_columns(w, start, 64)
+        assert half.group_size == 64
+        assert torch.equal(quantized.dequantize(half), whole[:, start : start + 64])

@@ -164,13 +164,14 @@ def test_each_prompt_alone_gets_the_tokens_it_gets_in_the_batch(oracle, quantiza
     assert alone == together == case.expected
 
 
-def test_int4_over_two_tensor_parallel_ranks_equals_one_rank(oracle) -> None:
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_two_tensor_parallel_ranks_equal_the_oracle(oracle, quantization: str) -> None:
     """int4's groups of 32 split cleanly across ranks (o_proj's 64 inputs and down_proj's 128
-    are whole groups per rank), so each rank holds exactly one rank's groups. (int8 is not
-    tested: per output channel, a row-parallel rank scales its own half of each row, so its
-    TP=2 weights, and tokens, may differ from TP=1's.)"""
-    case = oracle("llama", "int4")
-    options = dict(quantization="int4", tensor_parallel_size=2, max_num_batched_tokens=16)
+    are whole groups per rank); int8's per-channel scale is the whole row's on both ranks of
+    a row-parallel layer (each rank quantizes the whole row, then keeps its columns). So the
+    ranks hold exactly one rank's weights, split."""
+    case = oracle("llama", quantization)
+    options = dict(quantization=quantization, tensor_parallel_size=2, max_num_batched_tokens=16)
     with LLM(str(case.path), dtype="float32", **options) as llm:
         assert tokens_of(llm, case.prompts) == case.expected
 

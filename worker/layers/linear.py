@@ -39,6 +39,7 @@ from headrace.worker.layers.weights import (
     check_shape,
     load_into,
     new_parameter,
+    read,
     shard_rows,
 )
 from torch import nn
@@ -317,14 +318,27 @@ class RowParallelLinear(_Adaptable):
         return all_reduce(y, self.parallel)
 
     def weight_loader(self, param: LoadTarget, loaded: LoadedTensor, shard_id: ShardId) -> None:
-        """Copy this rank's input columns of the checkpoint weight (the bias is whole)."""
+        """Copy this rank's input columns of the checkpoint weight (the bias is whole). A
+        float weight for per-channel int8 is quantized whole first (every rank reads it all),
+        so each rank's columns carry the full row's scale, as at one rank."""
         assert shard_id is None, f"unexpected shard {shard_id!r}"
         if param.dim() == 2:
             # The full width, so a checkpoint already cut to one rank's columns is refused.
             check_shape(loaded, (param.shape[0], self.input_size))
             start = self.parallel.tensor_parallel_rank * self.input_size_per_rank
-            loaded = loaded.narrow(1, start, self.input_size_per_rank)
+            if _per_channel_int8(param) and not isinstance(loaded, QuantizedWeight):
+                loaded = quantized.quantize_columns(read(loaded), start, self.input_size_per_rank)
+            else:
+                loaded = loaded.narrow(1, start, self.input_size_per_rank)
         load_into(param, loaded)
+
+
+def _per_channel_int8(param: LoadTarget) -> bool:
+    return (
+        isinstance(param, QuantizedWeight)
+        and param.bits == 8
+        and (param.group_size == param.shape[1])
+    )
 
 
 #: Bits and group size of a quantized weight; a group of None is one per output row.
