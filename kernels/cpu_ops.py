@@ -295,17 +295,20 @@ def quantized_linear(
     on_cpu = x.device.type == weight.device.type == "cpu" and x.dtype in _DTYPE_CODES
     if not on_cpu:
         return reference.quantized_linear(x, weight, bias, out_dtype)
-    if weight.int8_activations:
-        return _quantized_linear_a8(x, weight, bias, out_dtype)
-    if not 0 < x.shape[0] <= QUANTIZED_MAX_ROWS[weight.bits]:
+    in_kernel = weight.int8_activations or 0 < x.shape[0] <= QUANTIZED_MAX_ROWS[weight.bits]
+    if not in_kernel:
         dtype = compute_dtype(x.dtype, x.device)
         wide_bias = None if bias is None else bias.to(dtype)
         y = torch.nn.functional.linear(x.to(dtype), dequantize(weight, dtype), wide_bias)
         return y.to(out_dtype or x.dtype)
 
+    kernel = library().headrace_quantized_linear
+    if weight.int8_activations:
+        kernel = library().headrace_quantized_linear_a8  # same operands
+
     def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
         return int(
-            library().headrace_quantized_linear(
+            kernel(
                 _ptr(x),
                 x.stride(0),
                 _DTYPE_CODES[x.dtype],
@@ -319,40 +322,6 @@ def quantized_linear(
         )
 
     return _skinny(x, bias, out_dtype, weight.shape[0], run)
-
-
-def _quantized_linear_a8(
-    x: torch.Tensor,
-    weight: QuantizedWeight,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype | None,
-) -> torch.Tensor:
-    """`quantized.linear_int8_activations` (+ bias) in C: x quantized per block of 32, the
-    blocks' integer dot products by VNNI."""
-    data, _, _, cols, group_size, scales, offsets = _quantized_operands(weight)
-    rows = weight.shape[0]
-
-    def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
-        return int(
-            library().headrace_quantized_linear_a8(
-                _ptr(x),
-                x.stride(0),
-                _DTYPE_CODES[x.dtype],
-                x.shape[0],
-                data,
-                rows,
-                cols,
-                group_size,
-                scales,
-                offsets,
-                None if bias is None else _ptr(bias),
-                _ptr(out),
-                out.stride(0),
-                _DTYPE_CODES[out.dtype],
-            )
-        )
-
-    return _skinny(x, bias, out_dtype, rows, run)
 
 
 def _quantized_operands(weight: QuantizedWeight) -> tuple[int | None, ...]:

@@ -72,7 +72,7 @@ _SIGNATURES = {
         _INT,
     ),
     "headrace_quantized_linear_a8": (
-        [_P, _I64, _INT, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT],
+        [_P, _I64, _INT, _I64, _P, _INT, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT],
         _INT,
     ),
     "headrace_dequantize": ([_P, _INT, _I64, _I64, _I64, _P, _P, _P, _INT], None),

@@ -1673,10 +1673,12 @@ void hr_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_
     for (int64_t n = 0; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, shift);
 }
 
+/* headrace_quantized_linear's operands (bits: 4, the only width it takes). */
 int headrace_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
-                                 const void *w, int64_t N, int64_t K, int64_t group_size,
+                                 const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
                                  const float *scales, const float *offsets, const float *bias,
                                  void *y, int64_t y_stride, int y_dtype) {
+    (void)bits;
     float *scratch = M > 0 ? malloc((size_t)hr_a8_floats(M, K) * sizeof(float)) : NULL;
     if (M > 0 && scratch == NULL) return -1;
 #pragma omp parallel if (N * K >= (1 << 15))

@@ -52,6 +52,8 @@ class ModelSpec:
         gguf = _weights_gguf(config)
         model_factory(read_model_type(path))  # before transformers reads the type
         scheme = read_scheme(path)
+        quantization = _quantization(config, gguf, scheme)
+        _check_int8_activations(config, quantization, scheme)
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         max_model_len = _max_model_len(config, hf_config)
@@ -68,15 +70,15 @@ class ModelSpec:
             tokenizer=tokenizer,
             eos_token_ids=_eos_token_ids(path, tokenizer),
             max_prompt_bytes=max_prompt_bytes,
-            quantization=_check_activations(config, _quantization(config, gguf, scheme), scheme),
+            quantization=quantization,
             gguf_file=gguf,
         )
 
 
-def _check_activations(
+def _check_int8_activations(
     config: EngineConfig, quantization: str, scheme: CompressedScheme | None
-) -> str:
-    """``quantization``, once int8 activations (if asked) are known to meet 4-bit layers."""
+) -> None:
+    """Refuse int8 activations (if asked) where the layers are not 4-bit."""
     four_bits = quantization in ("int4", "gguf-q4") or (
         quantization == COMPRESSED and scheme is not None and scheme.bits == 4
     )
@@ -85,7 +87,6 @@ def _check_activations(
             "int8_activations",
             f"multiply 4-bit layers (int4, a Q4 GGUF, a W4A16 checkpoint), not {quantization}",
         )
-    return quantization
 
 
 def _quantization(config: EngineConfig, gguf: Path | None, scheme: CompressedScheme | None) -> str:
