@@ -1501,7 +1501,9 @@ int headrace_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int6
    multiplies 16 weights at a time). Each block's sum is scaled by scale * sx (rounded once)
    into float32 lanes; the offsets' term is sum_g offset_g * S_g, S_g the group's
    sum_b sx_b * sum(xq_b). Every output of a row is computed the same way whatever the other
-   rows, so a row's result does not depend on the batch.
+   rows, so a row's result does not depend on the batch. At one row of x the weight rows go
+   16 at a time and their 16 lane reductions share one tree of shuffles (each row's sum still
+   in _mm512_reduce_add_ps's order): reducing row by row had cost as much as the dot products.
 
    Layouts, per pair of blocks (b0 = 2p, b1 = 2p + 1; a missing b1 is zeros): xq 64 bytes
    [b0 elements 0-15 | b1 0-15 | b0 16-31 | b1 16-31], which is how the 32 nibble bytes of
@@ -1597,6 +1599,53 @@ static inline __m512 a8_offset_sum(__m512 acc, const float *offsets, const float
 }
 #endif
 
+#ifdef __AVX512VNNI__
+/* The lane sums of 16 vectors, each added in _mm512_reduce_add_ps's order (lane i + lane
+   i + 8, then + the sum 4 on, then + the sum 2 on, then the two left), so a row's sum has the
+   same bits as when it is reduced alone; the 16 trees share their shuffles and adds. */
+static inline void a8_lane_sums16(const __m512 v[16], float *sums) {
+    __m512 w[8], z[4], y[2];
+    for (int r = 0; r < 8; r++)
+        w[r] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * r], v[2 * r + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * r], v[2 * r + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 4; k++)
+        z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int m = 0; m < 2; m++)
+        y[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane 4q + j of f holds row q + 4j */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_ps(sums, _mm512_permutexvar_ps(order, f));
+}
+
+/* Weight rows n0 .. n0 + 15 against a single row of x, each row's lanes exactly as
+   a8_weight_row forms them; their 16 reductions go together. */
+static void a8_weight_rows16(const Skinny *s, int64_t n0, const float *prepared, int shift) {
+    const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = B >> shift;
+    const int8_t *xq = (const int8_t *)prepared;
+    const float *sxv = prepared + P * 16, *S = prepared + P * 32;
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) {
+        const int64_t n = n0 + r;
+        const uint8_t *row = (const uint8_t *)s->w + n * K / 2;
+        const float *scales = s->scales + n * G;
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t p = 0; p < P; p++)
+            a = a8_pair_sum(a, a8_bytes(row, p, 2 * p + 1 < B),
+                            a8_lane_scales(scales, p, 2 * p + 1 < B, shift), xq + 64 * p,
+                            sxv + 16 * p);
+        acc[r] = a8_offset_sum(a, s->offsets + n * G, S, G);
+    }
+    float sums[16];
+    a8_lane_sums16(acc, sums);
+    for (int r = 0; s->bias != NULL && r < 16; r++) sums[r] += s->bias[n0 + r];
+    store_outputs(s, 0, n0, sums, 16);
+}
+#endif
+
 /* Weight row n against every row of x (prepared: xq, sxv, S per row, `row_floats` apart):
    per row, the pairs in order, then the offsets' term, then one sum of the lanes. A single
    row of x unpacks each pair as it goes; more rows unpack the weight row once. */
@@ -1669,6 +1718,20 @@ void hr_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_
     const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
                       .scales = scales, .offsets = offsets, .bias = bias, .y = y,
                       .y_stride = y_stride, .y_dtype = y_dtype};
+#ifdef __AVX512VNNI__
+    if (M == 1) { /* weight rows 16 at a time, the last few one by one */
+        const int64_t groups = (N + 15) / 16;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (16 * (g + 1) <= N) {
+                a8_weight_rows16(&s, 16 * g, scratch, shift);
+            } else {
+                for (int64_t n = 16 * g; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, shift);
+            }
+        }
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, shift);
 }
