@@ -24,13 +24,13 @@ So every row is whole blocks of 32 (the kernels step 16 lanes at a time, with no
 of output rows, and of K at group boundaries, are again quantized weights: tensor
 parallelism splits them as it splits float weights.
 
-A 4-bit weight may also say ``int8_activations``: it is then multiplied by x quantized to
-int8 per block of 32 (llama.cpp's Q8_1 scheme, which lets a CPU use int8 dot products),
-`linear_int8_activations`:
+A weight may also say ``int8_activations``: it is then multiplied by x quantized to int8
+per block of 32 (llama.cpp's Q8_0 / Q8_1 schemes, DashInfer's A8W8, which let a CPU use int8
+dot products), `linear_int8_activations`:
 
     sx[b] = max |x_b| / 127,  xq = round_half_even(x_b / sx[b])      (as the int8 KV cache)
     y[n]  = sum_b scales[n, g(b)] * sx[b] * (q[n, b] . xq[b])  +  sum_b offsets[n, g(b)] * S[b]
-    S[b]  = sx[b] * sum(xq[b])
+    S[b]  = sx[b] * sum(xq[b])                                       (4 bits; 8 have no offsets)
 
 The integer dot products are exact; the rest is float, so kernels agree with this reference
 to float rounding, not bit for bit, and with the float oracle only to the activations'
@@ -67,7 +67,7 @@ class QuantizedWeight:
     scales: torch.Tensor
     #: float32 [N, K / group_size] (4 bits), or None (8 bits: symmetric).
     offsets: torch.Tensor | None
-    #: 4 bits: multiplied by x quantized to int8 per block (module docstring).
+    #: Multiplied by x quantized to int8 per block (module docstring).
     int8_activations: bool = False
 
     def __post_init__(self) -> None:
@@ -80,8 +80,6 @@ class QuantizedWeight:
             raise ValueError(f"scales must be float32 {groups}, not {tuple(self.scales.shape)}")
         if (self.offsets is None) != (self.bits == 8):
             raise ValueError("4-bit weights have offsets and 8-bit weights have none")
-        if self.int8_activations and self.bits != 4:
-            raise ValueError("int8 activations multiply 4-bit weights only")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -291,20 +289,20 @@ def quantize_activations(
 
 def linear_int8_activations(
     x: torch.Tensor,  # [T, K]
-    weight: QuantizedWeight,  # [N, K], 4 bits
+    weight: QuantizedWeight,  # [N, K]
 ) -> torch.Tensor:  # [T, N] float32
-    """x quantized per block of 32 against the 4-bit integers (module docstring), summed in
+    """x quantized per block of 32 against the weight's integers (module docstring), summed in
     float64 and rounded once: every kernel's result to float rounding."""
     rows, cols = weight.shape
     xq, sx = quantize_activations(x)  # [T, B, 32], [T, B]
     num_blocks, g = cols // NIBBLE_BLOCK, weight.group_size
-    q = unpack_nibbles(weight.data).to(torch.float64).reshape(rows, num_blocks, NIBBLE_BLOCK)
+    integers = weight.data if weight.bits == 8 else unpack_nibbles(weight.data)
+    q = integers.to(torch.float64).reshape(rows, num_blocks, NIBBLE_BLOCK)
     dots = torch.einsum("nbk,tbk->tnb", q, xq.to(torch.float64))  # exact integers
     per_block = g // NIBBLE_BLOCK  # blocks of a group
     scales = weight.scales.to(torch.float64).repeat_interleave(per_block, dim=1)  # [N, B]
-    offsets = weight.offsets
-    assert offsets is not None
-    mins = offsets.to(torch.float64).repeat_interleave(per_block, dim=1)
-    sums = sx.to(torch.float64) * xq.to(torch.float64).sum(dim=2)  # [T, B]: S
-    y = (dots * scales[None] * sx.to(torch.float64)[:, None, :]).sum(dim=2) + sums @ mins.T
+    y = (dots * scales[None] * sx.to(torch.float64)[:, None, :]).sum(dim=2)
+    if weight.offsets is not None:
+        mins = weight.offsets.to(torch.float64).repeat_interleave(per_block, dim=1)
+        y = y + (sx.to(torch.float64) * xq.to(torch.float64).sum(dim=2)) @ mins.T  # S @ mins
     return y.to(torch.float32)

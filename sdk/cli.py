@@ -241,8 +241,8 @@ def _add_worker(subparsers: SubParsers) -> None:
     add(
         "--int8-activations",
         action="store_true",
-        help="4-bit layers (int4, a Q4 GGUF, a W4A16 checkpoint) multiply activations "
-        "quantized to int8 per block of 32, as llama.cpp does: faster on a CPU with VNNI, "
+        help="quantized layers (and a quantized LM head) multiply activations quantized to "
+        "int8 per block of 32, as llama.cpp does: faster on a CPU with VNNI, "
         "exact only to the activations' rounding (cpu and reference kernels)",
     )
     add(

@@ -50,10 +50,11 @@ class EngineConfig:
     #: "auto": "gguf" for a .gguf file, a compressed-tensors checkpoint's W4A16 / W8A16
     #: layers as stored, "none" for a float checkpoint.
     quantization: str = "auto"
-    #: 4-bit linear layers (int4, a Q4 GGUF, a W4A16 checkpoint) multiply activations
-    #: quantized to int8 per block of 32 (llama.cpp's scheme), by VNNI int8 dot products on
-    #: the CPU: faster, and exact only to the activations' rounding (the float oracle's tokens
-    #: may differ). CPU and reference kernels.
+    #: Quantized layers (int8, int4, a quantized GGUF, a compressed-tensors checkpoint) and a
+    #: quantized LM head multiply activations quantized to int8 per block of 32 (llama.cpp's
+    #: scheme, DashInfer's A8W8), by VNNI int8 dot products on the CPU: faster, and exact only
+    #: to the activations' rounding (the float oracle's tokens may differ). CPU and reference
+    #: kernels.
     int8_activations: bool = False
     #: How the KV cache stores K and V (`KV_CACHE_DTYPES`): "auto" in the dtype above, "int8"
     #: as int8 with a float32 scale per token and head (a quarter of float32's bytes, about

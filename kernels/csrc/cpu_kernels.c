@@ -1491,41 +1491,70 @@ int headrace_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int6
     return 0;
 }
 
-/* ---- 4-bit weights against int8 activations ---------------------------------------------- */
+/* ---- Quantized weights against int8 activations ------------------------------------------- */
 
 /* kernels/quantized.py's ``int8_activations``: each row of x quantized per block of 32 to int8
    (sx = max|x| / 127, xq = round-half-even(x / sx): one float32 operation each), then every
-   block's integer dot product with the weight's nibbles taken exactly, in int32, by the
+   block's integer dot product with the weight's integers taken exactly, in int32, by the
    VNNI instruction that multiplies 64 unsigned bytes by 64 signed ones and sums each four
    (four blocks' 16-element halves per instruction, where the float kernel forms and
-   multiplies 16 weights at a time). Each block's sum is scaled by scale * sx (rounded once)
-   into float32 lanes; the offsets' term is sum_g offset_g * S_g, S_g the group's
-   sum_b sx_b * sum(xq_b). Every output of a row is computed the same way whatever the other
-   rows, so a row's result does not depend on the batch. At one row of x the weight rows go
-   16 at a time and their 16 lane reductions share one tree of shuffles (each row's sum still
-   in _mm512_reduce_add_ps's order): reducing row by row had cost as much as the dot products.
+   multiplies 16 weights at a time). 4-bit weights are unsigned nibbles already; 8-bit ones
+   are signed, so they go in as w + 128 and each lane's accumulator starts at
+   -128 * (the sum of its four xq), which the instruction's sum cancels exactly. Each block's
+   sum is scaled by scale * sx (rounded once) into float32 lanes; 4-bit weights' offsets add
+   sum_g offset_g * S_g, S_g the group's sum_b sx_b * sum(xq_b). Every output of a row is
+   computed the same way whatever the other rows, so a row's result does not depend on the
+   batch. At one row of x the weight rows go 16 at a time and their 16 lane reductions share
+   one tree of shuffles (each row's sum still in _mm512_reduce_add_ps's order): reducing row
+   by row had cost as much as the dot products.
 
    Layouts, per pair of blocks (b0 = 2p, b1 = 2p + 1; a missing b1 is zeros): xq 64 bytes
    [b0 elements 0-15 | b1 0-15 | b0 16-31 | b1 16-31], which is how the 32 nibble bytes of
-   the two blocks unpack (low nibbles, then high ones); sxv 16 floats, sx of the block each
-   lane of the dot product sums (lanes 0-3 and 8-11: b0; 4-7 and 12-15: b1). */
+   the two blocks unpack (low nibbles, then high ones) and how 8-bit weights' 64 bytes are
+   reordered by quarters; sxv 16 floats, sx of the block each lane of the dot product sums
+   (lanes 0-3 and 8-11: b0; 4-7 and 12-15: b1); bias 16 int32, -128 * each lane's four xq. */
 
 /* Blocks of 32 in a row of K, and pairs of them. */
 static inline int64_t a8_pairs(int64_t K) { return (K / 32 + 1) / 2; }
 
-/* Scratch floats per row of x: xq (64 bytes a pair), sxv (16 floats a pair), S (a float a
-   group, at most one a block). */
+/* Scratch floats per row of x: xq (64 bytes a pair), sxv (16 floats a pair), the lanes'
+   bias (16 int32 a pair), S (a float a group, at most one a block). */
 static inline int64_t a8_row_floats(int64_t K) { return hr_a8_floats(1, K); }
 
-/* Row m of x (x_dtype) as xq, sxv and S (groups of 2^shift blocks: a shift, not a division,
-   finds a block's group). */
-static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, int8_t *xq,
-                            float *sxv, float *S) {
+/* Where row m's parts lie in its scratch (a8_row_floats). */
+typedef struct {
+    int8_t *xq;
+    float *sxv;
+    int32_t *bias;
+    float *S;
+} A8Row;
+
+static inline A8Row a8_row(const float *prepared, int64_t K) {
+    const int64_t P = a8_pairs(K);
+    float *base = (float *)prepared;
+    return (A8Row){.xq = (int8_t *)base, .sxv = base + P * 16, .bias = (int32_t *)(base + P * 32),
+                   .S = base + P * 48};
+}
+
+/* The shift from a block's index to its group's: groups of 2^shift blocks, or one group a
+   row (A8_WHOLE_ROW: a shift past any block index). */
+#define A8_WHOLE_ROW 62
+static inline int a8_shift(int64_t group_size, int64_t K) {
+    return group_size == K ? A8_WHOLE_ROW : __builtin_ctzll((unsigned long long)(group_size / 32));
+}
+
+/* Groups in a row of K. */
+static inline int64_t a8_groups(int64_t K, int shift) { return shift == A8_WHOLE_ROW ? 1 : (K / 32) >> shift; }
+
+/* Row m of x (x_dtype) quantized into its scratch (a shift, not a division, finds a block's
+   group). */
+static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, A8Row r) {
     const int64_t B = K / 32;
     float values[32];
     for (int64_t b = 0; b < 2 * a8_pairs(K); b++) {
-        int8_t *first = xq + (b / 2) * 64 + (b % 2) * 16, *second = first + 32;
-        float *lanes = sxv + (b / 2) * 16 + (b % 2) * 4;
+        int8_t *first = r.xq + (b / 2) * 64 + (b % 2) * 16, *second = first + 32;
+        float *lanes = r.sxv + (b / 2) * 16 + (b % 2) * 4;
+        int32_t *bias = r.bias + (b / 2) * 16 + (b % 2) * 4;
         float sx = 0.0f;
         int32_t total = 0;
         if (b < B) {
@@ -1538,13 +1567,22 @@ static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, in
                 (i < 16 ? first : second)[i % 16] = (int8_t)q;
                 total += q;
             }
-            if ((b & ((1 << shift) - 1)) == 0) S[b >> shift] = 0.0f;
-            S[b >> shift] += sx * (float)total;
+            if ((b & (((int64_t)1 << shift) - 1)) == 0) r.S[b >> shift] = 0.0f;
+            r.S[b >> shift] += sx * (float)total;
         } else {
             memset(first, 0, 16);
             memset(second, 0, 16);
         }
-        for (int j = 0; j < 4; j++) lanes[j] = lanes[8 + j] = sx;
+        for (int j = 0; j < 4; j++) {
+            lanes[j] = lanes[8 + j] = sx;
+            int32_t low = 0, high = 0;
+            for (int i = 0; i < 4; i++) {
+                low += first[4 * j + i];
+                high += second[4 * j + i];
+            }
+            bias[j] = -128 * low;
+            bias[8 + j] = -128 * high;
+        }
     }
 }
 
@@ -1558,9 +1596,21 @@ static inline float a8_dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
+/* Weight row n's bytes: K / 2 of nibbles, or K of int8. */
+static inline const uint8_t *a8_weight(const Skinny *s, int64_t n, int bits) {
+    return (const uint8_t *)s->w + n * (bits == 8 ? s->K : s->K / 2);
+}
+
 #ifdef __AVX512VNNI__
 /* Weight row pair p (blocks 2p and, if `two`, 2p + 1) as 64 unsigned bytes in xq's order. */
-static inline __m512i a8_bytes(const uint8_t *row, int64_t p, int two) {
+static inline __attribute__((always_inline)) __m512i a8_bytes(const uint8_t *row, int64_t p,
+                                                              int two, int bits) {
+    if (bits == 8) { /* quarters [b0 0-15 | b0 16-31 | b1 0-15 | b1 16-31] -> xq's order */
+        const __m512i bytes = two ? _mm512_loadu_si512(row + 64 * p)
+                                  : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + 64 * p);
+        return _mm512_xor_si512(_mm512_shuffle_i64x2(bytes, bytes, _MM_SHUFFLE(3, 1, 2, 0)),
+                                _mm512_set1_epi8((char)0x80));
+    }
     const __m256i packed = two ? _mm256_loadu_si256((const __m256i *)(row + 32 * p))
                                : _mm256_maskz_loadu_epi8(0xFFFF, row + 32 * p);
     const __m256i nibble = _mm256_set1_epi8(15);
@@ -1575,13 +1625,16 @@ static inline __m512 a8_lane_scales(const float *scales, int64_t p, int two, int
     return _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
 }
 
-/* acc + pair p's contribution: the blocks' int32 dot products (VNNI), each lane scaled by
-   its weight scale times its activation scale (rounded once). */
-static inline __m512 a8_pair_sum(__m512 acc, __m512i bytes, __m512 lane_scales, const int8_t *xq,
-                                 const float *sxv) {
-    const __m512i dots =
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes, _mm512_loadu_si512(xq));
-    const __m512 factor = _mm512_mul_ps(lane_scales, _mm512_loadu_ps(sxv));
+/* acc + pair p's contribution: the blocks' int32 dot products (VNNI; 8-bit weights' start
+   from the lanes' bias), each lane scaled by its weight scale times its activation scale
+   (rounded once). */
+static inline __attribute__((always_inline)) __m512 a8_pair_sum(__m512 acc, __m512i bytes,
+                                                                __m512 lane_scales, A8Row r,
+                                                                int64_t p, int bits) {
+    const __m512i start =
+        bits == 8 ? _mm512_loadu_si512(r.bias + 16 * p) : _mm512_setzero_si512();
+    const __m512i dots = _mm512_dpbusd_epi32(start, bytes, _mm512_loadu_si512(r.xq + 64 * p));
+    const __m512 factor = _mm512_mul_ps(lane_scales, _mm512_loadu_ps(r.sxv + 16 * p));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), factor, acc);
 }
 
@@ -1597,9 +1650,22 @@ static inline __m512 a8_offset_sum(__m512 acc, const float *offsets, const float
     }
     return acc;
 }
-#endif
 
-#ifdef __AVX512VNNI__
+/* Weight row n's lanes against row r of x: the pairs in order, then (4 bits) the offsets. */
+static inline __attribute__((always_inline)) __m512 a8_lanes(const Skinny *s, int64_t n,
+                                                             A8Row r, int shift, int bits) {
+    const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = a8_groups(K, shift);
+    const uint8_t *row = a8_weight(s, n, bits);
+    const float *scales = s->scales + n * G;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; p++) {
+        const int two = 2 * p + 1 < B;
+        acc = a8_pair_sum(acc, a8_bytes(row, p, two, bits), a8_lane_scales(scales, p, two, shift),
+                          r, p, bits);
+    }
+    return bits == 8 ? acc : a8_offset_sum(acc, s->offsets + n * G, r.S, G);
+}
+
 /* The lane sums of 16 vectors, each added in _mm512_reduce_add_ps's order (lane i + lane
    i + 8, then + the sum 4 on, then + the sum 2 on, then the two left), so a row's sum has the
    same bits as when it is reduced alone; the 16 trees share their shuffles and adds. */
@@ -1623,130 +1689,123 @@ static inline void a8_lane_sums16(const __m512 v[16], float *sums) {
 
 /* Weight rows n0 .. n0 + 15 against a single row of x, each row's lanes exactly as
    a8_weight_row forms them; their 16 reductions go together. */
-static void a8_weight_rows16(const Skinny *s, int64_t n0, const float *prepared, int shift) {
-    const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = B >> shift;
-    const int8_t *xq = (const int8_t *)prepared;
-    const float *sxv = prepared + P * 16, *S = prepared + P * 32;
+static inline __attribute__((always_inline)) void a8_weight_rows16(const Skinny *s, int64_t n0,
+                                                                   const float *prepared,
+                                                                   int shift, int bits) {
+    const A8Row r = a8_row(prepared, s->K);
     __m512 acc[16];
-    for (int r = 0; r < 16; r++) {
-        const int64_t n = n0 + r;
-        const uint8_t *row = (const uint8_t *)s->w + n * K / 2;
-        const float *scales = s->scales + n * G;
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t p = 0; p < P; p++)
-            a = a8_pair_sum(a, a8_bytes(row, p, 2 * p + 1 < B),
-                            a8_lane_scales(scales, p, 2 * p + 1 < B, shift), xq + 64 * p,
-                            sxv + 16 * p);
-        acc[r] = a8_offset_sum(a, s->offsets + n * G, S, G);
-    }
+    for (int i = 0; i < 16; i++) acc[i] = a8_lanes(s, n0 + i, r, shift, bits);
     float sums[16];
     a8_lane_sums16(acc, sums);
-    for (int r = 0; s->bias != NULL && r < 16; r++) sums[r] += s->bias[n0 + r];
+    for (int i = 0; s->bias != NULL && i < 16; i++) sums[i] += s->bias[n0 + i];
     store_outputs(s, 0, n0, sums, 16);
 }
 #endif
 
-/* Weight row n against every row of x (prepared: xq, sxv, S per row, `row_floats` apart):
-   per row, the pairs in order, then the offsets' term, then one sum of the lanes. A single
-   row of x unpacks each pair as it goes; more rows unpack the weight row once. */
-static void a8_weight_row(const Skinny *s, int64_t n, const float *prepared, int64_t row_floats,
-                          int shift) {
-    const int64_t K = s->K, B = K / 32, P = a8_pairs(K), G = B >> shift, M = s->M;
-    const uint8_t *row = (const uint8_t *)s->w + n * K / 2;
+/* Weight row n against every row of x (prepared: each row's scratch, `row_floats` apart):
+   per row, the pairs in order, then the offsets' term, then one sum of the lanes (as
+   a8_lanes forms them); the weight row's pairs are unpacked once for all rows of x. */
+static inline __attribute__((always_inline)) void a8_weight_row(const Skinny *s, int64_t n,
+                                                                const float *prepared,
+                                                                int64_t row_floats, int shift,
+                                                                int bits) {
+    const int64_t B = s->K / 32, G = a8_groups(s->K, shift);
+    const uint8_t *row = a8_weight(s, n, bits);
     const float *scales = s->scales + n * G, *offsets = s->offsets + n * G;
 #ifdef __AVX512VNNI__
-    __m512i bytes[M > 1 ? P : 1];
-    __m512 lane_scales[M > 1 ? P : 1];
-    for (int64_t p = 0; M > 1 && p < P; p++) {
-        bytes[p] = a8_bytes(row, p, 2 * p + 1 < B);
+    const int64_t P = a8_pairs(s->K);
+    __m512i bytes[P];
+    __m512 lane_scales[P];
+    for (int64_t p = 0; p < P; p++) {
+        bytes[p] = a8_bytes(row, p, 2 * p + 1 < B, bits);
         lane_scales[p] = a8_lane_scales(scales, p, 2 * p + 1 < B, shift);
     }
 #endif
-    for (int64_t m = 0; m < M; m++) {
-        const float *base = prepared + m * row_floats;
-        const int8_t *xq = (const int8_t *)base;
-        const float *sxv = base + P * 16, *S = base + P * 32;
+    for (int64_t m = 0; m < s->M; m++) {
+        const A8Row r = a8_row(prepared + m * row_floats, s->K);
 #ifdef __AVX512VNNI__
         __m512 acc = _mm512_setzero_ps();
-        if (M == 1) {
-            for (int64_t p = 0; p < B / 2; p++) {
-                acc = a8_pair_sum(acc, a8_bytes(row, p, 1), a8_lane_scales(scales, p, 1, shift),
-                                  xq + 64 * p, sxv + 16 * p);
-            }
-            if (B % 2) {
-                const int64_t p = B / 2;
-                acc = a8_pair_sum(acc, a8_bytes(row, p, 0), a8_lane_scales(scales, p, 0, shift),
-                                  xq + 64 * p, sxv + 16 * p);
-            }
-        } else {
-            for (int64_t p = 0; p < P; p++)
-                acc = a8_pair_sum(acc, bytes[p], lane_scales[p], xq + 64 * p, sxv + 16 * p);
-        }
-        float sum = _mm512_reduce_add_ps(a8_offset_sum(acc, offsets, S, G));
+        for (int64_t p = 0; p < P; p++) acc = a8_pair_sum(acc, bytes[p], lane_scales[p], r, p, bits);
+        float sum = _mm512_reduce_add_ps(bits == 8 ? acc : a8_offset_sum(acc, offsets, r.S, G));
 #else
         float sum = 0.0f;
         for (int64_t b = 0; b < B; b++) {
-            const int8_t *first = xq + (b / 2) * 64 + (b % 2) * 16, *second = first + 32;
+            const int8_t *first = r.xq + (b / 2) * 64 + (b % 2) * 16, *second = first + 32;
             int32_t dot = 0;
             for (int i = 0; i < 16; i++) {
-                dot += (row[16 * b + i] & 15) * first[i] + (row[16 * b + i] >> 4) * second[i];
+                dot += bits == 8 ? (int8_t)row[32 * b + i] * first[i] +
+                                       (int8_t)row[32 * b + 16 + i] * second[i]
+                                 : (row[16 * b + i] & 15) * first[i] + (row[16 * b + i] >> 4) * second[i];
             }
-            sum += (float)dot * (scales[b >> shift] * sxv[(b / 2) * 16 + (b % 2) * 4]);
+            sum += (float)dot * (scales[b >> shift] * r.sxv[(b / 2) * 16 + (b % 2) * 4]);
         }
-        sum += a8_dot(offsets, S, G);
+        if (bits == 4) sum += a8_dot(offsets, r.S, G);
 #endif
         sum += s->bias != NULL ? s->bias[n] : 0.0f;
         store_outputs(s, m, n, &sum, 1);
     }
 }
 
-/* y [M, N] = x [M, K] against 4-bit weights [N, K] with int8 activations (above), x in x_dtype
-   (rows strided), y in y_dtype. scratch: room for hr_a8_floats(M, K) floats. Called by every
-   thread of a region. */
-void hr_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
-                            const void *w, int64_t N, int64_t K, int64_t group_size,
-                            const float *scales, const float *offsets, const float *bias,
-                            void *y, int64_t y_stride, int y_dtype, float *scratch) {
-    const int shift = __builtin_ctzll((unsigned long long)(group_size / 32)); /* a power of 2 */
-    const int64_t row_floats = a8_row_floats(K);
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        float *base = scratch + m * row_floats;
-        a8_quantize_row(element(x, m * x_stride, x_dtype), x_dtype, K, shift,
-                        (int8_t *)base, base + a8_pairs(K) * 16, base + a8_pairs(K) * 32);
-    }
-    const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
-                      .scales = scales, .offsets = offsets, .bias = bias, .y = y,
-                      .y_stride = y_stride, .y_dtype = y_dtype};
+/* The weight rows of one thread's share (`omp for`), at one bit width: at one row of x, 16
+   weight rows at a time, then the last few one by one. */
+static inline __attribute__((always_inline)) void a8_weight_rows(const Skinny *s,
+                                                                 const float *prepared,
+                                                                 int64_t row_floats, int shift,
+                                                                 int bits) {
+    const int64_t N = s->N;
 #ifdef __AVX512VNNI__
-    if (M == 1) { /* weight rows 16 at a time, the last few one by one */
+    if (s->M == 1) {
         const int64_t groups = (N + 15) / 16;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             if (16 * (g + 1) <= N) {
-                a8_weight_rows16(&s, 16 * g, scratch, shift);
+                a8_weight_rows16(s, 16 * g, prepared, shift, bits);
             } else {
-                for (int64_t n = 16 * g; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, shift);
+                for (int64_t n = 16 * g; n < N; n++)
+                    a8_weight_row(s, n, prepared, row_floats, shift, bits);
             }
         }
         return;
     }
 #endif
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) a8_weight_row(&s, n, scratch, row_floats, shift);
+    for (int64_t n = 0; n < N; n++) a8_weight_row(s, n, prepared, row_floats, shift, bits);
 }
 
-/* headrace_quantized_linear's operands (bits: 4, the only width it takes). */
+/* y [M, N] = x [M, K] against 8- or 4-bit weights [N, K] with int8 activations (above), x in
+   x_dtype (rows strided), y in y_dtype. scratch: room for hr_a8_floats(M, K) floats. Called
+   by every thread of a region. */
+void hr_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
+                            const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
+                            const float *scales, const float *offsets, const float *bias,
+                            void *y, int64_t y_stride, int y_dtype, float *scratch) {
+    const int shift = a8_shift(group_size, K);
+    const int64_t row_floats = a8_row_floats(K);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        a8_quantize_row(element(x, m * x_stride, x_dtype), x_dtype, K, shift,
+                        a8_row(scratch + m * row_floats, K));
+    }
+    const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K,
+                      .scales = scales, .offsets = offsets, .bias = bias, .y = y,
+                      .y_stride = y_stride, .y_dtype = y_dtype};
+    if (bits == 8) {
+        a8_weight_rows(&s, scratch, row_floats, shift, 8);
+    } else {
+        a8_weight_rows(&s, scratch, row_floats, shift, 4);
+    }
+}
+
+/* headrace_quantized_linear's operands. */
 int headrace_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
                                  const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
                                  const float *scales, const float *offsets, const float *bias,
                                  void *y, int64_t y_stride, int y_dtype) {
-    (void)bits;
     float *scratch = M > 0 ? malloc((size_t)hr_a8_floats(M, K) * sizeof(float)) : NULL;
     if (M > 0 && scratch == NULL) return -1;
 #pragma omp parallel if (N * K >= (1 << 15))
-    hr_quantized_linear_a8(x, x_stride, x_dtype, M, w, N, K, group_size, scales, offsets, bias,
-                           y, y_stride, y_dtype, scratch);
+    hr_quantized_linear_a8(x, x_stride, x_dtype, M, w, bits, N, K, group_size, scales, offsets,
+                           bias, y, y_stride, y_dtype, scratch);
     free(scratch);
     return 0;
 }

@@ -34,15 +34,16 @@ void hr_quantized_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M
                          int y_dtype, float *wide_x);
 
 /* Scratch floats hr_quantized_linear_a8 needs for M rows of K: per row, x as int8 (64 bytes a
-   pair of 32-blocks), each lane's activation scale (16 floats a pair), each group's sum. */
+   pair of 32-blocks), each lane's activation scale and its int32 bias (16 each a pair), each
+   group's sum. */
 static inline int64_t hr_a8_floats(int64_t M, int64_t K) {
-    return M * (((K / 32 + 1) / 2) * 32 + K / 32);
+    return M * (((K / 32 + 1) / 2) * 48 + K / 32);
 }
 
-/* 4-bit weights (as hr_quantized_linear's) against x quantized to int8 per block of 32
+/* 8- or 4-bit weights (as hr_quantized_linear's) against x quantized to int8 per block of 32
    (kernels/quantized.py's int8_activations); scratch: hr_a8_floats(M, K) floats. */
 void hr_quantized_linear_a8(const void *x, int64_t x_stride, int x_dtype, int64_t M,
-                            const void *w, int64_t N, int64_t K, int64_t group_size,
+                            const void *w, int bits, int64_t N, int64_t K, int64_t group_size,
                             const float *scales, const float *offsets, const float *bias,
                             void *y, int64_t y_stride, int y_dtype, float *scratch);
 

@@ -79,7 +79,7 @@ static void matmul(const void *x, int64_t T, const int64_t *matrix, Weights w, i
     if (w.bits == 0) {
         hr_skinny_linear(x, K, dtype, T, data, dtype, N, K, NULL, y, N, dtype, wide);
     } else if (w.int8_activations) {
-        hr_quantized_linear_a8(x, K, dtype, T, data, N, K, w.group_size ? w.group_size : K,
+        hr_quantized_linear_a8(x, K, dtype, T, data, w.bits, N, K, w.group_size ? w.group_size : K,
                                (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,
                                dtype, wide);
     } else {

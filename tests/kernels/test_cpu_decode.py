@@ -60,8 +60,8 @@ def per_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama, "_decode_shape", lambda *args: None)
 
 
-#: (dtype, engine options) of the cases: each dtype, the KV cache in int8, and 4-bit weights
-#: against int8 activations.
+#: (dtype, engine options) of the cases: each dtype, the KV cache in int8, and 4- and 8-bit
+#: weights against int8 activations.
 CASES = [
     ("float32", {}),
     ("bfloat16", {}),
@@ -69,6 +69,7 @@ CASES = [
     ("float32", dict(kv_cache_dtype="int8")),
     ("bfloat16", dict(kv_cache_dtype="int8")),
     ("float32", dict(quantization="int4", int8_activations=True)),
+    ("float32", dict(quantization="int8", int8_activations=True)),
 ]
 
 

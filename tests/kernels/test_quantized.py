@@ -223,19 +223,31 @@ def test_rows_that_are_not_whole_blocks_of_32_are_refused(bits: int) -> None:
 
 # --- int8 activations --------------------------------------------------------------------------
 
-#: (group size, K) of 4-bit weights for int8 activations: odd numbers of blocks (96: 3, 160:
-#: 5), even ones (192: 6, SmolLM2's 576: 18), groups of 32 and 64.
-A8_LAYOUTS = [(32, 96), (32, 160), (64, 192), (32, 576)]
+#: (bits, group size, K) of weights for int8 activations: odd numbers of blocks (96: 3, 160:
+#: 5), even ones (192: 6, SmolLM2's 576: 18), groups of 32 and 64, and one group a row (None:
+#: int8 per channel; for 4 bits a row of 5 blocks, not a power of two).
+A8_LAYOUTS = [
+    (4, 32, 96),
+    (4, 32, 160),
+    (4, 64, 192),
+    (4, 32, 576),
+    (4, None, 160),
+    (8, 32, 96),
+    (8, 64, 192),
+    (8, None, 160),
+    (8, None, 576),
+]
 
 
 def with_int8_activations(weight: QuantizedWeight) -> QuantizedWeight:
     return dataclasses.replace(weight, int8_activations=True)
 
 
-def test_int8_activations_are_the_activations_rounded_per_block() -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_are_the_activations_rounded_per_block(bits: int) -> None:
     """The reference's own definition, against float64 arithmetic written out here: x rounded
     to int8 per block of 32 (scale max|x| / 127), then the dequantized weight times it."""
-    weight = make_weight(NUM_OUT, 96, 4, 32)
+    weight = make_weight(NUM_OUT, 96, bits, 32)
     x = make_x(5, 96, torch.float32).contiguous()
     x[1, 32:64] = 0  # a zero block: scale 0, values 0
     blocks = x.reshape(5, 3, 32).double()
@@ -250,14 +262,14 @@ def test_int8_activations_are_the_activations_rounded_per_block() -> None:
 @needs_c_compiler
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_rows", [1, 2, 5, 13, 64, 300])
-@pytest.mark.parametrize(("group_size", "num_in"), A8_LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize(("bits", "group_size", "num_in"), A8_LAYOUTS, ids=str)
 def test_int8_activations_in_c_equal_the_reference_to_float_rounding(
-    group_size: int, num_in: int, num_rows: int, x_dtype: torch.dtype
+    bits: int, group_size: int | None, num_in: int, num_rows: int, x_dtype: torch.dtype
 ) -> None:
     """Every row count takes the kernel (no GEMM past a limit); the integer dot products are
     exact, so the outputs differ from the float64 reference by float32 rounding of the
     scales and sums: within 1e-6 of sum |x| |w|."""
-    weight = with_int8_activations(make_weight(NUM_OUT, num_in, 4, group_size))
+    weight = with_int8_activations(make_weight(NUM_OUT, num_in, bits, group_size))
     x = make_x(num_rows, num_in, x_dtype)
     bias = torch.randn(NUM_OUT)
     got = cpu_ops.quantized_linear(x, weight, bias, out_dtype=torch.float32)
@@ -267,20 +279,17 @@ def test_int8_activations_in_c_equal_the_reference_to_float_rounding(
 
 
 @needs_c_compiler
-@pytest.mark.parametrize(("group_size", "num_in"), A8_LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("num_out", [NUM_OUT, 64])  # single rows: 16 weight rows at a time
+@pytest.mark.parametrize(("bits", "group_size", "num_in"), A8_LAYOUTS, ids=str)
 def test_int8_activations_give_a_row_the_bits_it_gets_in_any_batch(
-    group_size: int, num_in: int
+    bits: int, group_size: int | None, num_in: int, num_out: int
 ) -> None:
-    weight = with_int8_activations(make_weight(NUM_OUT, num_in, 4, group_size))
+    weight = with_int8_activations(make_weight(num_out, num_in, bits, group_size))
     x = make_x(40, num_in, torch.float32)
-    batched = cpu_ops.quantized_linear(x, weight)
-    for rows in (slice(7, 8), slice(3, 5), slice(0, 13)):
-        assert torch.equal(cpu_ops.quantized_linear(x[rows], weight), batched[rows])
-
-
-def test_int8_activations_are_for_4_bit_weights_only() -> None:
-    with pytest.raises(ValueError, match="4-bit weights only"):
-        with_int8_activations(make_weight(NUM_OUT, 96, 8, None))
+    bias = torch.randn(num_out)
+    batched = cpu_ops.quantized_linear(x, weight, bias)
+    for rows in (slice(7, 8), slice(3, 5), slice(0, 13), slice(39, 40)):
+        assert torch.equal(cpu_ops.quantized_linear(x[rows], weight, bias), batched[rows])
 
 
 def test_columns_quantized_at_the_whole_rows_scale_are_the_whole_weights_columns() -> None:

@@ -1,12 +1,13 @@
 """Int8 activations end to end (``int8_activations=True``, ``--int8-activations``).
 
-4-bit layers multiply activations rounded to int8 per block of 32, so the float oracle's
-tokens no longer bind (that they differ is checked, so the equalities are not vacuous); the
-reference kernels running each prompt alone are the oracle, as for the int8 KV cache: every
-batch composition of the engine's matrix on the C kernels and on the references gives each
-prompt those tokens, for int4 weights quantized at load and for a W4A16 compressed-tensors
-checkpoint, with the KV cache in int8 too. The flag is refused, naming it, where there are no
-4-bit layers, and on the Triton kernels.
+Quantized layers and the quantized LM head multiply activations rounded to int8 per block of
+32, so the float oracle's tokens no longer bind (that they differ is checked, so the
+equalities are not vacuous); the reference kernels running each prompt alone are the oracle,
+as for the int8 KV cache: every batch composition of the engine's matrix on the C kernels and
+on the references gives each prompt those tokens, for int4 weights quantized at load, and
+some compositions for int8 ones and W4A16 / W8A16 compressed-tensors checkpoints, with the KV
+cache in int8 too. The flag is refused, naming it, where the layers are float, and on the
+Triton kernels.
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def case(float_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
     def make(kind: str) -> tuple:
         if kind not in cases:
-            if kind == "int4":
-                path, options = float_dir, dict(quantization="int4")
-            else:
-                out = tmp_path_factory.mktemp("w4a16") / "ckpt"
-                path, options = compress(float_dir, out, Scheme(4, 32)), {}
+            if kind in ("int4", "int8"):
+                path, options = float_dir, dict(quantization=kind)
+            else:  # "w4a16", "w8a16"
+                out = tmp_path_factory.mktemp(kind) / "ckpt"
+                path, options = compress(float_dir, out, Scheme(int(kind[1]), 32)), {}
             llm = LLM(str(path), kernel_backend="reference", enable_prefix_caching=False,
                       **options, **A8)  # fmt: skip
             prompts = make_prompts(llm.engine.vocab_size)
@@ -64,8 +65,12 @@ def case(float_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 MATRIX = [("int4", composition, "cpu") for composition in sorted(COMPOSITIONS)] + [
     ("int4", "chunked-8", "reference"),
     ("int4", "preempting", "reference"),
+    ("int8", "chunked-8", "cpu"),
+    ("int8", "preempting", "cpu"),
+    ("int8", "chunked-8", "reference"),
     ("w4a16", "chunked-8", "cpu"),
     ("w4a16", "preempting", "cpu"),
+    ("w8a16", "chunked-8", "cpu"),
 ]
 
 
@@ -86,15 +91,21 @@ def test_with_the_kv_cache_in_int8_too(case):
     assert tokens_of(fused, prompts) == [tokens_of(reference, [p])[0] for p in prompts]
 
 
-def test_the_oracle_is_not_the_exact_int4_model(case):
-    path, options, prompts, expected = case("int4")
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_oracle_is_not_the_exact_quantized_model(case, kind):
+    path, options, prompts, expected = case(kind)
     assert tokens_of(LLM(str(path), dtype="float32", **options), prompts) != expected
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_without_4_bit_layers_it_is_refused_naming_the_field(float_dir, quantization):
-    with pytest.raises(InvalidArgumentError, match=f"not {quantization}") as error:
-        LLM(str(float_dir), quantization=quantization, **A8)
+def test_the_lm_head_multiplies_int8_activations_too(float_dir):
+    llm = LLM(str(float_dir), quantization="int4", **A8)
+    head = llm.engine.runner.model.lm_head.quantized
+    assert head is not None and head.bits == 8 and head.int8_activations
+
+
+def test_with_float_layers_it_is_refused_naming_the_field(float_dir):
+    with pytest.raises(InvalidArgumentError, match="not none") as error:
+        LLM(str(float_dir), quantization="none", **A8)
     assert error.value.field == "int8_activations"
 
 

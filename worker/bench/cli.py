@@ -134,7 +134,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--int8-activations",
         action="store_true",
-        help="4-bit layers multiply int8 activations (as the worker's flag)",
+        help="quantized layers multiply int8 activations (as the worker's flag)",
     )
     add(
         "--kv-cache-dtype",

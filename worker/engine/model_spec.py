@@ -53,7 +53,7 @@ class ModelSpec:
         model_factory(read_model_type(path))  # before transformers reads the type
         scheme = read_scheme(path)
         quantization = _quantization(config, gguf, scheme)
-        _check_int8_activations(config, quantization, scheme)
+        _check_int8_activations(config, quantization)
         hf_config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
         max_model_len = _max_model_len(config, hf_config)
@@ -75,17 +75,13 @@ class ModelSpec:
         )
 
 
-def _check_int8_activations(
-    config: EngineConfig, quantization: str, scheme: CompressedScheme | None
-) -> None:
-    """Refuse int8 activations (if asked) where the layers are not 4-bit."""
-    four_bits = quantization in ("int4", "gguf-q4") or (
-        quantization == COMPRESSED and scheme is not None and scheme.bits == 4
-    )
-    if config.int8_activations and not four_bits:
+def _check_int8_activations(config: EngineConfig, quantization: str) -> None:
+    """Refuse int8 activations (if asked) where the layers are float."""
+    if config.int8_activations and quantization == "none":
         raise InvalidArgumentError(
             "int8_activations",
-            f"multiply 4-bit layers (int4, a Q4 GGUF, a W4A16 checkpoint), not {quantization}",
+            "multiply quantized layers (int8, int4, a quantized GGUF, a compressed-tensors "
+            "checkpoint), not none (float weights)",
         )
 
 

@@ -366,7 +366,8 @@ def quantize_layers(
     """Hold every linear layer's weight, and the vocabulary table's, in the layouts
     ``quantization`` names (`QUANTIZED_LAYOUTS`), or in ``layouts`` (linear, table; a table
     layout of None keeps the table float) where given (before the weights load); "none"
-    keeps them float. ``int8_activations``: 4-bit linear layers multiply int8 activations."""
+    keeps them float. ``int8_activations``: the quantized layers (the table as LM head too)
+    multiply int8 activations."""
     if layouts is None:
         if quantization not in QUANTIZED_LAYOUTS:
             return
@@ -380,7 +381,7 @@ def quantize_layers(
         if layout is None:
             continue
         try:
-            module.quantize(*layout, int8_activations=linear and int8_activations)
+            module.quantize(*layout, int8_activations=int8_activations)
         except ValueError as error:
             raise InvalidArgumentError(
                 "quantization", f"{quantization} cannot hold {name}'s weight: {error}"

@@ -40,7 +40,7 @@ class Quantizable(nn.Module):
     def quantize(self, bits: int, group_size: int | None, int8_activations: bool = False) -> None:
         """Hold the weight as ``bits``-bit integers in groups of ``group_size`` along its
         rows (None: one group per row) from now on, multiplied by int8 activations where
-        asked (4 bits); call before loading it (once: a second call, e.g. on a weight another
+        asked; call before loading it (once: a second call, e.g. on a weight another
         layer shares, changes nothing)."""
         if self.quantized is not None:
             return

@@ -48,7 +48,7 @@ class ModelWeights:
     quantization: str = "none"
     #: A GGUF file to read the tensors from instead (quantized ones as shipped).
     gguf_file: Path | None = None
-    #: 4-bit linear layers multiply activations quantized to int8 (`EngineConfig`).
+    #: Quantized layers multiply activations quantized to int8 (`EngineConfig`).
     int8_activations: bool = False
 
     def tensors(self) -> Iterator[tuple[str, LoadedTensor]]:
