@@ -208,6 +208,44 @@ def test_an_int4_model_updated_with_float_tensors_serves_the_new_checkpoint_at_i
         assert tokens_of(llm, case.prompts) == expected
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "tied-head"])
+def test_offloading_weights_moves_the_quantized_ones_too(tmp_path, monkeypatch, tied) -> None:
+    """Sleep with weight offload (a GPU's) moves every weight, a quantized layer's integers,
+    scales and offsets included, and wake-up brings them back. A CPU has no second device:
+    here every quantized layer must be handed a copy made by `QuantizedWeight.to` for the
+    target (each once: a tied LM head keeps sharing its table), and the tokens kept."""
+    path = build_checkpoint(tmp_path, family="llama", tie_word_embeddings=tied)
+    with LLM(str(path), dtype="float32", quantization="int4") as llm:
+        prompts = make_prompts(llm.engine.vocab_size)
+        expected = tokens_of(llm, prompts)
+        runner = llm.engine.runner
+        model = runner.model
+        before = {name: m.quantized for name, m in model.named_modules() if _quantized(m)}
+        assert len(before) == 2 + 4 * model.num_layers  # embedding, LM head, 4 a layer
+        shared = [(a, b) for a in before for b in before if a < b and before[a] is before[b]]
+        assert bool(shared) == tied
+        copies: list[QuantizedWeight] = []
+        real_to = QuantizedWeight.to
+
+        def to(weight: QuantizedWeight, device: torch.device | str) -> QuantizedWeight:
+            assert torch.device(device) == torch.device("cpu")
+            copies.append(real_to(weight, device))
+            return copies[-1]
+
+        monkeypatch.setattr(QuantizedWeight, "to", to)
+        runner.move_weights(torch.device("cpu"))
+        after = {name: m.quantized for name, m in model.named_modules() if _quantized(m)}
+        assert after.keys() == before.keys()
+        assert all(any(after[name] is c for c in copies) for name in after)
+        assert all(after[a] is after[b] for a, b in shared)
+        assert len(copies) == len({id(w) for w in before.values()})  # each moved once
+        assert tokens_of(llm, prompts) == expected
+
+
+def _quantized(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "quantized", None), QuantizedWeight)
+
+
 # --- a GGUF as shipped -----------------------------------------------------------------------
 
 Q = GGMLQuantizationType

@@ -9,11 +9,13 @@ prompt rows whose logprobs were asked for.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
 from headrace.kernels import AttentionMetadata
 from headrace.kernels.kv_layout import cache_shape
+from headrace.kernels.quantized import QuantizedWeight
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.execution.batch import (
     BatchChunk,
@@ -27,6 +29,7 @@ from headrace.worker.execution.block_tables import BlockTables
 from headrace.worker.lora.manager import LoraManager
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
+from torch import nn
 
 #: The longest made-up sequence of a CPU warm-up (its attention stays cheap at any budget).
 WARM_UP_SEQ_LEN = 512
@@ -91,9 +94,7 @@ class ModelRunner:
         self.kv_caches = []
         self._logits_buffers = []
         if offload_weights and self.device.type != "cpu":
-            for param in self.model.parameters():
-                if not param.is_meta:  # (a quantized layer's weight: its shape only)
-                    param.data = param.data.to("cpu")
+            self.move_weights(torch.device("cpu"))
             self.weights_offloaded = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -101,12 +102,24 @@ class ModelRunner:
     def restore_memory(self) -> None:
         """Undo `release_memory`: the weights back on the device, a fresh (zeroed) KV cache."""
         if self.weights_offloaded:
-            for param in self.model.parameters():
-                if not param.is_meta:
-                    param.data = param.data.to(self.device)
+            self.move_weights(self.device)
             self.weights_offloaded = False
         if not self.kv_caches:
             self.kv_caches = self._new_kv_caches()
+
+    def move_weights(self, device: torch.device) -> None:
+        """Every weight to ``device``: the parameters in place, and each quantized layer's
+        integers, scales and offsets as a moved copy (a table the LM head shares, once)."""
+        for param in self.model.parameters():
+            if not param.is_meta:  # (a quantized layer's weight: its shape only)
+                param.data = param.data.to(device)
+        moved: dict[int, QuantizedWeight] = {}
+        for module in cast(nn.Module, self.model).modules():
+            weight = getattr(module, "quantized", None)
+            if isinstance(weight, QuantizedWeight):
+                if id(weight) not in moved:
+                    moved[id(weight)] = weight.to(device)
+                setattr(module, "quantized", moved[id(weight)])
 
     def warm_up(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Set-up a first request must not pay for, run before it: on CUDA `warm_up_kernels`,
