@@ -105,6 +105,18 @@ class EngineConfig:
     #: wait for the running step (one stream); hiding them too needs pinned buffers and a
     #: copy stream. Not with LoRA yet (building a step may refill an adapter's device slot).
     overlap_steps: bool = False
+    #: Speculative decoding: tokens proposed per step for each speculating sequence (0: off).
+    #: Proposals come from prompt lookup (the n-gram proposer, `scheduling/proposals.py`): the
+    #: last n tokens (n from speculative_ngram_max down to speculative_ngram_min) matched
+    #: earlier in the prompt and output, and the tokens that followed there. A step verifies
+    #: them as one chunk and keeps the longest prefix the model agrees with, plus its own
+    #: next token. Plain greedy requests speculate (others decode one token a step).
+    num_speculative_tokens: int = 0
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    #: Speculate only in steps with at most this many decoding sequences: past a few rows a
+    #: step is no longer bound by reading the weights, and verifying proposals costs compute.
+    speculative_max_seqs: int = 4
     #: On a CPU: threads computing each step (torch's and the C kernels' one OpenMP pool).
     #: 0 adapts: at most the CPUs the process may use (its affinity, within a cgroup CPU
     #: quota), one fewer for each core other processes keep busy (execution/cpu_threads.py).
@@ -190,6 +202,20 @@ class EngineConfig:
                 "overlap_steps",
                 "cannot be combined with LoRA yet: building a step may refill an adapter slot "
                 "the step on the device thread still reads",
+            )
+        if self.num_speculative_tokens < 0:
+            raise InvalidArgumentError(
+                "num_speculative_tokens", f"must be >= 0, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise InvalidArgumentError(
+                "speculative_ngram_min",
+                f"must be >= 1 and <= speculative_ngram_max ({self.speculative_ngram_max}), "
+                f"got {self.speculative_ngram_min}",
+            )
+        if self.speculative_max_seqs < 1:
+            raise InvalidArgumentError(
+                "speculative_max_seqs", f"must be >= 1, got {self.speculative_max_seqs}"
             )
         if self.cpu_threads < 0:
             raise InvalidArgumentError("cpu_threads", f"must be >= 0, got {self.cpu_threads}")

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from headrace.sdk.outputs import TokenLogprob
     from headrace.worker.sampling.controls import RowControls
 
-__all__ = ["FinishReason", "Sequence", "SequenceStatus"]
+__all__ = ["FinishReason", "Sequence", "SequenceStatus", "has_penalty", "is_plain_greedy"]
 
 
 class SequenceStatus(IntEnum):
@@ -90,3 +90,29 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status >= SequenceStatus.FINISHED
+
+
+def is_plain_greedy(seq: Sequence) -> bool:
+    """Whether the row's token is the argmax of its raw logits: greedy, with nothing that
+    reads or changes the logits first (penalties, bans, logprobs, logit controls: a bias,
+    allowed ids, bad words, an output constraint). A step whose rows are all plain greedy can
+    take its tokens from the model's greedy head and skip the sampler; a plain greedy
+    sequence may speculate (its proposals are checked against the argmax alone)."""
+    config = seq.config
+    return (
+        config.is_greedy
+        and config.num_beams == 1
+        and seq.controls is None
+        and config.logprobs is None
+        and not has_penalty(config)
+        and not config.no_repeat_ngram_size
+        and not (config.min_tokens > seq.num_output_tokens and seq.stop_token_ids)
+    )
+
+
+def has_penalty(config: GenerationConfig) -> bool:
+    return (
+        config.repetition_penalty != 1.0
+        or config.presence_penalty != 0.0
+        or config.frequency_penalty != 0.0
+    )

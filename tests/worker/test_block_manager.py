@@ -155,3 +155,21 @@ def test_a_fork_at_a_block_boundary_needs_no_copy():
     bm.allocate(child, 1)
     assert child.block_ids[:2] == parent.block_ids and len(child.block_ids) == 3
     assert bm.take_copies() == []
+
+
+def test_trim_frees_the_blocks_past_a_sequences_tokens():
+    """Blocks allocated for proposals a step then rejected go back; the ones the tokens use
+    stay, and nothing trimmed was ever offered by the prefix cache."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    seq = make_seq(list(range(6)))
+    admit(bm, seq, 5)  # 5 computed, the sixth token next
+    bm.allocate(seq, 1 + 6)  # it and 6 proposals: positions 5..11, 3 blocks
+    assert len(seq.block_ids) == 3
+    kept, past = seq.block_ids[:2], seq.block_ids[2]
+    seq.token_ids.append(42)  # one proposal kept and the model's token: 7 tokens
+    seq.num_computed_tokens = 6
+    bm.trim(seq)
+    assert seq.block_ids == kept and bm.ref_counts[past] == 0
+    assert bm.num_free_blocks == 6 and past not in bm.hash_to_block.values()
+    bm.free(seq)
+    assert bm.num_free_blocks == 8

@@ -72,10 +72,26 @@ def test_micro_batches_name_their_chunks_and_rows():
     a.block_ids, b.block_ids = [1], [2]
     plan = encoder.encode([[chunk(a, 3)], [chunk(b, 2)]], [[2], []])
     mirrors.apply(plan)
-    assert [mb.chunks for mb in plan.micro_batches] == [[(a.seq_id, 0, 3)], [(b.seq_id, 0, 2)]]
+    chunks = [mb.chunks for mb in plan.micro_batches]
+    assert chunks == [[(a.seq_id, 0, 3, ())], [(b.seq_id, 0, 2, ())]]
     assert [mb.logit_rows for mb in plan.micro_batches] == [[2], []]
     (mirror_b,) = mirrors.chunks(plan.micro_batches[1])
     assert (mirror_b.seq.token_ids, mirror_b.start, mirror_b.num_new_tokens) == (b.token_ids, 0, 2)
+
+
+def test_a_speculating_chunk_sends_its_proposals():
+    encoder, mirrors = PlanEncoder(), MirrorTable()
+    seq = make_seq(4)
+    seq.block_ids = [1]
+    step(encoder, mirrors, chunk(seq, 4))
+    seq.token_ids.append(9)
+    speculating = ScheduledChunk(seq, 4, 3, True, [5, 6])
+    plan = encoder.encode([[speculating]], [[0, 1, 2]])
+    mirrors.apply(plan)
+    assert plan.micro_batches[0].chunks == [(seq.seq_id, 4, 3, (5, 6))]
+    (mirror,) = mirrors.chunks(plan.micro_batches[0])
+    assert (mirror.start, mirror.num_new_tokens, mirror.draft_token_ids) == (4, 3, (5, 6))
+    assert mirror.seq.token_ids == seq.token_ids  # the proposals are not the sequence's
 
 
 def test_a_copied_last_block_is_sent_whole_again():

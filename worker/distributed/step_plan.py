@@ -33,8 +33,8 @@ class SeqUpdate:
 
 @dataclass(slots=True)
 class MicroBatchPlan:
-    #: (seq_id, first new position, number of new tokens), decodes first.
-    chunks: list[tuple[int, int, int]]
+    #: (seq_id, first new position, number of new tokens, proposed tokens), decodes first.
+    chunks: list[tuple[int, int, int, tuple[int, ...]]]
     #: Rows of this micro-batch whose logits the last stage computes and sends to rank 0.
     logit_rows: list[int]
 
@@ -69,6 +69,7 @@ class MirrorChunk:
     seq: SeqMirror
     start: int
     num_new_tokens: int
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -102,7 +103,7 @@ class PlanEncoder:
             self._update(chunk.seq) for micro_batch in micro_batches for chunk in micro_batch
         ]
         plans = [
-            MicroBatchPlan([(c.seq.seq_id, c.start, c.num_new_tokens) for c in chunks], rows)
+            MicroBatchPlan([_chunk_plan(c) for c in chunks], rows)
             for chunks, rows in zip(micro_batches, logit_rows, strict=True)
         ]
         return StepPlan(updates, finished, plans, list(block_copies or ()))
@@ -129,6 +130,10 @@ class PlanEncoder:
         return update
 
 
+def _chunk_plan(chunk: ScheduledChunk) -> tuple[int, int, int, tuple[int, ...]]:
+    return (chunk.seq.seq_id, chunk.start, chunk.num_new_tokens, tuple(chunk.draft_token_ids))
+
+
 class MirrorTable:
     """A non-scheduling rank's side: applies plans and hands out each micro-batch's chunks."""
 
@@ -146,4 +151,7 @@ class MirrorTable:
             mirror.block_ids.extend(update.new_block_ids)
 
     def chunks(self, micro_batch: MicroBatchPlan) -> list[MirrorChunk]:
-        return [MirrorChunk(self.seqs[seq_id], start, n) for seq_id, start, n in micro_batch.chunks]
+        return [
+            MirrorChunk(self.seqs[seq_id], start, n, draft)
+            for seq_id, start, n, draft in micro_batch.chunks
+        ]

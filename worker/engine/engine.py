@@ -38,6 +38,7 @@ from headrace.worker.engine.generation_control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
+from headrace.worker.engine.speculation import SpeculationStats, accept_greedy
 from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import start_executor
 from headrace.worker.execution.interface import InFlightStep
@@ -105,6 +106,8 @@ class Engine:
         )
         self.beam_requests = BeamRequests(self.scheduler, self.detokenizer, self.intake.new_seq_id)
         self._requests: dict[str, EngineRequest] = {}
+        #: Speculative decoding's proposals made and kept (config.num_speculative_tokens).
+        self.speculation = SpeculationStats()
         #: The plan of the step whose outputs the last `step()` returned (benchmarks, metrics).
         self.last_step: SchedulerOutput | None = None
         #: Submitted steps not yet collected, oldest first (at most one per pipeline stage).
@@ -384,15 +387,16 @@ class Engine:
         """Draw a token for each live sampling row and detokenize it; beam rows yield their
         logprobs instead (`beam_logprobs`). Rows of sequences aborted while the step ran
         draw (the batch is whole) but are dropped."""
-        chunks = result.sample_chunks
+        chunks, targets = result.sample_chunks, result.draft_targets
         if (token_ids := result.sample_token_ids) is not None:  # the model's greedy head's
-            return StepPicks(self._detokenize(chunks, token_ids, [None] * len(token_ids)))
+            nones: list[TokenLogprob | None] = [None] * len(token_ids)
+            return StepPicks(self._detokenize(chunks, token_ids, nones, targets))
         if (logits := result.sample_logits) is None:
             return StepPicks()
         beam_rows = [i for i, chunk in enumerate(chunks) if chunk.seq.config.is_beam_search]
         if not beam_rows:
             drawn = self.sampler(logits, [c.seq for c in chunks])
-            return StepPicks(self._detokenize(chunks, drawn.token_ids, drawn.logprobs))
+            return StepPicks(self._detokenize(chunks, drawn.token_ids, drawn.logprobs, targets))
         beam_chunks = [chunks[i] for i in beam_rows]
         beam_seqs = [c.seq for c in beam_chunks]
         logprobs = beam_logprobs(select_rows(logits, beam_rows), beam_seqs, self.kernels)
@@ -401,7 +405,10 @@ class Engine:
         if rows:
             sampled_chunks = [chunks[i] for i in rows]
             drawn = self.sampler(select_rows(logits, rows), [c.seq for c in sampled_chunks])
-            picks.sampled = self._detokenize(sampled_chunks, drawn.token_ids, drawn.logprobs)
+            checks = [targets[i] for i in rows] if targets else []
+            picks.sampled = self._detokenize(
+                sampled_chunks, drawn.token_ids, drawn.logprobs, checks
+            )
         return picks
 
     def _detokenize(
@@ -409,17 +416,32 @@ class Engine:
         chunks: list[ScheduledChunk],
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
+        draft_targets: list[list[int]],
     ) -> list[SampledToken]:
+        """Each live chunk's tokens, detokenized in order: the one it sampled, or for a
+        speculating chunk the proposals kept and the model's next token (`accept_greedy`),
+        up to a stop string."""
         sampled = []
-        for chunk, token_id, logprob in zip(chunks, token_ids, logprobs, strict=True):
+        targets = draft_targets or [[] for _ in chunks]
+        for chunk, token_id, logprob, checked in zip(
+            chunks, token_ids, logprobs, targets, strict=True
+        ):
             seq = chunk.seq
             if seq.is_finished:  # aborted while its step was in flight
                 continue
-            text = self.detokenizer.add_tokens(seq.detok_state, [token_id])
-            hit_stop = text.stop_string is not None
-            if logprob is not None:
-                self.detokenizer.token_names.name(logprob, seq.token_ids)
-            sampled.append(SampledToken(seq, token_id, logprob, text.text, hit_stop))
+            emitted = [token_id]
+            if chunk.draft_token_ids:
+                draft = chunk.draft_token_ids
+                emitted, kept = accept_greedy(draft, checked, token_id, seq.stop_token_ids)
+                self.speculation.record(len(draft), kept)
+            for token in emitted:
+                text = self.detokenizer.add_tokens(seq.detok_state, [token])
+                hit_stop = text.stop_string is not None
+                if logprob is not None:
+                    self.detokenizer.token_names.name(logprob, seq.token_ids)
+                sampled.append(SampledToken(seq, token, logprob, text.text, hit_stop))
+                if hit_stop:
+                    break
         return sampled
 
     # --- report -------------------------------------------------------------------------
@@ -429,19 +451,27 @@ class Engine:
         carries the finish reason (and the detokenizer's held-back text, unless a stop string
         ended it)."""
         now = time.monotonic()
+        deltas: dict[int, tuple[SampleDelta, SampledToken]] = {}  # by seq id: one a sample
         for token in sampled:
             seq = token.seq
-            delta = SampleDelta(seq.sample_index, [token.token_id], token.text)
+            if seq.seq_id not in deltas:
+                delta = SampleDelta(seq.sample_index, [], "")
+                _output_of(outputs, seq.request_id).samples.append(delta)
+            delta = deltas.get(seq.seq_id, (delta, token))[0]
+            deltas[seq.seq_id] = (delta, token)
+            delta.token_ids.append(token.token_id)
+            delta.text += token.text
             if token.logprob is not None:
                 delta.logprobs.append(token.logprob)
-            if seq.is_finished:
-                if not token.hit_stop_string:
-                    delta.text += self.detokenizer.finish(seq.detok_state)
-                delta.finish_reason = seq.finish_reason
-            _output_of(outputs, seq.request_id).samples.append(delta)
             times = self._requests[seq.request_id].times
             if times.first_token_s is None:
                 times.first_token_s = now
+        for delta, last in deltas.values():
+            seq = last.seq
+            if seq.is_finished:
+                if not last.hit_stop_string:
+                    delta.text += self.detokenizer.finish(seq.detok_state)
+                delta.finish_reason = seq.finish_reason
 
     def _advance_beams(
         self, beams: list[tuple[ScheduledChunk, torch.Tensor]], outputs: Outputs

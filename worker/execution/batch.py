@@ -6,16 +6,17 @@ scheduling rank needs to read the logits back: which rows sample and which score
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from headrace.kernels import AttentionMetadata
 from headrace.kernels.lora import LoraIndices
+from headrace.kernels.sampling import argmax
 from headrace.worker.sampling.logprobs import compute_prompt_logprobs
-from headrace.worker.sampling.sampler import is_plain_greedy
 from headrace.worker.scheduling.output import ScheduledChunk
-from headrace.worker.sequence import Sequence
+from headrace.worker.sequence import Sequence, is_plain_greedy
 
 
 class SeqTokens(Protocol):
@@ -43,6 +44,11 @@ class BatchChunk(Protocol):
 
     @property
     def num_new_tokens(self) -> int: ...
+
+    @property
+    def draft_token_ids(self) -> Seq[int]:
+        """Proposed tokens the chunk runs after the sequence's newest (speculation)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -87,6 +93,10 @@ class StepResult:
     #: The sampled tokens themselves, when every sampling row was plain greedy and the
     #: model's greedy head chose them (sample_logits is then None).
     sample_token_ids: list[int] | None = None
+    #: Speculation: for each sampling chunk, the model's greedy token at each of its
+    #: proposals' positions (what each proposal must equal to be kept); [] when no chunk
+    #: of the step speculates.
+    draft_targets: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +118,8 @@ class PreparedBatch:
     sample_rows: list[int]
     sample_chunks: list[ScheduledChunk]
     prompt_rows: list[PromptRows]
+    #: Rows whose next token checks a proposal, in sampling-chunk order (speculation).
+    draft_rows: list[int] = field(default_factory=list)
     #: Whether the step needs no logits at all: rows sample, every one plain greedy, and no
     #: prompt logprobs are asked for. Decided when the batch is built, from the sequences as
     #: they stand then (the step may run while the engine appends other steps' tokens).
@@ -122,16 +134,32 @@ class PreparedBatch:
 
     @property
     def logit_rows(self) -> list[int]:
-        """Rows that go through the LM head: sampling rows, then prompt-logprob rows."""
+        """Rows that go through the LM head: sampling rows, prompt-logprob rows, then the
+        rows that check proposals."""
         prompt = [r for p in self.prompt_rows for r in range(p.first_row, p.first_row + p.num_rows)]
-        return self.sample_rows + prompt
+        return self.sample_rows + prompt + self.draft_rows
+
+    def split_drafts(self, targets: list[int]) -> list[list[int]]:
+        """The greedy tokens of `draft_rows`, as each sampling chunk's list ([] if none)."""
+        if not self.draft_rows:
+            return []
+        lists, offset = [], 0
+        for chunk in self.sample_chunks:
+            count = len(chunk.draft_token_ids)
+            lists.append(targets[offset : offset + count])
+            offset += count
+        return lists
 
     def result(self, logits: torch.Tensor | None) -> StepResult:
-        """Split the logits of `logit_rows` into what the sampler and prompt logprobs read."""
+        """Split the logits of `logit_rows` into what the sampler, prompt logprobs and the
+        proposals' checks read."""
         if logits is None:
             return StepResult(self.sample_chunks, None)
         num_samples = len(self.sample_rows)
         result = StepResult(self.sample_chunks, logits[:num_samples] if num_samples else None)
+        if self.draft_rows:
+            targets = argmax(logits[logits.shape[0] - len(self.draft_rows) :]).tolist()
+            result.draft_targets = self.split_drafts(targets)
         offset = num_samples
         for rows in self.prompt_rows:
             seq, first, count = rows.chunk.seq, rows.first_position, rows.num_rows
@@ -153,11 +181,18 @@ def merge_results(results: list[StepResult]) -> StepResult:
     if len(results) == 1:
         return results[0]
     sampled = [r.sample_logits for r in results if r.sample_logits is not None]
-    return StepResult(
+    merged = StepResult(
         [chunk for r in results for chunk in r.sample_chunks],
         torch.cat(sampled) if sampled else None,
         [span for r in results for span in r.prompt_spans],
     )
+    if any(r.draft_targets for r in results):
+        merged.draft_targets = [
+            targets
+            for r in results
+            for targets in (r.draft_targets or [[] for _ in r.sample_chunks])
+        ]
+    return merged
 
 
 def prompt_logprob_rows(chunk: ScheduledChunk, first_row: int) -> PromptRows | None:

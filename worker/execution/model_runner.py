@@ -26,6 +26,7 @@ from headrace.worker.execution.batch import (
     prompt_logprob_rows,
 )
 from headrace.worker.execution.block_tables import BlockTables
+from headrace.worker.layers.quantizable import Quantizable
 from headrace.worker.lora.manager import LoraManager
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.scheduling.output import ScheduledChunk, SchedulerOutput
@@ -115,11 +116,11 @@ class ModelRunner:
                 param.data = param.data.to(device)
         moved: dict[int, QuantizedWeight] = {}
         for module in cast(nn.Module, self.model).modules():
-            weight = getattr(module, "quantized", None)
-            if isinstance(weight, QuantizedWeight):
+            if isinstance(module, Quantizable) and module.quantized is not None:
+                weight = module.quantized
                 if id(weight) not in moved:
                     moved[id(weight)] = weight.to(device)
-                setattr(module, "quantized", moved[id(weight)])
+                module.quantized = moved[id(weight)]
 
     def warm_up(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Set-up a first request must not pay for, run before it: on CUDA `warm_up_kernels`,
@@ -199,9 +200,13 @@ class ModelRunner:
         self.copy_blocks(block_copies)
         hidden = self.forward(batch.inputs)
         if batch.is_plain_greedy:
-            index = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-            tokens = self.model.compute_greedy(hidden.index_select(0, index))
-            return StepResult(batch.sample_chunks, None, sample_token_ids=tokens.tolist())
+            rows = batch.sample_rows + batch.draft_rows
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            tokens = self.model.compute_greedy(hidden.index_select(0, index)).tolist()
+            num_samples = len(batch.sample_rows)
+            result = StepResult(batch.sample_chunks, None, sample_token_ids=tokens[:num_samples])
+            result.draft_targets = batch.split_drafts(tokens[num_samples:])
+            return result
         rows = batch.logit_rows
         return batch.result(self.compute_logits(hidden, rows, self._logits_buffer(len(rows))))
 
@@ -250,17 +255,22 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_chunks: list[ScheduledChunk] = []
         prompt_rows: list[PromptRows] = []
+        draft_rows: list[int] = []
         first_row = 0
         for chunk in chunks:
             if chunk.samples:
                 sample_rows.append(first_row + chunk.num_new_tokens - 1)
                 sample_chunks.append(chunk)
+                # Row r of a speculating chunk predicts the token after its input r: its
+                # first rows check the proposals, its last samples what follows them.
+                draft_rows.extend(range(first_row, first_row + len(chunk.draft_token_ids)))
             if chunk.seq.wants_prompt_logprobs:
                 rows = prompt_logprob_rows(chunk, first_row)
                 if rows is not None:
                     prompt_rows.append(rows)
             first_row += chunk.num_new_tokens
-        return PreparedBatch(self.build_inputs(chunks), sample_rows, sample_chunks, prompt_rows)
+        inputs = self.build_inputs(chunks)
+        return PreparedBatch(inputs, sample_rows, sample_chunks, prompt_rows, draft_rows)
 
     def build_inputs(self, chunks: Sequence[BatchChunk]) -> ModelInputs:
         """The flattened varlen batch of ``chunks``, which must come decodes first."""
@@ -275,7 +285,9 @@ class ModelRunner:
                 input_ids.append(token_ids[start])
                 positions.append(start)
             else:
-                input_ids.extend(token_ids[start:end])
+                draft = chunk.draft_token_ids  # proposals, after the sequence's own tokens
+                input_ids.extend(token_ids[start : end - len(draft)])
+                input_ids.extend(draft)
                 positions.extend(range(start, end))
             query_start_loc.append(query_start_loc[-1] + num_new)
             seq_lens.append(end)

@@ -34,24 +34,9 @@ from headrace.worker.sampling.logprobs import token_logprobs
 from headrace.worker.sampling.ops import column, select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
 from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top_p, top_p_floor
-from headrace.worker.sequence import Sequence
+from headrace.worker.sequence import Sequence, has_penalty, is_plain_greedy
 
-
-def is_plain_greedy(seq: Sequence) -> bool:
-    """Whether the row's token is the argmax of its raw logits: greedy, with nothing that
-    reads or changes the logits first (penalties, bans, logprobs, logit controls: a bias,
-    allowed ids, bad words, an output constraint). A step whose rows are all plain greedy can
-    take its tokens from the model's greedy head and skip the sampler."""
-    config = seq.config
-    return (
-        config.is_greedy
-        and config.num_beams == 1
-        and seq.controls is None
-        and config.logprobs is None
-        and not _has_penalty(config)
-        and not config.no_repeat_ngram_size
-        and not (config.min_tokens > seq.num_output_tokens and seq.stop_token_ids)
-    )
+__all__ = ["Sampler", "SamplerOutput", "is_plain_greedy"]
 
 
 @dataclass(slots=True)
@@ -168,7 +153,7 @@ class _Plan:
         for row, seq in enumerate(seqs):
             config = seq.config
             (plan.greedy_rows if config.is_greedy else plan.sample_rows).append(row)
-            if _has_penalty(config):
+            if has_penalty(config):
                 plan.penalty_rows.append(row)
             if config.no_repeat_ngram_size:
                 plan.ngram_rows.append(row)
@@ -188,14 +173,6 @@ class _Plan:
     @property
     def is_plain_greedy(self) -> bool:
         return not (self.sample_rows or self.needs_history or self.logprob_rows)
-
-
-def _has_penalty(config: GenerationConfig) -> bool:
-    return (
-        config.repetition_penalty != 1.0
-        or config.presence_penalty != 0.0
-        or config.frequency_penalty != 0.0
-    )
 
 
 def apply_history(

@@ -214,6 +214,16 @@ class BlockManager:
                 self.free_queue[block_id] = None
         seq.block_ids = []
 
+    def trim(self, seq: Sequence) -> None:
+        """Free seq's blocks past those its tokens need (KV written for proposals that were
+        then rejected: never computed tokens, never in the prefix cache)."""
+        keep = self.num_blocks_for(seq.num_tokens)
+        for block_id in reversed(seq.block_ids[keep:]):
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] == 0, "a block past a sequence's tokens is its own"
+            self.free_queue[block_id] = None
+        del seq.block_ids[keep:]
+
     def _ref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
             del self.free_queue[block_id]

@@ -24,6 +24,9 @@ class ScheduledChunk:
     num_new_tokens: int
     #: The chunk reaches the sequence's newest token, so the step samples its successor.
     samples: bool
+    #: Speculative decoding: tokens proposed to follow the newest one, run after it in this
+    #: chunk (num_new_tokens counts them) so the step can check each (`proposals.py`).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

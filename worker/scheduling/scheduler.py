@@ -53,8 +53,9 @@ from headrace.sdk.errors import HeadraceError
 from headrace.worker.config import EngineConfig
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SampledToken, ScheduledChunk, SchedulerOutput
+from headrace.worker.scheduling.proposals import NgramProposer
 from headrace.worker.scheduling.stops import check_stop
-from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus
+from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus, is_plain_greedy
 
 
 @dataclass(slots=True)
@@ -74,12 +75,14 @@ class _StepPlan:
     #: Chunks planned per LoRA adapter.
     adapters: dict[str, int] = field(default_factory=dict)
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+    def add(self, seq: Sequence, num_new_tokens: int, draft: list[int] | None = None) -> None:
+        """Plan tokens [computed, computed + num_new_tokens) of seq, the last len(draft) of
+        them proposed ones (speculative decoding)."""
         if seq.adapter is not None:
             self.adapters[seq.adapter] = self.adapters.get(seq.adapter, 0) + 1
-        start = seq.num_computed_tokens
-        samples = start + num_new_tokens == seq.num_tokens
-        self.chunks[seq.seq_id] = ScheduledChunk(seq, start, num_new_tokens, samples)
+        start, draft = seq.num_computed_tokens, draft or []
+        samples = start + num_new_tokens - len(draft) == seq.num_tokens
+        self.chunks[seq.seq_id] = ScheduledChunk(seq, start, num_new_tokens, samples, draft)
         self.budget -= num_new_tokens
 
     def fits_adapter(self, seq: Sequence) -> bool:
@@ -132,6 +135,12 @@ class Scheduler:
         self._parked: dict[int, Sequence] = {}
         #: Sequences queued once a leader (by seq id) draws its first token (see `follow`).
         self._followers: dict[int, list[Sequence]] = {}
+        #: Speculative decoding's proposer (None: off).
+        self.proposer = (
+            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+            if config.num_speculative_tokens
+            else None
+        )
 
     # --- queue management ----------------------------------------------------------------
 
@@ -242,6 +251,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
+        speculating = self._speculating(plan)
         while i < len(self.running) and not plan.is_full:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
@@ -249,7 +259,14 @@ class Scheduler:
             if num_new == 0 or skip or not plan.fits_adapter(seq):
                 i += 1
                 continue
-            needed = self.block_manager.num_new_blocks_needed(seq, num_new)
+            draft = self._propose(seq, plan.budget - 1) if speculating and num_new == 1 else []
+            needed = self.block_manager.num_new_blocks_needed(seq, num_new + len(draft))
+            # Proposals never preempt anyone nor end a sequence: they take blocks only while
+            # a block for each running sequence's next token would still be left.
+            if draft and not self.block_manager.can_allocate(needed + len(self.running)):
+                draft = []
+                needed = self.block_manager.num_new_blocks_needed(seq, num_new)
+            num_new += len(draft)
             while not self.block_manager.can_allocate(needed):
                 if len(self.running) == 1:
                     # Alone and still too big for the pool: recomputing would loop forever.
@@ -264,8 +281,36 @@ class Scheduler:
                 if victim is seq:
                     return
             self.block_manager.allocate(seq, num_new)
-            plan.add(seq, num_new)
+            plan.add(seq, num_new, draft)
             i += 1
+
+    def _speculating(self, plan: _StepPlan) -> bool:
+        """Whether this step speculates: a proposer is set and at most speculative_max_seqs
+        running sequences decode (past a few rows proposals cost more than they save)."""
+        if self.proposer is None:
+            return False
+        decoding = sum(
+            1
+            for s in self.running
+            if s.num_tokens - s.num_computed_tokens == 1
+            and s.seq_id not in plan.busy
+            and s.seq_id not in self._held_ids
+        )
+        return decoding <= self.config.speculative_max_seqs
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposed tokens to follow seq's newest, for a plain greedy sequence: at most
+        num_speculative_tokens, the step's budget left, and one fewer than the tokens it may
+        still emit (max_tokens, the context), so a step never emits past either."""
+        if self.proposer is None or not is_plain_greedy(seq):
+            return []
+        room = min(
+            self.config.num_speculative_tokens,
+            budget,
+            seq.config.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
+        return self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while plan.budget > 0:
@@ -348,14 +393,30 @@ class Scheduler:
 
     def update_from_output(self, step: SchedulerOutput, sampled: list[SampledToken]) -> None:
         """Apply a step's results: its chunks' tokens count as computed (full blocks enter the
-        prefix cache), each live sequence's sampled token is appended, and the sequences the
-        stop checks end are finished, their blocks freed."""
+        prefix cache), each live sequence's sampled tokens are appended (a speculating one
+        may have several: its accepted proposals and the model's next token), and the
+        sequences the stop checks end are finished, their blocks freed."""
         for chunk in step.chunks:
-            if not chunk.seq.is_finished:  # else aborted while its step was in flight
+            if not chunk.seq.is_finished and not chunk.draft_token_ids:  # else aborted
                 self._advance_computed(chunk)
         for token in sampled:
             assert not token.seq.is_finished, "the engine samples live sequences only"
             self._append(token)
+        for chunk in step.chunks:
+            if chunk.draft_token_ids and not chunk.seq.is_finished:
+                self._settle_speculation(chunk)
+
+    def _settle_speculation(self, chunk: ScheduledChunk) -> None:
+        """After a speculating chunk's tokens are appended: the KV of its newest token and of
+        the proposals the model accepted is kept (they are the tokens appended, but the last,
+        which the next step computes); the rest, written for rejected proposals, is dropped
+        with the blocks only they used, so the prefix cache never holds a rejected token."""
+        seq, block_size = chunk.seq, self.block_manager.block_size
+        seq.num_computed_tokens = seq.num_tokens - 1
+        assert chunk.start < seq.num_computed_tokens <= chunk.start + chunk.num_new_tokens
+        if seq.num_computed_tokens // block_size != chunk.start // block_size:
+            self.block_manager.commit_full_blocks(seq)
+        self.block_manager.trim(seq)
 
     def _advance_computed(self, chunk: ScheduledChunk) -> None:
         seq, block_size = chunk.seq, self.block_manager.block_size

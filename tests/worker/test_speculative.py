@@ -1,0 +1,285 @@
+"""Speculative decoding with n-gram proposals (``num_speculative_tokens``).
+
+The oracle is transformers' greedy generation from the same weights: with speculation on
+(k = 1, 3, 5) every prompt must get exactly its tokens, in the oracle matrix's compositions
+(chunked prefill, preemption, small blocks, overlapped steps), on each kernel set and at
+TP = 2. The prompts repeat themselves and the tiny models' greedy outputs fall into loops,
+so proposals are made and kept: each test checks that some were (the equalities are not
+vacuous). After every run the KV pool is whole again, and the prefix cache holds only blocks
+of tokens the sequences really have (no rejected proposal).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from headrace.sdk import GenerationConfig, InvalidArgumentError
+from headrace.worker import LLM, Engine, EngineConfig
+from headrace.worker.engine.speculation import SpeculationStats, accept_greedy
+from headrace.worker.scheduling.proposals import NgramProposer
+
+from tests.factories import build_checkpoint, hf_greedy
+from tests.worker.test_engine_oracle import COMPOSITIONS, assert_all_blocks_free
+
+MAX_TOKENS = 40
+
+
+# --- the proposer and the acceptance rule ------------------------------------------------
+
+
+def test_ngram_proposals_follow_the_latest_match_of_the_longest_suffix() -> None:
+    proposer = NgramProposer(1, 3)
+    # "7 8" occurs twice before; the latest one is followed by 5, 6.
+    assert proposer.propose([7, 8, 1, 2, 7, 8, 5, 6, 9, 7, 8], 2) == [5, 6]
+    # The 3-gram "1 7 8" beats the later 2-gram match.
+    assert proposer.propose([1, 7, 8, 4, 4, 7, 8, 6, 1, 7, 8], 1) == [4]
+    assert proposer.propose([1, 2, 3, 1, 2], 10) == [3, 1, 2]  # at most what follows
+    assert proposer.propose([1, 2, 3, 4], 3) == []  # no earlier match
+    assert proposer.propose([5, 5], 0) == []
+
+
+def test_ngram_sizes_below_the_minimum_propose_nothing() -> None:
+    assert NgramProposer(2, 3).propose([4, 9, 1, 2, 9], 2) == []  # only a 1-gram matches
+    assert NgramProposer(1, 3).propose([4, 9, 1, 2, 9], 2) == [1, 2]
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        NgramProposer(3, 2)
+
+
+def test_the_lookback_bounds_the_search() -> None:
+    tokens = [1, 2, 3] + list(range(100, 200)) + [1, 2]
+    assert NgramProposer(2, 2).propose(tokens, 1) == [3]
+    assert NgramProposer(2, 2, max_lookback=50).propose(tokens, 1) == []
+
+
+def test_greedy_acceptance_keeps_the_agreeing_prefix_then_the_models_token() -> None:
+    no_stops: frozenset[int] = frozenset()
+    assert accept_greedy([5, 6, 7], [5, 6, 7], 8, no_stops) == ([5, 6, 7, 8], 3)
+    assert accept_greedy([5, 6, 7], [5, 9, 7], 8, no_stops) == ([5, 9], 1)
+    assert accept_greedy([5, 6, 7], [4, 6, 7], 8, no_stops) == ([4], 0)
+    # A stop token ends the sample: nothing after it is emitted.
+    assert accept_greedy([5, 6, 7], [5, 6, 7], 8, frozenset({6})) == ([5, 6], 2)
+    assert accept_greedy([5, 6, 7], [5, 2, 7], 8, frozenset({2})) == ([5, 2], 1)
+
+
+def test_stats_count_proposals_per_position() -> None:
+    stats = SpeculationStats()
+    stats.record(3, 1)
+    stats.record(2, 2)
+    assert (stats.num_chunks, stats.num_proposed, stats.num_accepted) == (2, 5, 3)
+    assert stats.proposed_at == [2, 2, 1] and stats.accepted_at == [2, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(0.6)
+
+
+# --- against the oracle ----------------------------------------------------------------------
+
+
+def repeating_prompts(vocab_size: int) -> list[list[int]]:
+    """Prompts that repeat a phrase (proposals from the prompt) and random ones (from the
+    output's loops)."""
+    rng = random.Random(1)
+    phrases = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (4, 7)]
+    randoms = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (1, 9, 23)]
+    return [phrases[0] * 5, phrases[1] * 3 + phrases[1][:3], *randoms]
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """family -> (checkpoint, prompts, transformers' greedy tokens)."""
+    cases: dict[str, tuple] = {}
+
+    def case(family: str):
+        if family not in cases:
+            path = build_checkpoint(tmp_path_factory.mktemp(family), family=family)
+            vocab_size = LLM(str(path), dtype="float32").engine.vocab_size
+            prompts = repeating_prompts(vocab_size)
+            cases[family] = (path, prompts, hf_greedy(path, prompts, MAX_TOKENS))
+        return cases[family]
+
+    return case
+
+
+def greedy(n: int = MAX_TOKENS, **options) -> GenerationConfig:
+    return GenerationConfig(max_tokens=n, temperature=0.0, ignore_eos=True, **options)
+
+
+def speculating(k: int, **options) -> dict:
+    """Engine options: k proposals, in steps of up to 8 decoding sequences (every test's)."""
+    return dict(dtype="float32", num_speculative_tokens=k, speculative_max_seqs=8, **options)
+
+
+def assert_cache_holds_only_real_blocks(engine: Engine, sequences: list[list[int]]) -> None:
+    """Every block the prefix cache offers holds block_size tokens that some sequence has at
+    a block boundary: a block of rejected proposals would hold tokens none has."""
+    bm = engine.block_manager
+    size = bm.block_size
+    real = {
+        tuple(tokens[i : i + size])
+        for tokens in sequences
+        for i in range(0, len(tokens) - size + 1, size)
+    }
+    registered = [bm.block_tokens[b] for b in bm.hash_to_block.values()]
+    assert registered and all(tokens in real for tokens in registered)
+
+
+def run(llm: LLM, prompts: list[list[int]], config: GenerationConfig) -> list[list[int]]:
+    results = llm.generate(prompts, config)
+    return [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_tokens_equal_transformers_and_proposals_are_kept(oracle, k):
+    path, prompts, expected = oracle("llama")
+    llm = LLM(str(path), **speculating(k, block_size=4))
+    assert run(llm, prompts, greedy()) == expected
+    stats = llm.engine.speculation
+    assert stats.num_accepted > 0 and stats.num_proposed > stats.num_accepted
+    assert max(len(p) for p in [stats.proposed_at]) <= k
+    assert_all_blocks_free(llm.engine)
+    full = [p + out for p, out in zip(prompts, expected, strict=True)]
+    assert_cache_holds_only_real_blocks(llm.engine, full)
+
+
+#: The oracle matrix's compositions, with pools for these longer outputs: 24 blocks of 4 tokens
+#: for five sequences that need 6 to 16 each (a sequence alone fits with its proposals).
+SPECULATING_COMPOSITIONS = {
+    name: {**options, "num_kv_blocks": 24} if "preempting" in name else options
+    for name, options in COMPOSITIONS.items()
+}
+MATRIX = [("llama", c, "cpu") for c in sorted(COMPOSITIONS)] + [
+    ("qwen3", "preempting", "cpu"),
+    ("llama", "chunked-8", "reference"),
+    ("llama", "preempting", "reference"),
+    ("llama", "chunked-8", "triton"),
+]
+
+
+@pytest.mark.parametrize(("family", "composition", "backend"), MATRIX)
+def test_every_composition_equals_transformers(oracle, family, composition, backend):
+    path, prompts, expected = oracle(family)
+    options = {**SPECULATING_COMPOSITIONS[composition], "kernel_backend": backend}
+    llm = LLM(str(path), **speculating(3, **options))
+    assert run(llm, prompts, greedy()) == expected
+    assert llm.engine.speculation.num_accepted > 0
+    if "preempting" in composition:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_two_tensor_parallel_ranks_equal_transformers(oracle):
+    path, prompts, expected = oracle("llama")
+    llm = LLM(str(path), **speculating(3, tensor_parallel_size=2, max_num_batched_tokens=16))
+    try:
+        assert run(llm, prompts, greedy()) == expected
+        assert llm.engine.speculation.num_accepted > 0
+        assert_all_blocks_free(llm.engine)
+    finally:
+        llm.engine.close()
+
+
+# --- limits and stops --------------------------------------------------------------------
+
+
+def test_max_tokens_is_never_passed(oracle):
+    path, prompts, expected = oracle("llama")
+    llm = LLM(str(path), **speculating(5))
+    for n in (1, 2, 3, 7):
+        results = llm.generate(prompts, greedy(n))
+        assert [r.token_ids for r in results] == [e[:n] for e in expected]
+        assert all(r.finish_reason == "length" for r in results)
+    assert llm.engine.speculation.num_accepted > 0
+
+
+class Foresight:
+    """A `Proposer` that knows each prompt's greedy output, so every proposal is kept."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.sequences = [p + o for p, o in zip(prompts, outputs, strict=True)]
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        for full in self.sequences:
+            if full[: len(token_ids)] == token_ids:
+                return full[len(token_ids) : len(token_ids) + max_tokens]
+        return []
+
+
+@pytest.mark.parametrize("position", [3, 10])
+def test_a_stop_token_among_kept_proposals_ends_the_sample_there(oracle, position):
+    """With proposals that are always right, the output token at ``position`` is made a stop
+    token: every sample ends at its first occurrence of it, as it would decoding one token a
+    step, though the step that reached it had proposals past it."""
+    path, prompts, expected = oracle("llama")
+    stop = expected[0][position]
+    want = [out[: out.index(stop) + 1] if stop in out else out for out in expected]
+    llm = LLM(str(path), **speculating(5))
+    llm.engine.scheduler.proposer = Foresight(prompts, expected)
+    results = llm.generate(prompts, greedy(stop_token_ids=[stop]))
+    assert [r.token_ids for r in results] == want
+    assert results[0].finish_reason == "stop"
+    stats = llm.engine.speculation  # all kept, but those past a stop token in its chunk
+    assert stats.accepted_at[0] == stats.proposed_at[0] > 0
+    assert stats.num_proposed - stats.num_accepted < len(prompts) * 5
+    assert_all_blocks_free(llm.engine)
+
+
+def test_stop_strings_cut_the_text_as_without_speculation(oracle):
+    path, prompts, _ = oracle("llama")
+    plain = LLM(str(path), dtype="float32")
+    first = plain.generate(prompts[:1], greedy())[0].text
+    stop = first[len(first) // 2 : len(first) // 2 + 3]
+    config = greedy(stop=[stop])
+    want = [(r.text, r.token_ids, r.finish_reason) for r in plain.generate(prompts, config)]
+    llm = LLM(str(path), **speculating(5))
+    got = [(r.text, r.token_ids, r.finish_reason) for r in llm.generate(prompts, config)]
+    assert got == want and want[0][2] == "stop"
+
+
+def test_streamed_deltas_carry_several_tokens_a_step(oracle):
+    path, prompts, expected = oracle("llama")
+    engine = Engine(EngineConfig(str(path), **speculating(5)))
+    engine.add_request("r", prompts[0], greedy())
+    tokens: list[int] = []
+    most = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for delta in output.samples:
+                tokens.extend(delta.token_ids)
+                most = max(most, len(delta.token_ids))
+    assert tokens == expected[0] and most > 1
+
+
+# --- who speculates ---------------------------------------------------------------------
+
+
+def test_sampled_requests_do_not_speculate_and_keep_their_seeded_tokens(oracle):
+    path, prompts, _ = oracle("llama")
+    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.9, seed=3, ignore_eos=True)
+    want = run(LLM(str(path), dtype="float32"), prompts, config)
+    llm = LLM(str(path), **speculating(3))
+    assert run(llm, prompts, config) == want
+    assert llm.engine.speculation.num_proposed == 0
+
+
+def test_steps_with_more_decoding_sequences_than_the_limit_do_not_speculate(oracle):
+    path, prompts, expected = oracle("llama")
+    options = dict(dtype="float32", num_speculative_tokens=3, speculative_max_seqs=2)
+    llm = LLM(str(path), **options)
+    assert run(llm, prompts, greedy()) == expected  # five decode together: no proposals
+    assert llm.engine.speculation.num_proposed == 0
+    assert run(llm, prompts[:1], greedy()) == expected[:1]  # one alone speculates
+    assert llm.engine.speculation.num_proposed > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (dict(num_speculative_tokens=-1), "num_speculative_tokens"),
+        (dict(speculative_ngram_min=0), "speculative_ngram_min"),
+        (dict(speculative_ngram_min=5, speculative_ngram_max=4), "speculative_ngram_min"),
+        (dict(speculative_max_seqs=0), "speculative_max_seqs"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(options, field):
+    with pytest.raises(InvalidArgumentError) as error:
+        EngineConfig("unused", **options)
+    assert error.value.field == field

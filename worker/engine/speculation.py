@@ -1,0 +1,63 @@
+"""Speculative decoding in the engine: which proposals a step keeps, and the counts.
+
+The scheduler runs a speculating sequence's newest token and its proposals d_1..d_k as one
+chunk (`Scheduler._propose`); the model's greedy token after each input row comes back
+(`StepResult.draft_targets`: g_1..g_k after the newest token and d_1..d_{k-1}, then the
+sampled row's token g_{k+1} after d_k). Only plain greedy sequences speculate, so a proposal
+is kept exactly when it is the token the model would have chosen there: d_i while
+d_i == g_i, then the model's own g at the first mismatch (or g_{k+1} when every proposal is
+kept). The emitted tokens are therefore the ones decoding one token a step would give, as
+far as the step's arithmetic gives the same argmaxes (a verifying chunk is a prefill chunk
+of k + 1 rows, whose float sums may round differently from a one-row decode's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+
+def accept_greedy(
+    draft: Sequence[int], targets: Sequence[int], next_token: int, stop_token_ids: Collection[int]
+) -> tuple[list[int], int]:
+    """The tokens a greedy speculating chunk emits (module docstring), cut after the first
+    stop token: the sample ends there, and nothing after it may be emitted or detokenized
+    (a speculating sequence has its min_tokens out, so any stop token ends it); and how
+    many proposals were kept."""
+    emitted: list[int] = []
+    for proposed, target in zip(draft, targets, strict=True):
+        emitted.append(target)
+        if proposed != target:
+            return emitted, len(emitted) - 1
+        if target in stop_token_ids:
+            return emitted, len(emitted)
+    emitted.append(next_token)
+    return emitted, len(draft)
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Proposals made and kept since the engine started (metrics, benchmarks)."""
+
+    #: Chunks that carried proposals.
+    num_chunks: int = 0
+    num_proposed: int = 0
+    num_accepted: int = 0
+    #: Index i: proposals made / kept at position i + 1 of a chunk.
+    proposed_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_chunks += 1
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        while len(self.proposed_at) < num_proposed:
+            self.proposed_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(num_proposed):
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
