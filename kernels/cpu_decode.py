@@ -5,8 +5,9 @@ calls (Python wrappers, ctypes, an OpenMP region each) as the weights take to re
 runs the same C ops back to back in one region, so every value is the per-op path's, bit for
 bit. It serves Llama-shaped stacks (fused qkv, neox rotary, gated SiLU MLP, no biases, no
 q/k norm) on one rank without LoRA, in one dtype shared by activations, weights and the KV
-cache, for steps whose rows are all decodes and few enough for the skinny matmul; the model
-asks `DecoderStack.fits` and keeps to the per-op path otherwise. The four matrices of every
+cache, for steps of few enough rows for the skinny matmul (decodes, and short chunks: a
+speculating sequence's proposals, a short prompt); the model asks `DecoderStack.fits` and
+keeps to the per-op path otherwise. The four matrices of every
 layer may instead be quantized alike (`headrace.kernels.quantized`: the same bits, and groups
 of one size or one per row), and the KV cache may be int8 (`headrace.kernels.kv_layout`).
 """
@@ -100,13 +101,15 @@ class DecoderStack:
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> bool:
-        """Whether this step can run in one call: every row a decode, few enough rows for
-        the skinny matmul, the stack's dtype throughout (the caches in it, or all int8)."""
+        """Whether this step can run in one call: few enough rows for the skinny matmul
+        (decodes, and chunks of a few tokens: a speculating sequence's proposals, a short
+        prompt), the stack's dtype throughout (the caches in it, or all int8). Such chunks
+        are all shorter than `cpu_ops.LONG_PREFILL`, so the per-op path would attend to them
+        in the same C kernel call."""
         rows = hidden.shape[0]
-        if not self.usable or hidden.dtype != self.dtype or rows != metadata.num_seqs:
+        if not self.usable or hidden.dtype != self.dtype or not rows <= self._max_rows():
             return False
-        if metadata.num_decode_seqs != rows or not rows <= self._max_rows():
-            return False
+        assert self._max_rows() <= cpu_ops.LONG_PREFILL
         cache_dtype = kv_caches[0].dtype if kv_caches else self.dtype
         if cache_dtype not in (self.dtype, torch.int8):
             return False

@@ -78,6 +78,10 @@ class Sequence:
     detok_state: Any = None
     #: Logit bias, allowed ids, bad words and output constraint, if the config has any.
     controls: RowControls | None = None
+    #: Speculative decoding: steps in a row whose proposals were all rejected, and steps
+    #: left before it proposes again (the scheduler's backoff, `Scheduler._propose`).
+    speculation_misses: int = 0
+    speculation_backoff: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -9,10 +9,12 @@
    the per-op path computes, bit for bit.
 
    The layers are Llama's: pre-norm attention with fused qkv and neox rotary, a gated SiLU
-   MLP with fused gate/up, no biases, one rank. Activations and the norms share one dtype, the
-   KV cache is in it too or int8 (kv_dtype); the four matrices of every layer are in it too, or all quantized alike
-   (kernels/quantized.py: the same bits and group size). The caller checks that a step fits (decode rows only, few enough for the skinny
-   matmul) and keeps to the per-op path otherwise. */
+   MLP with fused gate/up, no biases, one rank. Activations and the norms share one dtype,
+   the KV cache is in it too or int8 (kv_dtype); the four matrices of every layer are in it
+   too, or all quantized alike (kernels/quantized.py: the same bits and group size). The
+   caller checks that a step fits (few enough rows for the skinny matmul: decodes, and short
+   chunks, whose attention is the same paged-attention call as the per-op path's) and keeps
+   to the per-op path otherwise. */
 
 #include <stdlib.h>
 #include <string.h>

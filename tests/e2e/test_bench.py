@@ -53,6 +53,20 @@ def test_bench_engine_profile_splits_decode_steps_and_sampled_reruns(prepared_ca
     assert summary["ratio_sampled_greedy_step"] == max(rounds)  # the upper median of two
 
 
+def test_bench_engine_speculative_compares_with_and_without(prepared_cache: Path):
+    summary = bench(
+        "engine", "--tiny", "--num-requests", "2", "--max-tokens", "24", "--speculative", "3",
+        "--prompts", "copy", "--rounds", "2", env={CACHE_ENV: str(prepared_cache)},
+    )  # fmt: skip
+    assert summary["speculative_tokens"] == 3
+    assert summary["speculation_same_tokens"] is True  # greedy: the tokens never change
+    # The tiny random model's tokens rarely repeat, so there may be nothing to look up: the
+    # engine tests (tests/worker/test_speculative.py) check proposals made and kept.
+    assert summary["speculation_proposed"] >= summary["speculation_accepted"] >= 0
+    assert len(summary["speculation_acceptance_by_position"]) <= 3
+    assert len(summary["ratio_speculative_tok_s_rounds"]) == 2
+
+
 def test_bench_serve_reports_a_priority_burst_apart(worker: ServerProcess):
     summary = bench(
         "serve", "--target", worker.target, "--num-requests", "12", "--prompt-lens", "4-9",

@@ -3,8 +3,9 @@
 Both run the same C ops, so every value must match bit for bit: the same greedy tokens and
 the same logprobs (floats compared exactly) in every dtype the kernels take, one row and
 three, with grouped-query attention and a head size that is not a whole vector, with the KV
-cache in the model's dtype or in int8, and 4-bit weights against int8 activations. Steps it
-does not take (prefill chunks, mixed steps, LoRA) keep to the per-op path.
+cache in the model's dtype or in int8, and 4- and 8-bit weights against int8 activations;
+the prompts' steps too, whose chunks are short enough for the call. Steps it does not take
+(more rows than the skinny matmul's, LoRA) keep to the per-op path.
 """
 
 from __future__ import annotations
@@ -88,21 +89,24 @@ def test_decode_in_one_call_is_the_per_op_forward_bit_for_bit(monkeypatch, dtype
     assert alone == generate(path, dtype, PROMPTS[1:2], **engine)
 
 
-def test_steps_with_prefill_rows_stay_layer_by_layer(monkeypatch):
-    """A chunk mixed with decodes runs per op; the decodes alone, after it, in one call."""
+def test_short_chunks_run_in_the_call_and_long_steps_layer_by_layer(monkeypatch):
+    """A short prompt's chunk, alone or beside a decode, runs in the one call (as a
+    speculating sequence's proposals do); a step of more rows than the skinny matmul takes
+    runs per op."""
     path = str(cached_checkpoint(family="llama", num_layers=2))
     calls = Calls(monkeypatch)
     e = Engine(EngineConfig(path, dtype="float32", kernel_backend="cpu"))
     config = GenerationConfig(max_tokens=4, temperature=0.0, ignore_eos=True)
     e.add_request("a", PROMPTS[0], config)
-    e.step()  # a's prompt
+    e.step()  # a's prompt: 5 rows
     e.step()  # a decodes alone
-    assert calls.rows == [1]
+    assert calls.rows == [5, 1]
     e.add_request("b", PROMPTS[1], config)
-    e.step()  # b's prompt beside a's decode: per op
-    assert calls.rows == [1]
-    e.step()
-    assert calls.rows == [1, 2]
+    e.step()  # b's 37-token prompt beside a's decode
+    assert calls.rows == [5, 1, 38]
+    e.add_request("c", list(range(3, 3 + 200)), config)
+    e.step()  # c's prompt: past the skinny matmul's rows, per op
+    assert calls.rows == [5, 1, 38]
     e.close()
 
 

@@ -188,6 +188,23 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run sampled (temperature 0.8, top_p 0.9, seeds): its step vs greedy's",
     )
     add(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="propose K tokens a step (n-gram speculation, the worker's "
+        "--num-speculative-tokens) and also run the workload without it, rounds alternating "
+        "(--rounds): tok/s ratio, proposals kept by position, same tokens",
+    )
+    add(
+        "--prompts",
+        choices=["random", "copy", "story"],
+        default="random",
+        help="random token ids; copy: a passage of the shipped text, then 'again, word for "
+        "word' and its first words (the output copies it); story: a chat asking for a story "
+        "(free text, little to copy); the last two set the prompt lengths",
+    )
+    add(
         "--overlap-steps",
         action="store_true",
         help="run the engine with overlap_steps (two steps in flight, a device thread)",

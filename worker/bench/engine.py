@@ -64,6 +64,7 @@ from headrace.worker.bench.peers import (
     start_peer,
 )
 from headrace.worker.bench.profile import StepProfile
+from headrace.worker.bench.speculative import compare_speculation, text_workload
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
 from headrace.worker.execution.host_memory import freeze_startup_heap
@@ -217,15 +218,24 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         max_num_batched_tokens=args.max_num_batched_tokens,
         kernel_backend=args.kernel_backend,
         overlap_steps=args.overlap_steps,
+        num_speculative_tokens=args.speculative,
     )
     engine = Engine(config)
-    workload = make_workload(
-        engine.vocab_size, num_requests, prompt_lens, (max_tokens, max_tokens), args.seed
-    )
+    if args.prompts == "random":
+        workload = make_workload(
+            engine.vocab_size, num_requests, prompt_lens, (max_tokens, max_tokens), args.seed
+        )
+    else:
+        workload = text_workload(
+            args.prompts, engine.tokenizer, num_requests, max_tokens, args.seed
+        )
+        lengths = [len(p) for p in workload.prompts]
+        prompt_lens = (min(lengths), max(lengths))
     print(
-        f"workload: {num_requests} requests, prompts {prompt_lens[0]}-{prompt_lens[1]} tokens, "
-        f"{max_tokens} new tokens; model {model_name}, dtype {args.dtype}, device "
-        f"{engine.device}, kernels {engine.kernels.NAME}, threads {torch.get_num_threads()}"
+        f"workload: {num_requests} {args.prompts} requests, prompts "
+        f"{prompt_lens[0]}-{prompt_lens[1]} tokens, {max_tokens} new tokens; model "
+        f"{model_name}, dtype {args.dtype}, device {engine.device}, kernels "
+        f"{engine.kernels.NAME}, threads {torch.get_num_threads()}"
     )
     peer = None
     if args.baseline in PEER_VENVS:
@@ -251,6 +261,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         profile.detach()
     if args.sampled:
         summary.update(_run_sampled(engine, workload, ours, args.profile, args.rounds))
+    if args.speculative:
+        summary.update(compare_speculation(config, engine, workload, args.rounds, run_headrace))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     elif peer is not None:

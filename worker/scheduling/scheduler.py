@@ -105,6 +105,19 @@ class _StepPlan:
         return self.budget <= 0 or len(self.chunks) >= self.max_seqs
 
 
+#: Backoff of a sequence whose proposals keep failing: after its second step in a row with
+#: none kept it skips 2, then 4, 8 and at most this many steps before it proposes again, so
+#: text the proposer cannot predict costs a verifying chunk only now and then.
+MAX_SPECULATION_BACKOFF = 32
+
+
+def _back_off(seq: Sequence, num_kept: int) -> None:
+    """Record a speculating step's outcome for the backoff (`MAX_SPECULATION_BACKOFF`)."""
+    seq.speculation_misses = 0 if num_kept else seq.speculation_misses + 1
+    if seq.speculation_misses >= 2:
+        seq.speculation_backoff = min(2 ** (seq.speculation_misses - 1), MAX_SPECULATION_BACKOFF)
+
+
 def _is_started_beam(seq: Sequence) -> bool:
     """A beam of a search under way: its siblings wait for its next logprobs."""
     return seq.config.num_beams > 1 and seq.num_output_tokens > 0
@@ -304,6 +317,9 @@ class Scheduler:
         still emit (max_tokens, the context), so a step never emits past either."""
         if self.proposer is None or not is_plain_greedy(seq):
             return []
+        if seq.speculation_backoff > 0:
+            seq.speculation_backoff -= 1
+            return []
         room = min(
             self.config.num_speculative_tokens,
             budget,
@@ -414,6 +430,7 @@ class Scheduler:
         seq, block_size = chunk.seq, self.block_manager.block_size
         seq.num_computed_tokens = seq.num_tokens - 1
         assert chunk.start < seq.num_computed_tokens <= chunk.start + chunk.num_new_tokens
+        _back_off(seq, num_kept=seq.num_computed_tokens - chunk.start - 1)
         if seq.num_computed_tokens // block_size != chunk.start // block_size:
             self.block_manager.commit_full_blocks(seq)
         self.block_manager.trim(seq)
