@@ -188,6 +188,10 @@ def _worker(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_ngram_min=args.speculative_ngram_min,
+        speculative_ngram_max=args.speculative_ngram_max,
+        speculative_max_seqs=args.speculative_max_seqs,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -318,7 +322,28 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
         help="longest text prompt in UTF-8 bytes (default: the most that could fit the context)",
     )
     add("--weight-version", default="default", help="the version of the weights loaded at start")
+    _add_speculative_arguments(worker)
     _add_lora_arguments(worker)
+
+
+def _add_speculative_arguments(worker: argparse.ArgumentParser) -> None:
+    add = worker.add_argument
+    add(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding: tokens proposed per step by prompt lookup (the last "
+        "n-gram matched earlier in the prompt and output), checked in one step; greedy "
+        "requests speculate, tokens unchanged (default 0: off)",
+    )
+    add("--speculative-ngram-min", type=int, default=1, help="shortest n-gram matched")
+    add("--speculative-ngram-max", type=int, default=4, help="longest n-gram matched")
+    add(
+        "--speculative-max-seqs",
+        type=int,
+        default=4,
+        help="speculate only in steps with at most this many decoding sequences",
+    )
 
 
 def _lora_module(value: str) -> tuple[str, str]:

@@ -251,3 +251,19 @@ def test_generate_prints_each_beam_whole_under_its_score(
         "[beam 1: score -0.7500, cumulative logprob -2.2500, 3 tokens, finish: stop]",
         "blue",
     ]
+
+
+def test_speculative_flags_default_to_the_engines() -> None:
+    from headrace.worker.config import EngineConfig
+
+    parser = build_parser()
+    args, config = parser.parse_args(["worker"]), EngineConfig(model="unused")
+    for name in (
+        "num_speculative_tokens",
+        "speculative_ngram_min",
+        "speculative_ngram_max",
+        "speculative_max_seqs",
+    ):
+        assert getattr(args, name) == getattr(config, name), name
+    speculating = parser.parse_args(["worker", "--num-speculative-tokens", "5"])
+    assert speculating.num_speculative_tokens == 5

@@ -283,3 +283,24 @@ def test_bad_settings_are_refused_naming_the_field(options, field):
     with pytest.raises(InvalidArgumentError) as error:
         EngineConfig("unused", **options)
     assert error.value.field == field
+
+
+class AlwaysWrong:
+    """A `Proposer` whose proposals are never the model's tokens (an id past the output's)."""
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return [2] * max_tokens  # a special token the random prompts never make
+
+
+def test_a_sequence_whose_proposals_keep_failing_backs_off(oracle):
+    """Two misses in a row make a sequence skip 2 steps, then 4, 8, ... (at most 32): over 40
+    tokens it verifies proposals in 6 steps, not 40, and its tokens are unchanged."""
+    path, prompts, expected = oracle("llama")
+    assert all(2 not in out for out in expected)
+    llm = LLM(str(path), **speculating(3))
+    llm.engine.scheduler.proposer = AlwaysWrong()
+    assert run(llm, prompts[:1], greedy()) == expected[:1]
+    stats = llm.engine.speculation
+    assert stats.num_accepted == 0
+    # Steps 1, 2 (two misses), skip 2, step 5, skip 4, step 10, skip 8, 19, skip 16, 36.
+    assert stats.num_chunks == 6

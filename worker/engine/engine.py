@@ -237,7 +237,9 @@ class Engine:
 
     def load(self) -> EngineLoad:
         seqs = [request.seqs for request in self._requests.values()]
-        return EngineLoad.measure(seqs, self.block_manager, self.scheduler, self.control)
+        return EngineLoad.measure(
+            seqs, self.block_manager, self.scheduler, self.control, self.speculation.snapshot()
+        )
 
     # --- generation control (between steps: `settle` first) ----------------------------
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from headrace.sdk.errors import HeadraceError
 from headrace.sdk.outputs import SampleDelta, TokenLogprob, Usage
 from headrace.sdk.weights import GenerationState
+from headrace.worker.engine.speculation import SpeculationStats
 from headrace.worker.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class EngineLoad:
     state: GenerationState = GenerationState.SERVING
     #: Its first rank in a trainer's weights group (0: it joined none).
     rank_offset: int = 0
+    #: Speculative decoding's proposals made and kept so far (a copy).
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
     @classmethod
     def measure(
@@ -86,6 +89,7 @@ class EngineLoad:
         block_manager: BlockManager,
         scheduler: Scheduler,
         control: GenerationControl,
+        speculation: SpeculationStats | None = None,
     ) -> EngineLoad:
         """The load of an engine holding ``requests`` (each request's sequences)."""
         num_running = num_queued_tokens = 0
@@ -107,4 +111,5 @@ class EngineLoad:
             weight_version=control.weight_version,
             state=control.state,
             rank_offset=control.rank_offset,
+            speculation=speculation or SpeculationStats(),
         )

@@ -58,6 +58,16 @@ class SpeculationStats:
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < num_accepted
 
+    def snapshot(self) -> SpeculationStats:
+        """A copy that later steps do not change (load reports, metrics)."""
+        return SpeculationStats(
+            self.num_chunks,
+            self.num_proposed,
+            self.num_accepted,
+            list(self.proposed_at),
+            list(self.accepted_at),
+        )
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_proposed if self.num_proposed else 0.0

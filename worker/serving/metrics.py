@@ -73,6 +73,32 @@ class _EngineCollector(Collector):
             load.num_prefix_hit_blocks,
         )
         yield counter("preemptions", "Sequences preempted to free KV blocks.", load.num_preemptions)
+        spec = load.speculation
+        yield counter(
+            "speculative_proposed_tokens",
+            "Tokens proposed by speculative decoding (checked in a step).",
+            spec.num_proposed,
+        )
+        yield counter(
+            "speculative_accepted_tokens",
+            "Proposed tokens the model agreed with (kept; acceptance: rate of this over proposed).",
+            spec.num_accepted,
+        )
+        by_position = CounterMetricFamily(
+            f"{NAMESPACE}_{SUBSYSTEM}_speculative_accepted_tokens_by_position",
+            "Proposed tokens kept, by their position in the step's proposals (1 = first).",
+            labels=["model", "position"],
+        )
+        proposed_by_position = CounterMetricFamily(
+            f"{NAMESPACE}_{SUBSYSTEM}_speculative_proposed_tokens_by_position",
+            "Tokens proposed, by their position in the step's proposals (1 = first).",
+            labels=["model", "position"],
+        )
+        for i, (made, kept) in enumerate(zip(spec.proposed_at, spec.accepted_at, strict=True)):
+            proposed_by_position.add_metric([self._model, str(i + 1)], made)
+            by_position.add_metric([self._model, str(i + 1)], kept)
+        yield proposed_by_position
+        yield by_position
         yield gauge(
             "draining", "1 while the worker drains (takes no new requests).", self._state.draining
         )
