@@ -17,7 +17,14 @@ if TYPE_CHECKING:
     from headrace.sdk.outputs import TokenLogprob
     from headrace.worker.sampling.controls import RowControls
 
-__all__ = ["FinishReason", "Sequence", "SequenceStatus", "has_penalty", "is_plain_greedy"]
+__all__ = [
+    "FinishReason",
+    "Sequence",
+    "SequenceStatus",
+    "has_penalty",
+    "is_plain",
+    "is_plain_greedy",
+]
 
 
 class SequenceStatus(IntEnum):
@@ -100,12 +107,18 @@ def is_plain_greedy(seq: Sequence) -> bool:
     """Whether the row's token is the argmax of its raw logits: greedy, with nothing that
     reads or changes the logits first (penalties, bans, logprobs, logit controls: a bias,
     allowed ids, bad words, an output constraint). A step whose rows are all plain greedy can
-    take its tokens from the model's greedy head and skip the sampler; a plain greedy
-    sequence may speculate (its proposals are checked against the argmax alone)."""
+    take its tokens from the model's greedy head and skip the sampler."""
+    return seq.config.is_greedy and is_plain(seq)
+
+
+def is_plain(seq: Sequence) -> bool:
+    """Whether the row's token depends on its logits and its position alone: greedy, or drawn
+    by temperature, top-k, top-p and min-p, but nothing that reads the sequence's history or
+    changes the logits (as `is_plain_greedy`). Such a sequence may speculate: each proposal
+    is checked against the token the row would pick at its position."""
     config = seq.config
     return (
-        config.is_greedy
-        and config.num_beams == 1
+        config.num_beams == 1
         and seq.controls is None
         and config.logprobs is None
         and not has_penalty(config)

@@ -1,7 +1,8 @@
 """Speculative decoding served: workers with ``--num-speculative-tokens`` behind a router.
 
-Nothing changes on the wire but how many tokens a chunk carries: greedy streams through the
-router equal the in-process API's tokens without speculation, also when a worker is killed
+Nothing changes on the wire but how many tokens a chunk carries: greedy and seeded sampled
+streams through the router equal the in-process API's tokens without speculation, also when
+a worker is killed
 mid-stream and the router resumes its requests on the other (the tokens emitted so far are
 the resumed prompt). The surviving worker's /metrics count the proposals it made and kept.
 """
@@ -46,8 +47,13 @@ def test_a_failover_between_speculating_workers_repeats_and_loses_nothing(
     tiny_model: Path, offline: LLM, tmp_path: Path
 ) -> None:
     prompts: list[str | list[int]] = [f"speculate {i} " * (1 + i % 3) for i in range(NUM_STREAMS)]
-    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    want = [r.token_ids for r in offline.generate(prompts, config)]
+    configs = [
+        GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        if i % 2 == 0
+        else GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.3, seed=i, ignore_eos=True)
+        for i in range(NUM_STREAMS)
+    ]
+    want = [r.token_ids for r in offline.generate(prompts, configs)]
     a, b = _worker(tiny_model, tmp_path, "a"), _worker(tiny_model, tmp_path, "b")
     router = start_router([a.target, b.target], log_path=tmp_path / "router.log")
     with a, b, router:
@@ -58,7 +64,7 @@ def test_a_failover_between_speculating_workers_repeats_and_loses_nothing(
                 streamed: dict[int, list[int]] = {i: [] for i in range(NUM_STREAMS)}
 
                 async def one(i: int) -> None:
-                    async for chunk in client.stream(prompts[i], config):
+                    async for chunk in client.stream(prompts[i], configs[i]):
                         streamed[i].extend(chunk.token_ids)
 
                 tasks = [asyncio.create_task(one(i)) for i in range(NUM_STREAMS)]

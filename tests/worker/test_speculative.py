@@ -11,15 +11,17 @@ of tokens the sequences really have (no rejected proposal).
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+import torch
 from headrace.sdk import GenerationConfig, InvalidArgumentError
 from headrace.worker import LLM, Engine, EngineConfig
-from headrace.worker.engine.speculation import SpeculationStats, accept_greedy
+from headrace.worker.engine.speculation import SpeculationStats, accept
 from headrace.worker.scheduling.proposals import NgramProposer
 
-from tests.factories import build_checkpoint, hf_greedy
+from tests.factories import build_checkpoint, hf_greedy, load_hf_model
 from tests.worker.test_engine_oracle import COMPOSITIONS, assert_all_blocks_free
 
 MAX_TOKENS = 40
@@ -54,12 +56,12 @@ def test_the_lookback_bounds_the_search() -> None:
 
 def test_greedy_acceptance_keeps_the_agreeing_prefix_then_the_models_token() -> None:
     no_stops: frozenset[int] = frozenset()
-    assert accept_greedy([5, 6, 7], [5, 6, 7], 8, no_stops) == ([5, 6, 7, 8], 3)
-    assert accept_greedy([5, 6, 7], [5, 9, 7], 8, no_stops) == ([5, 9], 1)
-    assert accept_greedy([5, 6, 7], [4, 6, 7], 8, no_stops) == ([4], 0)
+    assert accept([5, 6, 7], [5, 6, 7], 8, no_stops) == ([5, 6, 7, 8], 3)
+    assert accept([5, 6, 7], [5, 9, 7], 8, no_stops) == ([5, 9], 1)
+    assert accept([5, 6, 7], [4, 6, 7], 8, no_stops) == ([4], 0)
     # A stop token ends the sample: nothing after it is emitted.
-    assert accept_greedy([5, 6, 7], [5, 6, 7], 8, frozenset({6})) == ([5, 6], 2)
-    assert accept_greedy([5, 6, 7], [5, 2, 7], 8, frozenset({2})) == ([5, 2], 1)
+    assert accept([5, 6, 7], [5, 6, 7], 8, frozenset({6})) == ([5, 6], 2)
+    assert accept([5, 6, 7], [5, 2, 7], 8, frozenset({2})) == ([5, 2], 1)
 
 
 def test_stats_count_proposals_per_position() -> None:
@@ -251,12 +253,57 @@ def test_streamed_deltas_carry_several_tokens_a_step(oracle):
 # --- who speculates ---------------------------------------------------------------------
 
 
-def test_sampled_requests_do_not_speculate_and_keep_their_seeded_tokens(oracle):
+def seeded(i: int, temperature: float = 0.25) -> GenerationConfig:
+    return GenerationConfig(
+        max_tokens=MAX_TOKENS, temperature=temperature, top_p=0.95, seed=i, ignore_eos=True
+    )
+
+
+@pytest.mark.parametrize("composition", ["chunked-8", "block-1", "preempting", "unchunked"])
+def test_seeded_sampling_gives_the_tokens_it_gives_without_speculation(oracle, composition):
+    """A sampled sequence draws each proposal's position with that position's seeded noise,
+    keeping the proposals it draws: its tokens are those of decoding one token a step."""
     path, prompts, _ = oracle("llama")
-    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.9, seed=3, ignore_eos=True)
-    want = run(LLM(str(path), dtype="float32"), prompts, config)
+    configs = [seeded(i) for i in range(len(prompts))]
+    want = [r.token_ids for r in LLM(str(path), dtype="float32").generate(prompts, configs)]
+    options = SPECULATING_COMPOSITIONS[composition]
+    llm = LLM(str(path), **speculating(3, **options))
+    assert [r.token_ids for r in llm.generate(prompts, configs)] == want
+    stats = llm.engine.speculation
+    assert stats.num_proposed > stats.num_accepted
+    # A pool this small leaves proposals few blocks (they never preempt): some are made,
+    # few kept; elsewhere some are kept.
+    assert stats.num_proposed > 0 if composition == "preempting" else stats.num_accepted > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_sampled_proposals_that_are_the_draws_are_all_kept(oracle):
+    path, prompts, _ = oracle("llama")
+    configs = [seeded(i, temperature=1.0) for i in range(len(prompts))]
+    want = [r.token_ids for r in LLM(str(path), dtype="float32").generate(prompts, configs)]
+    llm = LLM(str(path), **speculating(5))
+    llm.engine.scheduler.proposer = Foresight(prompts, want)
+    assert [r.token_ids for r in llm.generate(prompts, configs)] == want
+    stats = llm.engine.speculation
+    assert stats.num_accepted == stats.num_proposed > 0
+
+
+def test_unseeded_sampling_speculates_and_ends_whole(oracle):
+    path, prompts, _ = oracle("llama")
+    config = GenerationConfig(max_tokens=MAX_TOKENS, temperature=0.5, ignore_eos=True)
     llm = LLM(str(path), **speculating(3))
-    assert run(llm, prompts, config) == want
+    results = llm.generate(prompts, config)
+    assert [len(r.token_ids) for r in results] == [MAX_TOKENS] * len(prompts)
+    assert llm.engine.speculation.num_proposed > 0
+    assert_all_blocks_free(llm.engine)
+
+
+def test_requests_whose_logits_depend_on_their_history_do_not_speculate(oracle):
+    """Penalties, logprobs and beams read more than a position's logits: no proposals."""
+    path, prompts, _ = oracle("llama")
+    llm = LLM(str(path), **speculating(3))
+    for config in (greedy(repetition_penalty=1.2), greedy(logprobs=2), greedy(num_beams=2)):
+        llm.generate(prompts[:2], config)
     assert llm.engine.speculation.num_proposed == 0
 
 
@@ -304,3 +351,56 @@ def test_a_sequence_whose_proposals_keep_failing_backs_off(oracle):
     assert stats.num_accepted == 0
     # Steps 1, 2 (two misses), skip 2, step 5, skip 4, step 10, skip 8, 19, skip 16, 36.
     assert stats.num_chunks == 6
+
+
+class Always:
+    """A `Proposer` that proposes one fixed token at every step."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return [self.token] if max_tokens > 0 else []
+
+
+def chi_square_999(df: int) -> float:
+    """The chi-square distribution's 0.999 quantile (Wilson-Hilferty; within 1% from df 5)."""
+    z = 3.0902  # the standard normal's 0.999 quantile
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_a_speculated_tokens_distribution_is_the_models(oracle):
+    """Unseeded draws, speculation on with a proposer that always proposes the likeliest
+    second token d: the second token of the requests whose first is t1 (the likeliest first
+    token) is distributed as softmax(logits / T) of transformers' forward over prompt + t1,
+    by a chi-square test (bins merged to expected counts >= 5; a 0.1% false alarm rate), and
+    d is kept about p(d) of the time, never always."""
+    path, prompts, _ = oracle("llama")
+    prompt, temperature, num_requests = prompts[2], 0.2, 4000
+    model = load_hf_model(path)
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        t1 = int(first.argmax())
+        second = torch.softmax(model(torch.tensor([prompt + [t1]])).logits[0, -1] / temperature, -1)
+    d = int(second.argmax())
+    assert float(first[t1]) > 0.2 and 0.05 < float(second[d]) < 0.95  # a test with power
+    llm = LLM(
+        str(path), dtype="float32", num_speculative_tokens=1, speculative_max_seqs=num_requests
+    )
+    llm.engine.scheduler.proposer = Always(d)
+    config = GenerationConfig(max_tokens=3, temperature=temperature, ignore_eos=True)
+    results = llm.generate([prompt] * num_requests, config)
+    seconds = [r.token_ids[1] for r in results if r.token_ids[0] == t1]
+    counts = torch.bincount(torch.tensor(seconds), minlength=second.numel()).double()
+    expected = second.double() * len(seconds)
+    order = torch.argsort(expected, descending=True)
+    big = [int(i) for i in order if expected[i] >= 5]
+    rest = [int(i) for i in order if expected[i] < 5]
+    observed_bins = [counts[i] for i in big] + [counts[rest].sum()]
+    expected_bins = [expected[i] for i in big] + [expected[rest].sum()]
+    statistic = sum(
+        float((o - e) ** 2 / e) for o, e in zip(observed_bins, expected_bins, strict=True)
+    )
+    assert statistic < chi_square_999(len(big)), (statistic, len(big))
+    stats = llm.engine.speculation
+    assert stats.num_proposed >= len(seconds) and 0 < stats.num_accepted < stats.num_proposed

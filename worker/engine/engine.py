@@ -38,7 +38,7 @@ from headrace.worker.engine.generation_control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
 from headrace.worker.engine.outputs import EngineLoad, RequestOutput
-from headrace.worker.engine.speculation import SpeculationStats, accept_greedy
+from headrace.worker.engine.speculation import SpeculationStats, accept
 from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import start_executor
 from headrace.worker.execution.interface import InFlightStep
@@ -50,6 +50,7 @@ from headrace.worker.sampling.sampler import Sampler
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SampledToken, ScheduledChunk, SchedulerOutput
 from headrace.worker.scheduling.scheduler import Scheduler
+from headrace.worker.sequence import Sequence
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -395,10 +396,13 @@ class Engine:
             return StepPicks(self._detokenize(chunks, token_ids, nones, targets))
         if (logits := result.sample_logits) is None:
             return StepPicks()
+        speculative = self._speculative_draws(result)
         beam_rows = [i for i, chunk in enumerate(chunks) if chunk.seq.config.is_beam_search]
         if not beam_rows:
             drawn = self.sampler(logits, [c.seq for c in chunks])
-            return StepPicks(self._detokenize(chunks, drawn.token_ids, drawn.logprobs, targets))
+            return StepPicks(
+                self._detokenize(chunks, drawn.token_ids, drawn.logprobs, targets, speculative)
+            )
         beam_chunks = [chunks[i] for i in beam_rows]
         beam_seqs = [c.seq for c in beam_chunks]
         logprobs = beam_logprobs(select_rows(logits, beam_rows), beam_seqs, self.kernels)
@@ -409,9 +413,37 @@ class Engine:
             drawn = self.sampler(select_rows(logits, rows), [c.seq for c in sampled_chunks])
             checks = [targets[i] for i in rows] if targets else []
             picks.sampled = self._detokenize(
-                sampled_chunks, drawn.token_ids, drawn.logprobs, checks
+                sampled_chunks, drawn.token_ids, drawn.logprobs, checks, speculative
             )
         return picks
+
+    def _speculative_draws(self, result: StepResult) -> dict[int, list[int]]:
+        """Each sampled speculating sequence's draws (by seq id) at its proposals' positions
+        and the one after: what the row at each position draws, with that position's seeded
+        noise, as decoding one token a step would (`accept` keeps the proposals drawn)."""
+        logits, drafts = result.sample_logits, result.draft_logits
+        parts: list[torch.Tensor] = []
+        seqs: list[Sequence] = []
+        positions: list[int] = []
+        spans: list[tuple[int, int]] = []
+        offset = 0
+        for i, chunk in enumerate(result.sample_chunks):
+            k, seq = len(chunk.draft_token_ids), chunk.seq
+            if k and not seq.config.is_greedy and not seq.is_finished:
+                assert logits is not None and drafts is not None
+                parts += [drafts[offset : offset + k], logits[i : i + 1]]
+                seqs += [seq] * (k + 1)
+                positions += range(seq.num_tokens, seq.num_tokens + k + 1)
+                spans.append((seq.seq_id, k + 1))
+            offset += k
+        if not spans:
+            return {}
+        drawn = self.sampler(torch.cat(parts), seqs, positions).token_ids
+        out, start = {}, 0
+        for seq_id, count in spans:
+            out[seq_id] = drawn[start : start + count]
+            start += count
+        return out
 
     def _detokenize(
         self,
@@ -419,10 +451,12 @@ class Engine:
         token_ids: list[int],
         logprobs: list[TokenLogprob | None],
         draft_targets: list[list[int]],
+        speculative_draws: dict[int, list[int]] | None = None,
     ) -> list[SampledToken]:
         """Each live chunk's tokens, detokenized in order: the one it sampled, or for a
-        speculating chunk the proposals kept and the model's next token (`accept_greedy`),
-        up to a stop string."""
+        speculating chunk the proposals kept and the model's next token (`accept`: against
+        the greedy tokens, or a sampled sequence's `_speculative_draws`), up to a stop
+        string."""
         sampled = []
         targets = draft_targets or [[] for _ in chunks]
         for chunk, token_id, logprob, checked in zip(
@@ -434,7 +468,9 @@ class Engine:
             emitted = [token_id]
             if chunk.draft_token_ids:
                 draft = chunk.draft_token_ids
-                emitted, kept = accept_greedy(draft, checked, token_id, seq.stop_token_ids)
+                if speculative_draws and seq.seq_id in speculative_draws:
+                    *checked, token_id = speculative_draws[seq.seq_id]
+                emitted, kept = accept(draft, checked, token_id, seq.stop_token_ids)
                 self.speculation.record(len(draft), kept)
             for token in emitted:
                 text = self.detokenizer.add_tokens(seq.detok_state, [token])

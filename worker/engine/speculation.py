@@ -1,14 +1,22 @@
 """Speculative decoding in the engine: which proposals a step keeps, and the counts.
 
 The scheduler runs a speculating sequence's newest token and its proposals d_1..d_k as one
-chunk (`Scheduler._propose`); the model's greedy token after each input row comes back
-(`StepResult.draft_targets`: g_1..g_k after the newest token and d_1..d_{k-1}, then the
-sampled row's token g_{k+1} after d_k). Only plain greedy sequences speculate, so a proposal
-is kept exactly when it is the token the model would have chosen there: d_i while
-d_i == g_i, then the model's own g at the first mismatch (or g_{k+1} when every proposal is
-kept). The emitted tokens are therefore the ones decoding one token a step would give, as
-far as the step's arithmetic gives the same argmaxes (a verifying chunk is a prefill chunk
-of k + 1 rows, whose float sums may round differently from a one-row decode's).
+chunk (`Scheduler._propose`); each input row's logits predict the next position: g_1..g_k
+after the newest token and d_1..d_{k-1}, then g_{k+1} after d_k. Only plain sequences
+(`sequence.is_plain`) speculate, whose token at a position depends on that row's logits and
+the position alone: the argmax (greedy, `StepResult.draft_targets`), or a draw with the
+position's seeded noise (sampled, `Engine._speculative_draws`). A proposal is kept exactly
+when it is the token the sequence picks there: d_i while d_i == g_i, then its own g at the
+first mismatch (or g_{k+1} when every proposal is kept).
+
+For a sampled sequence this is speculative sampling's rejection rule for a proposer that is
+certain of its token (the n-gram proposer: q = one-hot at d): d is kept with probability
+p(d), and on a rejection the emitted token is p's draw given that it is not d, the
+residual distribution (p - q)+ renormalised. Drawing each position as decoding would also
+makes a seeded sequence's tokens those it gets without speculation. The emitted tokens are
+the ones decoding one token a step would give, as far as the step's arithmetic gives the
+same logits (a verifying chunk is a chunk of k + 1 rows, whose float sums may round
+differently from a one-row decode's; the one-call decode stack takes both alike).
 """
 
 from __future__ import annotations
@@ -17,13 +25,14 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 
-def accept_greedy(
+def accept(
     draft: Sequence[int], targets: Sequence[int], next_token: int, stop_token_ids: Collection[int]
 ) -> tuple[list[int], int]:
-    """The tokens a greedy speculating chunk emits (module docstring), cut after the first
-    stop token: the sample ends there, and nothing after it may be emitted or detokenized
-    (a speculating sequence has its min_tokens out, so any stop token ends it); and how
-    many proposals were kept."""
+    """The tokens a speculating chunk emits (module docstring), cut after the first stop
+    token: the sample ends there, and nothing after it may be emitted or detokenized (a
+    speculating sequence has its min_tokens out, so any stop token ends it); and how many
+    proposals were kept. ``targets`` and ``next_token``: the token the sequence picks at each
+    proposal's position and after the last (greedy: the argmax; sampled: its draw there)."""
     emitted: list[int] = []
     for proposed, target in zip(draft, targets, strict=True):
         emitted.append(target)

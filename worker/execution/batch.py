@@ -94,9 +94,12 @@ class StepResult:
     #: model's greedy head chose them (sample_logits is then None).
     sample_token_ids: list[int] | None = None
     #: Speculation: for each sampling chunk, the model's greedy token at each of its
-    #: proposals' positions (what each proposal must equal to be kept); [] when no chunk
-    #: of the step speculates.
+    #: proposals' positions (what a greedy sequence's proposal must equal to be kept); []
+    #: when no chunk of the step speculates.
     draft_targets: list[list[int]] = field(default_factory=list)
+    #: The logits of those positions, every speculating chunk's in turn (a sampled
+    #: sequence draws at each); None when the step took tokens from the greedy head.
+    draft_logits: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +161,8 @@ class PreparedBatch:
         num_samples = len(self.sample_rows)
         result = StepResult(self.sample_chunks, logits[:num_samples] if num_samples else None)
         if self.draft_rows:
-            targets = argmax(logits[logits.shape[0] - len(self.draft_rows) :]).tolist()
-            result.draft_targets = self.split_drafts(targets)
+            result.draft_logits = logits[logits.shape[0] - len(self.draft_rows) :]
+            result.draft_targets = self.split_drafts(argmax(result.draft_logits).tolist())
         offset = num_samples
         for rows in self.prompt_rows:
             seq, first, count = rows.chunk.seq, rows.first_position, rows.num_rows
@@ -192,6 +195,8 @@ def merge_results(results: list[StepResult]) -> StepResult:
             for r in results
             for targets in (r.draft_targets or [[] for _ in r.sample_chunks])
         ]
+        drafts = [r.draft_logits for r in results if r.draft_logits is not None]
+        merged.draft_logits = torch.cat(drafts) if drafts else None
     return merged
 
 

@@ -56,9 +56,15 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, seqs: collections.abc.Sequence[Sequence]
+        self,
+        logits: torch.Tensor,
+        seqs: collections.abc.Sequence[Sequence],
+        positions: list[int] | None = None,
     ) -> SamplerOutput:
-        """Sample each row's next token; logits is [B, V] and row i belongs to seqs[i]."""
+        """Sample each row's next token; logits is [B, V] and row i belongs to seqs[i].
+        ``positions``: the position each row's token takes (default: its sequence's next,
+        num_tokens; a speculating sequence's rows are several positions of one sequence), on
+        which a seeded row's draw depends."""
         assert logits.shape == (len(seqs), self.vocab_size), logits.shape
         plan = _Plan.of(seqs)
         if plan.is_plain_greedy:
@@ -69,7 +75,9 @@ class Sampler:
         if plan.greedy_rows:
             token_ids[plan.greedy_rows] = argmax(select_rows(processed, plan.greedy_rows))
         if plan.sample_rows:
-            token_ids[plan.sample_rows] = self._draw(processed, seqs, plan, processed is logits)
+            token_ids[plan.sample_rows] = self._draw(
+                processed, seqs, plan, processed is logits, positions
+            )
         logprobs = token_logprobs(logits, token_ids, seqs, plan.logprob_rows)
         picked = token_ids.tolist()
         advance_grammars(seqs, picked, plan.control_rows)
@@ -81,6 +89,7 @@ class Sampler:
         seqs: collections.abc.Sequence[Sequence],
         plan: _Plan,
         shared: bool,
+        positions: list[int] | None = None,
     ) -> torch.Tensor:
         """The sampling rows' tokens. ``shared``: processed is the raw logits (not to write)."""
         configs = [seqs[row].config for row in plan.sample_rows]
@@ -90,7 +99,9 @@ class Sampler:
             if shared and x is processed:
                 x = x.clone()
             _mask_top_k(x, configs)
-        keys = self._noise_keys([seqs[i] for i in plan.sample_rows]).to(device)
+        rows = plan.sample_rows
+        at = [seqs[i].num_tokens if positions is None else positions[i] for i in rows]
+        keys = self._noise_keys([seqs[i] for i in rows], at).to(device)
         return self.kernels.draw_tokens(
             x,
             column([c.temperature for c in configs], device).view(-1),
@@ -99,7 +110,7 @@ class Sampler:
             keys,
         )
 
-    def _noise_keys(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _noise_keys(self, seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
         """[S, 2] int64 noise key per row: an odd multiplier and an offset, both < 2**32.
 
         A seeded row's key is a function of (sample_seed, position) alone; other rows get
@@ -110,7 +121,7 @@ class Sampler:
         keys = torch.empty(len(seqs), 2, dtype=torch.long)
         keys[unseeded] = torch.randint(0, 1 << 32, (len(unseeded), 2), generator=self._generator)
         keys[seeded] = seeded_keys(
-            [cast(int, seqs[i].sample_seed) for i in seeded], [seqs[i].num_tokens for i in seeded]
+            [cast(int, seqs[i].sample_seed) for i in seeded], [positions[i] for i in seeded]
         )
         keys[:, 0] |= 1
         return keys

@@ -55,7 +55,7 @@ from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SampledToken, ScheduledChunk, SchedulerOutput
 from headrace.worker.scheduling.proposals import NgramProposer
 from headrace.worker.scheduling.stops import check_stop
-from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus, is_plain_greedy
+from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus, is_plain
 
 
 @dataclass(slots=True)
@@ -312,10 +312,10 @@ class Scheduler:
         return decoding <= self.config.speculative_max_seqs
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
-        """Proposed tokens to follow seq's newest, for a plain greedy sequence: at most
+        """Proposed tokens to follow seq's newest, for a plain sequence (`is_plain`): at most
         num_speculative_tokens, the step's budget left, and one fewer than the tokens it may
         still emit (max_tokens, the context), so a step never emits past either."""
-        if self.proposer is None or not is_plain_greedy(seq):
+        if self.proposer is None or not is_plain(seq):
             return []
         if seq.speculation_backoff > 0:
             seq.speculation_backoff -= 1
