@@ -71,6 +71,12 @@ def test_stats_count_proposals_per_position() -> None:
     assert (stats.num_chunks, stats.num_proposed, stats.num_accepted) == (2, 5, 3)
     assert stats.proposed_at == [2, 2, 1] and stats.accepted_at == [2, 1, 0]
     assert stats.acceptance_rate == pytest.approx(0.6)
+    earlier = stats.snapshot()
+    stats.record(4, 0)
+    assert earlier.num_proposed == 5  # a snapshot does not move
+    gained = stats.since(earlier)
+    assert (gained.num_chunks, gained.num_proposed, gained.num_accepted) == (1, 4, 0)
+    assert gained.proposed_at == [1, 1, 1, 1] and gained.accepted_at == [0, 0, 0, 0]
 
 
 # --- against the oracle ----------------------------------------------------------------------

@@ -67,6 +67,20 @@ class SpeculationStats:
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < num_accepted
 
+    def since(self, earlier: SpeculationStats) -> SpeculationStats:
+        """What these counts gained after ``earlier`` (a snapshot of the same counts)."""
+
+        def gained(now: list[int], then: list[int]) -> list[int]:
+            return [n - (then[i] if i < len(then) else 0) for i, n in enumerate(now)]
+
+        return SpeculationStats(
+            self.num_chunks - earlier.num_chunks,
+            self.num_proposed - earlier.num_proposed,
+            self.num_accepted - earlier.num_accepted,
+            gained(self.proposed_at, earlier.proposed_at),
+            gained(self.accepted_at, earlier.accepted_at),
+        )
+
     def snapshot(self) -> SpeculationStats:
         """A copy that later steps do not change (load reports, metrics)."""
         return SpeculationStats(

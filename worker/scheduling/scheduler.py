@@ -53,7 +53,7 @@ from headrace.sdk.errors import HeadraceError
 from headrace.worker.config import EngineConfig
 from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SampledToken, ScheduledChunk, SchedulerOutput
-from headrace.worker.scheduling.proposals import NgramProposer
+from headrace.worker.scheduling.proposals import NgramProposer, Proposer
 from headrace.worker.scheduling.stops import check_stop
 from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus, is_plain
 
@@ -148,12 +148,13 @@ class Scheduler:
         self._parked: dict[int, Sequence] = {}
         #: Sequences queued once a leader (by seq id) draws its first token (see `follow`).
         self._followers: dict[int, list[Sequence]] = {}
-        #: Speculative decoding's proposer (None: off).
-        self.proposer = (
+        #: Speculative decoding's proposer (None: off); `speculating` switches it.
+        self.proposer: Proposer | None = (
             NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
             if config.num_speculative_tokens
             else None
         )
+        self._speculating = self.proposer is not None
 
     # --- queue management ----------------------------------------------------------------
 
@@ -264,7 +265,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
-        speculating = self._speculating(plan)
+        speculating = self._speculates(plan)
         while i < len(self.running) and not plan.is_full:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
@@ -297,10 +298,15 @@ class Scheduler:
             plan.add(seq, num_new, draft)
             i += 1
 
-    def _speculating(self, plan: _StepPlan) -> bool:
-        """Whether this step speculates: a proposer is set and at most speculative_max_seqs
-        running sequences decode (past a few rows proposals cost more than they save)."""
-        if self.proposer is None:
+    def speculate(self, enabled: bool) -> None:
+        """Turn speculative decoding off for the steps to come, or back on (a benchmark's
+        runs with and without it on one engine); it needs a proposer to turn on."""
+        self._speculating = enabled and self.proposer is not None
+
+    def _speculates(self, plan: _StepPlan) -> bool:
+        """Whether this step speculates: it is on and at most speculative_max_seqs running
+        sequences decode (past a few rows proposals cost more than they save)."""
+        if not self._speculating:
             return False
         decoding = sum(
             1
