@@ -333,8 +333,8 @@ def _add_speculative_arguments(worker: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="speculative decoding: tokens proposed per step by prompt lookup (the last "
-        "n-gram matched earlier in the prompt and output), checked in one step; greedy "
-        "requests speculate, tokens unchanged (default 0: off)",
+        "n-gram matched earlier in the prompt and output), checked in one step; greedy and "
+        "plain sampled requests speculate, their tokens unchanged (default 0: off)",
     )
     add("--speculative-ngram-min", type=int, default=1, help="shortest n-gram matched")
     add("--speculative-ngram-max", type=int, default=4, help="longest n-gram matched")

@@ -110,7 +110,8 @@ class EngineConfig:
     #: last n tokens (n from speculative_ngram_max down to speculative_ngram_min) matched
     #: earlier in the prompt and output, and the tokens that followed there. A step verifies
     #: them as one chunk and keeps the longest prefix the model agrees with, plus its own
-    #: next token. Plain greedy requests speculate (others decode one token a step).
+    #: next token. Greedy and plain sampled requests speculate (`sequence.is_plain`; others
+    #: decode one token a step); docs/speculative.md.
     num_speculative_tokens: int = 0
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
