@@ -458,7 +458,7 @@ class Engine:
         the greedy tokens, or a sampled sequence's `_speculative_draws`), up to a stop
         string."""
         sampled = []
-        targets = draft_targets or [[] for _ in chunks]
+        targets = draft_targets or [[]] * len(chunks)  # (read only)
         for chunk, token_id, logprob, checked in zip(
             chunks, token_ids, logprobs, targets, strict=True
         ):
@@ -492,10 +492,11 @@ class Engine:
         deltas: dict[int, tuple[SampleDelta, SampledToken]] = {}  # by seq id: one a sample
         for token in sampled:
             seq = token.seq
-            if seq.seq_id not in deltas:
+            if seq.seq_id in deltas:  # a speculating sample's next token of this step
+                delta = deltas[seq.seq_id][0]
+            else:
                 delta = SampleDelta(seq.sample_index, [], "")
                 _output_of(outputs, seq.request_id).samples.append(delta)
-            delta = deltas.get(seq.seq_id, (delta, token))[0]
             deltas[seq.seq_id] = (delta, token)
             delta.token_ids.append(token.token_id)
             delta.text += token.text
