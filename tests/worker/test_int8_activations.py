@@ -113,3 +113,16 @@ def test_the_triton_kernels_refuse_it(float_dir):
     with pytest.raises(InvalidArgumentError, match="not triton") as error:
         LLM(str(float_dir), quantization="int4", kernel_backend="triton", **A8)
     assert error.value.field == "int8_activations"
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_two_tensor_parallel_ranks_give_each_prompt_its_tokens_alone(case, kind):
+    """A rank rounds x over its own columns of a row-parallel layer; the blocks of 32 fall
+    within a rank's columns, so x is rounded as on one rank, and only the order of the
+    partial sums (the all-reduce) differs."""
+    path, options, prompts, expected = case(kind)
+    llm = LLM(str(path), tensor_parallel_size=2, max_num_batched_tokens=16, **options, **A8)
+    try:
+        assert tokens_of(llm, prompts) == expected
+    finally:
+        llm.engine.close()
