@@ -192,6 +192,8 @@ def _worker(args: argparse.Namespace) -> int:
         speculative_ngram_min=args.speculative_ngram_min,
         speculative_ngram_max=args.speculative_ngram_max,
         speculative_max_seqs=args.speculative_max_seqs,
+        speculative_model=args.speculative_model,
+        speculative_quantization=args.speculative_quantization,
     )
     options = ServerOptions(
         served_model_name=args.served_model_name,
@@ -343,6 +345,19 @@ def _add_speculative_arguments(worker: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         help="speculate only in steps with at most this many decoding sequences",
+    )
+    add(
+        "--speculative-model",
+        metavar="MODEL",
+        help="a draft model proposes instead of prompt lookup: a checkpoint, known name or "
+        ".gguf with the same tokenizer, run by this worker on a KV pool of its own",
+    )
+    add(
+        "--speculative-quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="how the draft model holds its weights (as --quantization; gguf with this "
+        "model's name: its shipped 4-bit file)",
     )
 
 

@@ -118,6 +118,13 @@ class EngineConfig:
     #: Speculate only in steps with at most this many decoding sequences: past a few rows a
     #: step is no longer bound by reading the weights, and verifying proposals costs compute.
     speculative_max_seqs: int = 4
+    #: A draft model proposes instead of prompt lookup: a checkpoint folder, known name or
+    #: .gguf file with the same tokenizer (a smaller model, or this one quantized), run by
+    #: this worker on a KV pool of its own (`engine/draft.py`); None: prompt lookup.
+    speculative_model: str | None = None
+    #: How the draft model holds its weights (`quantization`'s values): "gguf" with this
+    #: model's name drafts with its shipped 4-bit file.
+    speculative_quantization: str = "auto"
     #: On a CPU: threads computing each step (torch's and the C kernels' one OpenMP pool).
     #: 0 adapts: at most the CPUs the process may use (its affinity, within a cgroup CPU
     #: quota), one fewer for each core other processes keep busy (execution/cpu_threads.py).
@@ -213,6 +220,15 @@ class EngineConfig:
                 "speculative_ngram_min",
                 f"must be >= 1 and <= speculative_ngram_max ({self.speculative_ngram_max}), "
                 f"got {self.speculative_ngram_min}",
+            )
+        if self.speculative_quantization not in QUANTIZATIONS:
+            raise InvalidArgumentError(
+                "speculative_quantization",
+                f"must be one of {', '.join(QUANTIZATIONS)}, got {self.speculative_quantization!r}",
+            )
+        if self.speculative_model is not None and not self.num_speculative_tokens:
+            raise InvalidArgumentError(
+                "speculative_model", "needs num_speculative_tokens > 0 (the tokens it proposes)"
             )
         if self.speculative_max_seqs < 1:
             raise InvalidArgumentError(

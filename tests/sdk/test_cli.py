@@ -263,6 +263,8 @@ def test_speculative_flags_default_to_the_engines() -> None:
         "speculative_ngram_min",
         "speculative_ngram_max",
         "speculative_max_seqs",
+        "speculative_model",
+        "speculative_quantization",
     ):
         assert getattr(args, name) == getattr(config, name), name
     speculating = parser.parse_args(["worker", "--num-speculative-tokens", "5"])

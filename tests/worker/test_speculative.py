@@ -11,8 +11,10 @@ of tokens the sequences really have (no rejected proposal).
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -410,3 +412,64 @@ def test_a_speculated_tokens_distribution_is_the_models(oracle):
     assert statistic < chi_square_999(len(big)), (statistic, len(big))
     stats = llm.engine.speculation
     assert stats.num_proposed >= len(seconds) and 0 < stats.num_accepted < stats.num_proposed
+
+
+# --- a draft model -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("composition", ["chunked-8", "preempting", "block-16"])
+def test_a_draft_model_that_is_the_model_has_every_proposal_kept(oracle, composition):
+    """The draft's greedy continuation is the model's own: tokens equal transformers' and
+    every proposal is kept; its engine ends each proposal with its blocks free."""
+    path, prompts, expected = oracle("llama")
+    options = {**SPECULATING_COMPOSITIONS[composition], "speculative_model": str(path)}
+    llm = LLM(str(path), **speculating(4, **options))
+    assert run(llm, prompts, greedy()) == expected
+    stats = llm.engine.speculation
+    assert stats.num_accepted == stats.num_proposed > 0
+    assert_all_blocks_free(llm.engine)
+    draft = llm.engine.draft
+    assert draft is not None
+    assert_all_blocks_free(draft.engine)
+
+
+def test_a_draft_model_that_disagrees_changes_no_token(oracle, tmp_path):
+    path, prompts, expected = oracle("llama")
+    other = build_checkpoint(tmp_path, family="llama", seed=1)
+    llm = LLM(str(path), **speculating(3, speculative_model=str(other)))
+    assert run(llm, prompts, greedy()) == expected
+    configs = [seeded(i) for i in range(len(prompts))]
+    want = [r.token_ids for r in LLM(str(path), dtype="float32").generate(prompts, configs)]
+    assert [r.token_ids for r in llm.generate(prompts, configs)] == want
+    stats = llm.engine.speculation
+    assert stats.num_proposed > stats.num_accepted
+
+
+def test_seeded_sampling_with_a_draft_model_keeps_its_tokens(oracle):
+    path, prompts, _ = oracle("llama")
+    configs = [seeded(i) for i in range(len(prompts))]
+    want = [r.token_ids for r in LLM(str(path), dtype="float32").generate(prompts, configs)]
+    llm = LLM(str(path), **speculating(3, speculative_model=str(path)))
+    assert [r.token_ids for r in llm.generate(prompts, configs)] == want
+    assert llm.engine.speculation.num_accepted > 0
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(oracle, tmp_path):
+    """A draft whose ids mean other tokens (two of its vocabulary's entries swapped)."""
+    path, _, _ = oracle("llama")
+    other = tmp_path / "draft"
+    shutil.copytree(path, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[10:12]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(InvalidArgumentError, match="tokenizer differs") as error:
+        LLM(str(path), **speculating(3, speculative_model=str(other)))
+    assert error.value.field == "speculative_model"
+
+
+def test_a_draft_model_needs_speculative_tokens():
+    with pytest.raises(InvalidArgumentError, match="num_speculative_tokens") as error:
+        EngineConfig("unused", speculative_model="draft")
+    assert error.value.field == "speculative_model"

@@ -196,6 +196,13 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens) and also run the workload without it, rounds alternating "
         "(--rounds): tok/s ratio, proposals kept by position, same tokens",
     )
+    add("--speculative-model", metavar="MODEL", help="with --speculative: a draft model proposes")
+    add(
+        "--speculative-quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="the draft model's weights (as --quantization)",
+    )
     add(
         "--prompts",
         choices=["random", "copy", "story"],

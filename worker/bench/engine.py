@@ -219,6 +219,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         kernel_backend=args.kernel_backend,
         overlap_steps=args.overlap_steps,
         num_speculative_tokens=args.speculative,
+        speculative_model=args.speculative_model,
+        speculative_quantization=args.speculative_quantization,
     )
     engine = Engine(config)
     if args.prompts == "random":

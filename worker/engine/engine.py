@@ -34,6 +34,7 @@ from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.weight_sync import WeightGroupSpec, WeightSource
 from headrace.worker.engine.adapters import Adapters
 from headrace.worker.engine.beams import BeamRequests, beam_logprobs
+from headrace.worker.engine.draft import DraftModelProposer, draft_config
 from headrace.worker.engine.generation_control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
@@ -96,7 +97,13 @@ class Engine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.spec.max_model_len)
+        #: The draft model's engine, proposing for speculative decoding (None: prompt
+        #: lookup, if speculating).
+        self.draft: DraftModelProposer | None = None
+        if config.speculative_model is not None:
+            self.draft = DraftModelProposer(Engine(draft_config(config)), self.spec.tokenizer)
+        max_len = self.spec.max_model_len
+        self.scheduler = Scheduler(config, self.block_manager, max_len, self.draft)
         self.control = GenerationControl(
             self.spec, self.executor, self.block_manager, config.weight_version
         )
@@ -152,6 +159,8 @@ class Engine:
         while self._in_flight:  # the ranks finish what they were given first
             self.executor.collect(self._in_flight.popleft())
         self.executor.close()
+        if self.draft is not None:
+            self.draft.close()
 
     # --- requests -----------------------------------------------------------------------
 

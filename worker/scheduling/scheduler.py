@@ -130,7 +130,11 @@ def _order(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -148,12 +152,11 @@ class Scheduler:
         self._parked: dict[int, Sequence] = {}
         #: Sequences queued once a leader (by seq id) draws its first token (see `follow`).
         self._followers: dict[int, list[Sequence]] = {}
-        #: Speculative decoding's proposer (None: off); `speculating` switches it.
-        self.proposer: Proposer | None = (
-            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
-            if config.num_speculative_tokens
-            else None
-        )
+        #: Speculative decoding's proposer (None: off; by default prompt lookup when
+        #: num_speculative_tokens is set); `speculate` switches it.
+        if proposer is None and config.num_speculative_tokens:
+            proposer = NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+        self.proposer = proposer
         self._speculating = self.proposer is not None
 
     # --- queue management ----------------------------------------------------------------
