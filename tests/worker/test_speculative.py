@@ -24,6 +24,7 @@ from headrace.worker.engine.speculation import SpeculationStats, accept
 from headrace.worker.scheduling.proposals import NgramProposer
 
 from tests.factories import build_checkpoint, hf_greedy, load_hf_model
+from tests.lora_factories import build_adapter, hf_lora_greedy
 from tests.worker.test_engine_oracle import COMPOSITIONS, assert_all_blocks_free
 
 MAX_TOKENS = 40
@@ -473,3 +474,62 @@ def test_a_draft_model_needs_speculative_tokens():
     with pytest.raises(InvalidArgumentError, match="num_speculative_tokens") as error:
         EngineConfig("unused", speculative_model="draft")
     assert error.value.field == "speculative_model"
+
+
+def test_two_tensor_parallel_ranks_with_a_draft_model_equal_transformers(oracle):
+    path, prompts, expected = oracle("llama")
+    options = dict(tensor_parallel_size=2, max_num_batched_tokens=16, speculative_model=str(path))
+    llm = LLM(str(path), **speculating(3, **options))
+    try:
+        assert run(llm, prompts, greedy()) == expected
+        stats = llm.engine.speculation
+        assert stats.num_accepted == stats.num_proposed > 0
+    finally:
+        llm.engine.close()
+
+
+# --- aborts, LoRA ------------------------------------------------------------------------
+
+
+class HalfRight(Foresight):
+    """Proposes the true next token, then wrong ones: every step keeps one, rejects more."""
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        right = super().propose(token_ids, 1)
+        return right + [2] * (max_tokens - 1) if right and max_tokens > 1 else right
+
+
+def test_aborts_mid_speculation_free_every_block(oracle):
+    """Requests aborted between speculating steps, one while its step is in flight
+    (overlapped steps), every step keeping one proposal and rejecting the rest: every block
+    comes back, the cache holds only real tokens, and the others end with the oracle's."""
+    path, prompts, expected = oracle("llama")
+    engine = Engine(EngineConfig(str(path), **speculating(5, overlap_steps=True)))
+    engine.scheduler.proposer = HalfRight(prompts, expected)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy())
+    tokens: dict[str, list[int]] = {}
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for delta in output.samples:
+                tokens.setdefault(output.request_id, []).extend(delta.token_ids)
+        num_steps += 1
+        if num_steps in (6, 9):  # r0 and r3 mid-generation
+            engine.abort_request(f"r{0 if num_steps == 6 else 3}")
+    stats = engine.speculation
+    assert stats.num_proposed > stats.num_accepted > 0
+    for i in (1, 2, 4):
+        assert tokens[f"r{i}"] == expected[i]
+    assert_all_blocks_free(engine)
+    full = [p + out for p, out in zip(prompts, expected, strict=True)]
+    assert_cache_holds_only_real_blocks(engine, full)
+
+
+def test_lora_requests_speculate_with_their_adapter(oracle, tmp_path):
+    path, prompts, _ = oracle("llama")
+    adapter = build_adapter(path, tmp_path / "adapter", seed=3)
+    want = hf_lora_greedy(path, adapter, prompts, MAX_TOKENS)
+    llm = LLM(str(path), **speculating(3, lora_modules=(("a", str(adapter)),)))
+    assert [r.token_ids for r in llm.generate(prompts, greedy(), adapter="a")] == want
+    assert llm.engine.speculation.num_proposed > 0
