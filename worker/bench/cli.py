@@ -198,6 +198,12 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--speculative-model", metavar="MODEL", help="with --speculative: a draft model proposes")
     add(
+        "--speculative-max-seqs",
+        type=int,
+        default=4,
+        help="with --speculative: speculate in steps of at most this many decoding sequences",
+    )
+    add(
         "--speculative-quantization",
         default="auto",
         choices=QUANTIZATIONS,

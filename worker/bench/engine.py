@@ -220,6 +220,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         overlap_steps=args.overlap_steps,
         num_speculative_tokens=args.speculative,
         speculative_model=args.speculative_model,
+        speculative_max_seqs=args.speculative_max_seqs,
         speculative_quantization=args.speculative_quantization,
     )
     engine = Engine(config)
