@@ -11,7 +11,7 @@ Stages, in the order HF and vLLM apply them, each run on the rows that need it o
      C kernel that makes noise only for the tokens that could still win, and tests top-p on
      the winners instead of sorting).
 Logprobs are of the raw logits, before any stage. A batch of plain greedy rows is one argmax
-(`is_plain_greedy` says which rows are). After the pick, each constrained row's grammar
+(`sequence.is_plain_greedy` says which rows are). After the pick, each constrained row's grammar
 advances by its token. The engine's kernel set comes in through the constructor; the module
 functions that run a stage take it as an argument.
 """
@@ -34,9 +34,7 @@ from headrace.worker.sampling.logprobs import token_logprobs
 from headrace.worker.sampling.ops import column, select_rows
 from headrace.worker.sampling.penalties import apply_bans, apply_penalties
 from headrace.worker.sampling.warpers import apply_min_p, apply_top_k, apply_top_p, top_p_floor
-from headrace.worker.sequence import Sequence, has_penalty, is_plain_greedy
-
-__all__ = ["Sampler", "SamplerOutput", "is_plain_greedy"]
+from headrace.worker.sequence import Sequence, has_penalty
 
 
 @dataclass(slots=True)
