@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.deploy.lws import leaderworkerset, multinode_manifests, pod_template
 from tests.deploy.manifests import DEPLOY, OVERLAYS, container, flag, objects, render
 
 DEPLOYMENTS = ("headrace-router", "headrace-worker")
@@ -45,10 +46,8 @@ def _file_flags(server: dict[str, Any]) -> dict[str, str]:
     return {name: value for name, value in pairs if value.startswith("/etc/headrace/")}
 
 
-@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
-@pytest.mark.parametrize("deployment", DEPLOYMENTS)
-def test_every_file_a_server_reads_is_a_secret_mounted_whole(overlay: str, deployment: str) -> None:
-    pod = _pod(_manifests(overlay), deployment)
+def _assert_every_file_is_a_secret_mounted_whole(pod: dict[str, Any]) -> None:
+    """Every --flag=/etc/headrace/... file of the pod's server is in a Secret volume."""
     server = container({"spec": {"template": pod}})
     mounts = {mount["mountPath"]: mount for mount in server.get("volumeMounts", [])}
     volumes = {volume["name"]: volume for volume in pod["spec"]["volumes"]}
@@ -66,6 +65,12 @@ def test_every_file_a_server_reads_is_a_secret_mounted_whole(overlay: str, deplo
     assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsUser"]
 
 
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_every_file_a_server_reads_is_a_secret_mounted_whole(overlay: str, deployment: str) -> None:
+    _assert_every_file_is_a_secret_mounted_whole(_pod(_manifests(overlay), deployment))
+
+
 @pytest.mark.parametrize("overlay", ["base", *(o for o in OVERLAYS if o != MESH)])
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
 def test_every_listener_and_link_speaks_tls_and_asks_for_keys(
@@ -78,6 +83,21 @@ def test_every_listener_and_link_speaks_tls_and_asks_for_keys(
     if deployment == "headrace-router":  # the name the workers' certificate must carry
         workers_dns = flag(server, "--workers-dns") or ""
         assert flag(server, "--worker-tls-server-name") == workers_dns.split(":")[0]
+
+
+def test_the_multinode_leader_speaks_tls_reads_secrets_whole_and_is_dialled_by_name() -> None:
+    """The multi-node leader is the worker the router dials: the single-node worker's TLS,
+    keys and Secrets, and the router checks the same name on its certificate."""
+    manifests = multinode_manifests()
+    leader_pod = pod_template(leaderworkerset(manifests), "leader")
+    _assert_every_file_is_a_secret_mounted_whole(leader_pod)
+    leader = container({"spec": {"template": leader_pod}})
+    for name in (*TLS_FLAGS["headrace-worker"], *KEY_FLAGS["headrace-worker"]):
+        assert flag(leader, name), name
+    router = container(manifests[("Deployment", "headrace-router")])
+    base_router = container(_manifests("base")[("Deployment", "headrace-router")])
+    for name in (*TLS_FLAGS["headrace-router"], *KEY_FLAGS["headrace-router"]):
+        assert flag(router, name) == flag(base_router, name), name
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
