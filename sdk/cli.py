@@ -155,9 +155,17 @@ def _add_models(subparsers: SubParsers) -> None:
 
 def _worker(args: argparse.Namespace) -> int:
     from headrace.worker.config import EngineConfig
+    from headrace.worker.distributed.nodes import NodeConfig
     from headrace.worker.serving.server import ServerOptions, run
 
     setup_logging(args.log_level)
+    nodes = NodeConfig(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        ranks_per_node=args.ranks_per_node,
+        node_timeout_s=args.node_timeout,
+    )
     engine_config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -177,6 +185,7 @@ def _worker(args: argparse.Namespace) -> int:
         kernel_backend=args.kernel_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        nodes=nodes,
         pipeline_micro_batches=args.pipeline_micro_batches,
         overlap_steps=args.overlap_steps,
         cpu_threads=args.cpu_threads,
@@ -195,6 +204,10 @@ def _worker(args: argparse.Namespace) -> int:
         speculative_model=args.speculative_model,
         speculative_quantization=args.speculative_quantization,
     )
+    if nodes.node_rank > 0:  # runs only its ranks; node 0 serves
+        from headrace.worker.serving.follower import run_follower
+
+        return run_follower(engine_config, args.host, args.health_port)
     options = ServerOptions(
         served_model_name=args.served_model_name,
         tool_call_parser=args.tool_call_parser,
@@ -212,6 +225,8 @@ services (and gRPC health and reflection) on --host:--port.
     headrace worker --quantization gguf                # the default model's 4-bit GGUF as shipped
     headrace worker --model /path/model.gguf           # any Llama-family GGUF, as shipped
     headrace worker --model PATH -tp 2 -pp 2          # tensor x pipeline parallel ranks
+    headrace worker --model PATH -tp 2 -pp 2 --nnodes 2 --node-rank 0 --dist-init-addr H:29500
+    headrace worker --model PATH -tp 2 -pp 2 --nnodes 2 --node-rank 1 --dist-init-addr H:29500
     headrace worker --model PATH --lora sql=/adapters/sql --lora chat=/adapters/chat
 """
 
@@ -297,6 +312,7 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
         default=1,
         help="stages splitting the layers (tensor-parallel-size ranks each)",
     )
+    _add_node_arguments(worker)
     add(
         "--pipeline-micro-batches",
         type=int,
@@ -326,6 +342,35 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
     add("--weight-version", default="default", help="the version of the weights loaded at start")
     _add_speculative_arguments(worker)
     _add_lora_arguments(worker)
+
+
+def _add_node_arguments(worker: argparse.ArgumentParser) -> None:
+    """A worker whose ranks span nodes (SGLang's flag names; docs/parallelism.md)."""
+    add = worker.add_argument
+    add("--nnodes", type=int, default=1, help="nodes the worker's ranks run on")
+    add(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this node: 0 serves gRPC and runs rank 0; others run only their ranks and "
+        "serve health alone on --health-port",
+    )
+    add(
+        "--dist-init-addr",
+        metavar="HOST:PORT",
+        help="where node 0 hosts the rendezvous (the same on every node; needed with --nnodes)",
+    )
+    add(
+        "--ranks-per-node",
+        type=int,
+        help="ranks on each node (default: the worker's ranks split evenly over the nodes)",
+    )
+    add(
+        "--node-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a node may go unheard before the worker ends (so the router fails over)",
+    )
 
 
 def _add_speculative_arguments(worker: argparse.ArgumentParser) -> None:

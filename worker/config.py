@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 
 import torch
 from headrace.kernels.backend import (
@@ -16,6 +16,7 @@ from headrace.kernels.kv_layout import KV_CACHE_DTYPES
 from headrace.kernels.precision import compute_dtype
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.sdk.weights import check_version
+from headrace.worker.distributed.nodes import NodeConfig
 from headrace.worker.distributed.parallel import check_parallel_sizes
 from headrace.worker.execution.cpu_threads import parse_cpu_list
 
@@ -90,6 +91,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     #: Stages that split the layers into contiguous ranges (tensor_parallel_size ranks each).
     pipeline_parallel_size: int = 1
+    #: The nodes the ranks run on (one by default; `distributed/nodes.py`).
+    nodes: NodeConfig = field(default_factory=NodeConfig)
     #: Micro-batches each step is cut into, so stages also overlap within a step. 1 by
     #: default: on CPU (measured) a half batch costs a stage nearly a whole one.
     pipeline_micro_batches: int = 1
@@ -192,6 +195,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InvalidArgumentError("max_model_len", "must be >= 2")
         check_parallel_sizes(self.tensor_parallel_size, self.pipeline_parallel_size)
+        self.nodes.local_size(self.world_size)  # the ranks must fill every node
         if self.pipeline_micro_batches < 1:
             raise InvalidArgumentError(
                 "pipeline_micro_batches", f"must be >= 1, got {self.pipeline_micro_batches}"

@@ -2,13 +2,16 @@
 across them.
 
 `start_distributed` first checks that the model splits as asked (before any process starts,
-so a bad size is one clear error), then starts the other ranks and builds rank 0's own shard.
+so a bad size is one clear error), then hosts the rendezvous, starts the other ranks of its
+node (and, with several nodes, admits and watches the other nodes, which start theirs), and
+builds rank 0's own shard.
 `DistributedExecutor` (an `Executor`, see `execution.interface`) sends each step's plan to
 every rank, runs rank 0's stage, and later collects the logits the last stage sends back.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,13 +28,16 @@ from headrace.worker.distributed.pipeline import (
     split_micro_batches,
 )
 from headrace.worker.distributed.rank_control import RankCommand, RankControl, for_other_ranks
-from headrace.worker.distributed.ranks import RankGroup, Shard, build_shard
+from headrace.worker.distributed.ranks import RankGroup, RankSetup, Shard, build_shard
+from headrace.worker.distributed.rendezvous import NodeIdentity, OtherNodes, host_store
 from headrace.worker.distributed.step_plan import PlanEncoder
 from headrace.worker.execution.batch import PreparedBatch, StepResult, merge_results
 from headrace.worker.execution.interface import Executor, InFlightStep
 from headrace.worker.models.config import ModelConfig
 from headrace.worker.models.registry import ModelWeights
 from headrace.worker.scheduling.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -53,15 +59,26 @@ def start_distributed(
     max_model_len: int,
     hf_config: Any,
 ) -> DistributedExecutor:
-    """Check the split, start ranks 1..world-1, and build rank 0's shard."""
+    """Check the split, host the rendezvous, start the other ranks, build rank 0's shard."""
     check_model_splits(config, hf_config, device)
-    ranks = RankGroup(config, source, dtype, max_model_len)
+    nodes = config.nodes
+    logger.info("placement: %s", nodes.placement(config.tensor_parallel_size, config.world_size))
+    store = host_store(nodes, config.world_size)
+    setup = RankSetup.for_node(config, source, dtype, max_model_len, ("127.0.0.1", store.port))
+    ranks = RankGroup(setup, setup.local_ranks()[1:])
+    others = None
+    if nodes.is_multi_node:
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        identity = NodeIdentity.of(config.model, source, tp, pp, nodes)
+        others = OtherNodes(store, identity, setup, nodes, ranks.fail)
     try:
-        shard = build_shard(ranks.setup, DRIVER_RANK, ranks.store)
+        shard = build_shard(setup, DRIVER_RANK, store)
     except BaseException:
         ranks.abort()
         raise
-    return DistributedExecutor(shard, ranks, config.pipeline_micro_batches)
+    if others is not None:
+        others.ready()
+    return DistributedExecutor(shard, ranks, config.pipeline_micro_batches, store, others)
 
 
 def check_model_splits(config: EngineConfig, hf_config: Any, device: torch.device) -> None:
@@ -84,24 +101,36 @@ def check_model_splits(config: EngineConfig, hf_config: Any, device: torch.devic
             "pipeline_parallel_size",
             f"{pp} exceeds the model's {model.num_layers} layers (each stage needs one)",
         )
+    local_size = config.nodes.local_size(config.world_size)
     if device.type == "cuda":
         first = device.index or 0
         available = torch.cuda.device_count() - first
-        if config.world_size > available:
+        if local_size > available:
             raise InvalidArgumentError(
                 "tensor_parallel_size",
-                f"{tp} x pipeline_parallel_size {pp} needs {config.world_size} GPUs from "
-                f"cuda:{first}; {available} are visible",
+                f"{tp} x pipeline_parallel_size {pp} needs {local_size} GPUs on this node "
+                f"from cuda:{first}; {available} are visible",
             )
 
 
 class DistributedExecutor(Executor):
     """Rank 0's side of a step: plan, send, run stage 0, collect the logits."""
 
-    def __init__(self, shard: Shard, ranks: RankGroup, num_micro_batches: int) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        ranks: RankGroup,
+        num_micro_batches: int,
+        store: dist.TCPStore,
+        others: OtherNodes | None = None,
+    ) -> None:
         self.shard = shard
         self.runner = shard.runner
         self.ranks = ranks
+        #: The rendezvous rank 0 hosts; it lives as long as the ranks.
+        self.store = store
+        #: The worker's other nodes, when its ranks span several.
+        self.others = others
         self.num_micro_batches = num_micro_batches
         self.encoder = PlanEncoder()
         self.stage = StageRunner(shard.runner, shard.parallel)
@@ -155,6 +184,8 @@ class DistributedExecutor(Executor):
         """Leave any weights group, tell every rank to stop, wait for them, and leave the
         process group."""
         self.rank_control.close()
+        if self.others is not None:
+            self.others.stop()
         try:
             sends = PendingSends(self.shard.parallel)
             send_plan(None, sends, self.shard.plan_group)

@@ -1,21 +1,23 @@
 """The ranks of a tensor/pipeline-parallel worker: start, set up, supervise, stop.
 
 Rank 0 is the worker process itself (it serves gRPC, schedules and samples, and runs its
-own shard of stage 0). `RankGroup` spawns ranks 1..world-1 as child processes, meets them
-at a `TCPStore` that rank 0 hosts on a free loopback port, and watches them: a rank that
-dies, or a step that fails on rank 0, ends the whole worker at once (exit code 1, children
-killed), because the surviving ranks cannot go on with a shard missing. Each child in turn
-exits as soon as rank 0 is gone, so no process outlives the worker.
+own shard of stage 0). `RankGroup` spawns the other ranks of its node as child processes
+and watches them: a rank that dies, or a step that fails on rank 0, ends the whole worker at
+once (exit code 1, children killed), because the surviving ranks cannot go on with a shard
+missing. Each child in turn exits as soon as its parent is gone, so no process outlives the
+worker. On a worker of several nodes, each other node's process (`serving/follower.py`)
+spawns and watches its own ranks the same way; the nodes watch each other through the
+rendezvous (`rendezvous.py`).
 
-Every rank builds its shard with the same `build_shard`: process groups, the model with
-only its layers and heads (reading only its slice of each checkpoint tensor), and a KV cache
-sized so that every rank fits the same number of blocks.
+Every rank meets rank 0 at its store and builds its shard with the same `build_shard`:
+process groups, the model with only its layers and heads (reading only its slice of each
+checkpoint tensor), and a KV cache sized so that every rank fits the same number of blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
+import dataclasses
 import logging
 import os
 import pickle
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, cast
 
@@ -34,6 +36,7 @@ from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.distributed.pipeline import PendingSends, StageRunner, receive_plan
 from headrace.worker.distributed.rank_control import RankCommandError, RankControl
+from headrace.worker.distributed.rendezvous import COLLECTIVE_TIMEOUT, connect_store
 from headrace.worker.distributed.step_plan import MirrorTable, StepPlan
 from headrace.worker.execution.host_memory import keep_freed_memory
 from headrace.worker.execution.kv_cache import kv_cache_blocks
@@ -44,8 +47,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-#: How long ranks wait for each other at start-up and inside one collective.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 #: How often a child checks that rank 0 is still alive.
 PARENT_POLL_S = 0.2
 #: How long `close` waits for children to leave on their own before killing them.
@@ -61,21 +62,64 @@ class RankSetup:
     source: ModelWeights
     dtype: torch.dtype
     max_model_len: int
-    #: The TCPStore rank 0 hosts for the rendezvous.
+    #: Rank 0's store for the rendezvous, as this node reaches it.
+    store_host: str
     store_port: int
-    #: Intra-op threads per rank on CPU (the host's cores shared among the ranks).
+    #: Intra-op threads per rank on CPU (the node's cores shared among its ranks).
     num_threads: int
     log_level: int
+
+    @classmethod
+    def for_node(
+        cls,
+        config: EngineConfig,
+        source: ModelWeights,
+        dtype: torch.dtype,
+        max_model_len: int,
+        store_address: tuple[str, int],
+    ) -> RankSetup:
+        """The setup of this node's ranks (its cores shared among them)."""
+        local_size = config.nodes.local_size(config.world_size)
+        return cls(
+            config=config,
+            source=source,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            store_host=store_address[0],
+            store_port=store_address[1],
+            num_threads=max(1, torch.get_num_threads() // local_size),
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+
+    def on_this_node(
+        self, source: ModelWeights, store_address: tuple[str, int], node_rank: int
+    ) -> RankSetup:
+        """Rank 0's setup as another node runs it: its own copy of the weights, its own cores,
+        rank 0's store as it reaches it, and its node rank."""
+        nodes = dataclasses.replace(self.config.nodes, node_rank=node_rank)
+        here = RankSetup.for_node(
+            dataclasses.replace(self.config, nodes=nodes),
+            source,
+            self.dtype,
+            self.max_model_len,
+            store_address,
+        )
+        return dataclasses.replace(here, log_level=self.log_level)
 
     @property
     def world_size(self) -> int:
         return self.config.world_size
 
+    def local_ranks(self) -> range:
+        """The global ranks this node runs."""
+        return self.config.nodes.local_ranks(self.world_size)
+
     def device(self, rank: int) -> torch.device:
         base = self.config.torch_device()
         if base.type != "cuda":
             return base
-        return torch.device("cuda", (base.index or 0) + rank)
+        local_rank = rank - self.local_ranks().start
+        return torch.device("cuda", (base.index or 0) + local_rank)
 
 
 @dataclass(slots=True)
@@ -155,33 +199,11 @@ def _init_process_groups(
 
 
 class RankGroup:
-    """Ranks 1..world-1 of this worker, as supervised child processes."""
+    """This node's ranks other than the one running in this process, as supervised child
+    processes (on node 0 every local rank but rank 0; on other nodes all of theirs)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        source: ModelWeights,
-        dtype: torch.dtype,
-        max_model_len: int,
-    ) -> None:
-        world_size = config.world_size
-        self.store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            world_size,
-            is_master=True,
-            timeout=COLLECTIVE_TIMEOUT,
-            wait_for_workers=False,  # the children connect after they are started, below
-        )
-        self.setup = RankSetup(
-            config=config,
-            source=source,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            store_port=self.store.port,
-            num_threads=max(1, torch.get_num_threads() // world_size),
-            log_level=logging.getLogger().getEffectiveLevel(),
-        )
+    def __init__(self, setup: RankSetup, ranks: Sequence[int]) -> None:
+        self.setup = setup
         #: Rank 0 shares the cores with the children while the group lives (see build_shard).
         self._driver_threads = torch.get_num_threads()
         #: Called (from a supervisor thread) before a failing worker exits, e.g. to mark
@@ -190,8 +212,8 @@ class RankGroup:
         self._closing = False
         # `python -m`, not multiprocessing's spawn: a child must not re-run the caller's
         # __main__ (a user's script without a main guard would start ranks recursively).
-        self.processes = [self._spawn(rank) for rank in range(1, world_size)]
-        for rank, process in enumerate(self.processes, start=1):
+        self.processes = [self._spawn(rank) for rank in ranks]
+        for rank, process in zip(ranks, self.processes, strict=True):
             threading.Thread(
                 target=self._supervise,
                 args=(rank, process),
@@ -209,8 +231,15 @@ class RankGroup:
 
     def _supervise(self, rank: int, process: subprocess.Popen[bytes]) -> None:
         code = process.wait()
-        if not self._closing:
+        # A rank exits 0 only on rank 0's stop plan; anything else is a rank lost.
+        if code != 0 and not self._closing:
             self.fail(f"rank {rank} exited unexpectedly (exit code {code})")
+
+    def wait(self) -> None:
+        """Until every rank has exited (another node's ranks leave on rank 0's stop plan)."""
+        for process in self.processes:
+            process.wait()
+        self._closing = True
 
     def fail(self, reason: str) -> NoReturn:
         """End the worker: the ranks cannot continue with one missing or out of step."""
@@ -259,13 +288,7 @@ def rank_main(setup: RankSetup, rank: int) -> None:
     )
     _exit_with_parent()
     try:
-        store = dist.TCPStore(
-            "127.0.0.1",
-            setup.store_port,
-            setup.world_size,
-            is_master=False,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
+        store = connect_store(setup.store_host, setup.store_port, setup.world_size)
         shard = build_shard(setup, rank, store)
         _serve_steps(shard)
         dist.destroy_process_group()
