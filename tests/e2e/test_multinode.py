@@ -33,7 +33,9 @@ from headrace.worker.engine.llm import LLM
 from tests.deploy.lws import lws_node_command
 from tests.e2e.processes import ServerProcess, start_router, start_worker, wait_serving
 from tests.e2e.test_parallel_worker import alive, child_pids, wait_gone
+from tests.e2e.test_weight_updates import run_trainer
 from tests.factories import cached_checkpoint, hf_greedy
+from tests.lora_factories import build_adapter
 
 PROMPTS = ["the quick brown fox", "a story about the sea", "to be or not", "hello"]
 GREEDY = GenerationConfig(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -305,3 +307,48 @@ def log_time(line: str) -> float:
     """The wall-clock time of a log line ("2026-11-25 04:13:29,563 INFO ...")."""
     stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
     return stamp.timestamp()
+
+
+def test_weight_updates_adapters_and_sleep_reach_the_ranks_on_every_node(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """TP=2 with one rank per node (every all-reduce crosses between the nodes; PP would
+    refuse LoRA): an adapter loaded, weights updated from disk and from a trainer's group,
+    and a sleep, each through node 0's gRPC, act on node 1's rank too."""
+    checkpoint_b = cached_checkpoint("llama", max_position_embeddings=512, seed=1)
+    adapter = build_adapter(tiny_model, tmp_path / "adapter", seed=11, rank=8)
+    prompts = [[5 + i, 17, 42 + i, 9, 100 + 3 * i] for i in range(3)]
+    llm = LLM(str(tiny_model), lora_modules=(("a", str(adapter)),))
+    want_a, want_lora = (
+        [r.token_ids for r in llm.generate(prompts, GREEDY, adapter=name)] for name in (None, "a")
+    )
+    llm.close()
+    want_b = [r.token_ids for r in LLM(str(checkpoint_b)).generate(prompts, GREEDY)]
+    assert len({str(want_a), str(want_lora), str(want_b)}) == 3
+    port = free_port()
+    common = ["worker", "--model", str(tiny_model), "-tp", "2", "--nnodes", "2", "--enable-lora"]
+    common += ["--ranks-per-node", "1", "--dist-init-addr", f"127.0.0.1:{port}"]
+    follower = FollowerNode([*common, "--node-rank", "1"], tmp_path / "node1.log")
+    leader = ServerProcess([*common, "--node-rank", "0"], log_path=tmp_path / "node0.log")
+    try:
+        with Client(leader.target) as client:
+
+            def served(adapter: str = "") -> list[list[int]]:
+                return [client.generate(p, GREEDY, adapter=adapter).token_ids for p in prompts]
+
+            assert served() == want_a
+            client.load_lora_adapter("a", str(adapter))
+            assert served("a") == want_lora
+            report = client.update_weights(str(checkpoint_b), version="b-disk")
+            assert report.num_ranks == 2 and served() == want_b
+            assert "versions a-group" in run_trainer(leader.target, tiny_model, "a-group")
+            assert served() == want_a
+            client.sleep()
+            client.wake_up()
+            assert served() == want_a and served("a") == want_lora
+        assert leader.terminate() == 0
+        assert follower.proc.wait(EXIT_WITHIN_S) == 0
+    finally:
+        follower.kill()
+        leader.kill()
+    assert "tensor-parallel groups of 2 span nodes" in (tmp_path / "node0.log").read_text()

@@ -235,11 +235,17 @@ class RankGroup:
         if code != 0 and not self._closing:
             self.fail(f"rank {rank} exited unexpectedly (exit code {code})")
 
-    def wait(self) -> None:
-        """Until every rank has exited (another node's ranks leave on rank 0's stop plan)."""
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until every rank has exited (another node's ranks leave on rank 0's stop plan), or
+        ``timeout_s`` has passed; whether they all have."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for process in self.processes:
-            process.wait()
-        self._closing = True
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                process.wait(left)
+            except subprocess.TimeoutExpired:
+                return False
+        return True
 
     def fail(self, reason: str) -> NoReturn:
         """End the worker: the ranks cannot continue with one missing or out of step."""

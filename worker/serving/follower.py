@@ -54,6 +54,10 @@ def run_follower(config: EngineConfig, host: str, health_port: int | None) -> in
 
     def lost(reason: str) -> None:  # the heartbeat starts before admission, the ranks after
         if ranks is not None:
+            # Rank 0's store goes with it when it stops, maybe before this node saw its
+            # "stopping": ranks that then leave on their own were stopped, not orphaned.
+            if ranks.wait(nodes.node_timeout_s):
+                return
             ranks.fail(reason)
         logger.critical("node %d: %s", nodes.node_rank, reason)
         os._exit(1)
