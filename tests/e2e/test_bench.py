@@ -109,3 +109,15 @@ def test_bench_weights_times_every_update_path(tiny_model: Path):
     ):  # fmt: skip
         assert summary[key] > 0, key
     assert summary["ratio_gRPC_streamed_tensors"] > 0
+
+
+def test_bench_parallel_over_two_nodes_makes_the_one_node_tokens(prepared_cache: Path):
+    """``@2``: node 1 is a ``headrace worker --node-rank 1`` process tree of its own."""
+    summary = bench(
+        "parallel", "--tiny", "--configs", "1x2,1x2@2", "--batch-size", "4",
+        "--warmup-steps", "1", "--decode-steps", "4",
+        env={CACHE_ENV: str(prepared_cache)},
+    )  # fmt: skip
+    one_node, two_nodes = summary["configs"]
+    assert (one_node["config"], two_nodes["config"]) == ("1x2", "1x2@2")
+    assert two_nodes["tokens"].startswith("equal (") and two_nodes["tok_s"] > 0

@@ -269,3 +269,31 @@ def test_speculative_flags_default_to_the_engines() -> None:
         assert getattr(args, name) == getattr(config, name), name
     speculating = parser.parse_args(["worker", "--num-speculative-tokens", "5"])
     assert speculating.num_speculative_tokens == 5
+
+
+def test_node_flags_default_to_one_node_with_the_engines_node_timeout() -> None:
+    from headrace.worker.distributed.nodes import DEFAULT_NODE_TIMEOUT_S, NodeConfig
+
+    args = _commands()["worker"].parse_args([])
+    assert (args.nnodes, args.node_rank, args.dist_init_addr, args.ranks_per_node) == (
+        1, 0, None, None,
+    )  # fmt: skip
+    assert args.node_timeout == DEFAULT_NODE_TIMEOUT_S == NodeConfig().node_timeout_s
+
+
+@pytest.mark.parametrize(
+    ("text", "shape"),
+    [
+        ("2x1", (2, 1, None, None, 1)),
+        ("1x2:2/1", (1, 2, 2, 1, 1)),
+        ("2x2@2", (2, 2, None, None, 2)),
+        ("1x2/1@2", (1, 2, None, 1, 2)),
+    ],
+)
+def test_bench_parallel_configs_parse_and_label_back(text: str, shape: tuple) -> None:
+    from dataclasses import astuple
+
+    from headrace.worker.bench.cli import parse_shape
+
+    parsed = parse_shape(text)
+    assert astuple(parsed) == shape and parsed.label == text

@@ -5,18 +5,20 @@ every config in one run.
     headrace bench parallel --heads 8,4 --configs 1x2/1,1x2/2    # PP steps in flight
     headrace bench parallel --configs 1x1,1x2:1,1x2:2            # micro-batches
     headrace bench parallel --tiny                               # overhead only
+    headrace bench parallel --heads 8,4 --configs 2x2,2x2@2      # one node vs two
 
 SmolLM2-135M (the default model) has 9 query / 3 KV heads, which TP=2 cannot split:
 ``--heads 8,4`` times a random-weight model of its exact shape with 8 / 4 heads instead.
 
-A config is TPxPP, optionally :M pipeline micro-batches (default 1) and /S steps in flight
-(default one per stage). Each config builds its own engine, prefills the same batch of
-prompts, runs a few warm-up decode steps, then times pure decode steps (every scheduled
-sequence decodes one token). With S steps in flight each step holds about batch/S sequences,
-so compare tok/s across such configs, not step time. The first config is the baseline: the
-others report their step time and tok/s relative to it, and their greedy tokens must equal
-its tokens (on the tokens both produced), or the comparison is between different
-computations.
+A config is TPxPP, optionally :M pipeline micro-batches (default 1), /S steps in flight
+(default one per stage) and @N nodes (default 1; node 0 is this process, each other node a
+``headrace worker --node-rank`` process tree of its own on loopback). Each config builds its
+own engine, prefills the same batch of prompts, runs a few warm-up decode steps, then times
+pure decode steps (every scheduled sequence decodes one token). With S steps in flight each
+step holds about batch/S sequences, so compare tok/s across such configs, not step time. The
+first config is the baseline: the others report their step time and tok/s relative to it,
+and their greedy tokens must equal its tokens (on the tokens both produced), or the
+comparison is between different computations.
 
 Communication share: rank 0's time inside collectives and stage-to-stage transfers over the
 step's wall time. It includes waiting for a slower peer; with PP, rank 0 (stage 0) waits for
@@ -28,7 +30,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -49,6 +54,7 @@ from headrace.worker.bench.common import (
 )
 from headrace.worker.config import EngineConfig
 from headrace.worker.distributed.executor import check_model_splits
+from headrace.worker.distributed.nodes import NodeConfig
 from headrace.worker.engine.engine import Engine
 from headrace.worker.engine.outputs import RequestOutput
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
@@ -98,7 +104,13 @@ class RunSettings:
 # --- one config -----------------------------------------------------------------------------
 
 
-def engine_config(shape: ParallelShape, settings: RunSettings) -> EngineConfig:
+def engine_config(
+    shape: ParallelShape, settings: RunSettings, rendezvous_port: int = 0
+) -> EngineConfig:
+    nodes = NodeConfig()
+    if shape.nnodes > 1:
+        address = f"127.0.0.1:{rendezvous_port or 29500}"
+        nodes = NodeConfig(nnodes=shape.nnodes, dist_init_addr=address)
     return EngineConfig(
         model=str(settings.model_path),
         dtype=settings.dtype,
@@ -108,6 +120,7 @@ def engine_config(shape: ParallelShape, settings: RunSettings) -> EngineConfig:
         pipeline_parallel_size=shape.pipeline_parallel_size,
         pipeline_micro_batches=shape.micro_batches or 1,
         pipeline_steps_in_flight=shape.steps_in_flight,
+        nodes=nodes,
     )
 
 
@@ -125,12 +138,40 @@ def run_config(shape: ParallelShape, settings: RunSettings) -> ConfigResult:
     # Building a multi-rank worker sets this process's threads to its share of the cores;
     # restore them so each config starts from the same machine, whatever ran before it.
     torch.set_num_threads(settings.num_threads)
-    engine = Engine(engine_config(shape, settings))
+    port = _free_port()
+    nodes = [_start_node(shape, settings, port, node) for node in range(1, shape.nnodes)]
     try:
-        return _measure(engine, shape, settings)
+        engine = Engine(engine_config(shape, settings, port))
+        try:
+            return _measure(engine, shape, settings)
+        finally:
+            engine.close()
+            torch.set_num_threads(settings.num_threads)
     finally:
-        engine.close()
-        torch.set_num_threads(settings.num_threads)
+        for process in nodes:
+            try:
+                process.wait(30)  # its ranks leave on the engine's stop plan
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _start_node(
+    shape: ParallelShape, settings: RunSettings, port: int, node_rank: int
+) -> subprocess.Popen[bytes]:
+    """Node ``node_rank`` of the config's worker: ``headrace worker --node-rank R``, a process
+    tree of its own meeting this one (node 0) on loopback."""
+    command = [sys.executable, "-m", "headrace.sdk.cli", "worker"]
+    command += ["--model", str(settings.model_path), "--dtype", settings.dtype]
+    command += ["-tp", str(shape.tensor_parallel_size), "-pp", str(shape.pipeline_parallel_size)]
+    command += ["--nnodes", str(shape.nnodes), "--node-rank", str(node_rank)]
+    command += ["--dist-init-addr", f"127.0.0.1:{port}", "--log-level", "warning"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _measure(engine: Engine, shape: ParallelShape, settings: RunSettings) -> ConfigResult:
@@ -337,4 +378,5 @@ def _config_summary(result: ConfigResult, baseline: ConfigResult) -> Summary:
         "ttft_p99_ms": round(quantile(result.ttft_s, 0.99) * 1e3, 3),
         "comm_share_p50": round(result.comm_share_p50, 4),
         "ratio_baseline_tok_s": round(result.tokens_per_s / baseline.tokens_per_s, 3),
+        "tokens": _compare_tokens(result, baseline),
     }

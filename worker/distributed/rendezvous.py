@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 #: Heartbeats per node timeout (a node is lost after missing about this many in a row).
 BEATS_PER_TIMEOUT = 5
+#: How often rank 0 looks for a node's hello.
+ADMISSION_POLL_S = 0.1
 _PREFIX = "headrace/"
 _STOPPING = _PREFIX + "stopping"
 _READY = _PREFIX + "ready"
@@ -163,12 +165,11 @@ class NodeAdmission:
 
     def _admit(self, node: int) -> None:
         hello = f"{_PREFIX}hello/{node}"
-        while not self.closed.is_set():
+        while not self.closed.wait(ADMISSION_POLL_S):
             try:
-                self.store.wait([hello], datetime.timedelta(seconds=1))
+                if not self.store.check([hello]):
+                    continue  # not here yet
                 nonce, joining = _take(self.store, hello)
-            except dist.DistStoreError:
-                continue  # not here yet
             except dist.DistError:
                 return  # the store is closing: rank 0 is ending
             self.store.delete_key(hello)
