@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch.distributed as dist
+from headrace.sdk.errors import FailedPreconditionError
 from headrace.worker.distributed.nodes import NodeConfig
 from headrace.worker.models.registry import ModelWeights
 
@@ -53,7 +54,7 @@ _STOPPING = _PREFIX + "stopping"
 _READY = _PREFIX + "ready"
 
 
-class NodeRefusedError(RuntimeError):
+class NodeRefusedError(FailedPreconditionError):
     """Rank 0 refused this node: it was started with another model, sizes or version."""
 
 

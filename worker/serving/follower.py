@@ -21,12 +21,14 @@ import os
 import signal
 import sys
 
+import torch.distributed as dist
 from headrace.sdk import serving
+from headrace.sdk.errors import UnavailableError
 from headrace.worker.config import EngineConfig
-from headrace.worker.distributed.ranks import RankGroup, RankSetup
+from headrace.worker.distributed.ranks import RankGroup
 from headrace.worker.distributed.rendezvous import (
+    COLLECTIVE_TIMEOUT,
     NodeIdentity,
-    NodeRefusedError,
     NodeWatch,
     connect_store,
     join,
@@ -41,15 +43,13 @@ READY_POLL_S = 0.2
 
 
 def run_follower(config: EngineConfig, host: str, health_port: int | None) -> int:
-    """Join rank 0, run this node's ranks until they end; the exit code."""
+    """Join rank 0, run this node's ranks until they end; the exit code (0: rank 0 stopped
+    them). A refused node raises `NodeRefusedError` naming the mismatch."""
     nodes = config.nodes
+    address = nodes.rendezvous()
     spec = ModelSpec.load(config)
     source = ModelWeights(spec.path, spec.quantization, spec.gguf_file, config.int8_activations)
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    identity = NodeIdentity.of(config.model, source, tp, pp, nodes)
-    address = nodes.rendezvous()
-    logger.info("node %d: meeting rank 0 at %s:%d", nodes.node_rank, *address)
-    store = connect_store(*address, config.world_size)  # waits for rank 0 to host it
+    store = _reach(address, config.world_size)
     ranks: RankGroup | None = None
 
     def lost(reason: str) -> None:  # the heartbeat starts before admission, the ranks after
@@ -63,12 +63,9 @@ def run_follower(config: EngineConfig, host: str, health_port: int | None) -> in
         os._exit(1)
 
     watch = NodeWatch(address, nodes.node_rank, nodes, lost)
-    try:
-        setup: RankSetup = join(store, nodes.node_rank, identity)
-    except NodeRefusedError as refused:
-        print(f"headrace: error: {refused}", file=sys.stderr, flush=True)
-        return 1
-    setup = setup.on_this_node(source, address, nodes.node_rank)
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    identity = NodeIdentity.of(config.model, source, tp, pp, nodes)
+    setup = join(store, nodes.node_rank, identity).on_this_node(source, address, nodes.node_rank)
     ranks = RankGroup(setup, setup.local_ranks())
     watch.watch(0)
     local = setup.local_ranks()
@@ -81,6 +78,18 @@ def run_follower(config: EngineConfig, host: str, health_port: int | None) -> in
     watch.close()
     print("headrace worker node stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _reach(address: tuple[str, int], world_size: int) -> dist.TCPStore:
+    """Rank 0's store, waiting (retrying) while rank 0 is not up yet."""
+    logger.info("meeting rank 0 at %s:%d", *address)
+    try:
+        return connect_store(*address, world_size)
+    except dist.DistError as exc:
+        raise UnavailableError(
+            f"node 0's rendezvous at {address[0]}:{address[1]} did not answer within "
+            f"{COLLECTIVE_TIMEOUT}: {str(exc).splitlines()[0]}"
+        ) from None
 
 
 async def _serve_health(
