@@ -30,14 +30,20 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -68,6 +74,9 @@ _HF_CLASSES: dict[str, tuple[Any, Any]] = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
 }
 
 #: Random-weight scale. Larger than a trained init (0.02) so logits are peaked: greedy
@@ -190,10 +199,32 @@ def build_checkpoint(
 
 
 def _family_kwargs(family: Family) -> dict[str, Any]:
+    """Each family's own switches; the mixtures' experts are small and several, so routing
+    picks different experts per token (Qwen3-MoE with a dense layer, Qwen2-MoE with its
+    shared expert and unnormalised top-k weights)."""
     if family == "mistral":
         return {"sliding_window": None}  # full attention: headrace has no sliding window
     if family == "qwen3":
         return {"attention_bias": False}
+    if family == "mixtral":
+        return {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}
+    if family == "qwen2_moe":
+        return {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+        }
+    if family == "qwen3_moe":
+        return {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "attention_bias": False,
+        }
     return {}
 
 

@@ -17,7 +17,7 @@ from headrace.worker import LLM, Engine, EngineConfig
 from tests.factories import build_checkpoint, hf_greedy
 
 MAX_TOKENS = 10
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 # Engine options per batch composition. "preempting" gives the pool 14 blocks of 4 tokens
 # for 6 sequences that need 1 to 13 each (34 in all), so preemption must happen. "overlapped"
@@ -41,20 +41,25 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
-# The whole composition matrix runs on llama and qwen3 (qk-norm); mistral and qwen2 (qkv bias)
+# The whole composition matrix runs on llama, qwen3 (qk-norm) and qwen3_moe (experts, and a
+# dense layer among them); mistral, qwen2 (qkv bias), mixtral and qwen2_moe (a shared expert)
 # run every test except the matrix, plus its hardest case, preemption. All of it on the CPU
-# backend's C kernels (what "auto" picks on a CPU); two cases again with every layer on the
-# torch reference kernels and two on the Triton kernels (Triton's CPU interpreter here,
+# backend's C kernels (what "auto" picks on a CPU); three cases again with every layer on the
+# torch reference kernels and three on the Triton kernels (Triton's CPU interpreter here,
 # compiled on a GPU): chunks mixed with decodes, and preemption.
 MATRIX = [
     (family, composition, "cpu")
     for family in FAMILIES
     for composition in sorted(COMPOSITIONS)
-    if family in ("llama", "qwen3") or composition == "preempting"
+    if family in ("llama", "qwen3", "qwen3_moe") or composition == "preempting"
 ] + [
     (family, composition, backend)
     for backend in ("reference", "triton")
-    for family, composition in (("llama", "chunked-8"), ("qwen3", "preempting"))
+    for family, composition in (
+        ("llama", "chunked-8"),
+        ("qwen3", "preempting"),
+        ("qwen2_moe", "chunked-8"),
+    )
 ]
 
 

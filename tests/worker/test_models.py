@@ -68,6 +68,10 @@ VARIANTS = [
     variant("llama", rope_scaling=LINEAR_ROPE),
     # head_dim * num_heads != hidden_size: head_dim must come from the config.
     variant("qwen3", head_dim=32),
+    # Mixtures of experts (tests/factories.py: 4-8 experts, top 2).
+    variant("mixtral"),
+    variant("qwen2_moe", sharded=True),
+    variant("qwen3_moe", tie_word_embeddings=True),
 ]
 
 

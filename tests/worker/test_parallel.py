@@ -122,6 +122,18 @@ def qwen3_one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, R
     return path, run(path, max_num_batched_tokens=16)
 
 
+@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe"])
+def mixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A mixture of experts: Qwen2-MoE (a shared expert) or Qwen3-MoE (a dense layer among
+    the sparse ones), 3 layers; the single-rank tokens checked against transformers."""
+    path = build_checkpoint(tmp_path_factory.mktemp(request.param), request.param, num_layers=3)
+    reference = run(path, max_num_batched_tokens=16)
+    greedy = {rid: p for rid, p, c in workload(512) if c.temperature == 0}
+    oracle = hf_greedy(path, list(greedy.values()), MAX_TOKENS)
+    assert [reference.tokens[rid][0] for rid in greedy] == oracle
+    return path, reference
+
+
 def assert_same(parallel: Run, reference: Run) -> None:
     assert parallel.tokens == reference.tokens
     assert parallel.num_mixed_steps > 0
@@ -158,6 +170,17 @@ def test_parallel_llama_equals_single_rank(llama, tp: int, pp: int, expected_blo
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
 def test_replicated_kv_head_and_tied_head_equal_single_rank(qwen3_one_kv_head, tp, pp):
     path, reference = qwen3_one_kv_head
+    parallel = run(
+        path, max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp
+    )
+    assert_same(parallel, reference)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
+def test_mixture_of_experts_split_over_ranks_equals_single_rank(mixture, tp, pp):
+    """Each rank holds every expert's slice of the intermediate dimension; one all-reduce
+    per block adds the experts' (and the shared expert's) partials."""
+    path, reference = mixture
     parallel = run(
         path, max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp
     )

@@ -285,7 +285,9 @@ def kv_heads_per_rank(num_kv_heads: int, parallel: ParallelConfig) -> int:
 
 
 class RowParallelLinear(_Adaptable):
-    """y = x Wᵀ + b with W's input columns split across ranks; x arrives split, y is whole."""
+    """y = x Wᵀ + b with W's input columns split across ranks; x arrives split, y is whole
+    (or, with ``reduce_results=False``, this rank's partial sum, for a caller that adds
+    several partials before one all-reduce: a mixture of experts)."""
 
     def __init__(
         self,
@@ -296,9 +298,11 @@ class RowParallelLinear(_Adaptable):
         parallel: ParallelConfig,
         dtype: torch.dtype | None = None,
         kernels: KernelSet | None = None,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         self.parallel = parallel
+        self.reduce_results = reduce_results
         self.matmul = matmul_of(kernels)
         self.quantized_matmul = quantized_matmul_of(kernels)
         self.input_size = input_size
@@ -315,7 +319,7 @@ class RowParallelLinear(_Adaptable):
         y = self.multiply(x, bias)  # [T, output_size]: this rank's partial sum
         if self.lora is not None:
             y = self.lora.add_to(x, y)
-        return all_reduce(y, self.parallel)
+        return all_reduce(y, self.parallel) if self.reduce_results else y
 
     def weight_loader(self, param: LoadTarget, loaded: LoadedTensor, shard_id: ShardId) -> None:
         """Copy this rank's input columns of the checkpoint weight (the bias is whole). A

@@ -27,6 +27,7 @@ from headrace.kernels.lora import LoraIndices
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
 from headrace.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from headrace.worker.layers.moe import SparseMoe
 from headrace.worker.layers.weights import ShardId
 from headrace.worker.lora.adapter import LoraAdapter, read_adapter
 from headrace.worker.lora.layer import LinearLora, LoraBatch
@@ -61,7 +62,10 @@ class LoraManager:
         self._batch = LoraBatch()
         self.packed_modules = packed_modules
         self.layers: dict[str, LinearLora] = {}
+        experts = [name + "." for name, m in model.named_modules() if isinstance(m, SparseMoe)]
         for name, module in model.named_modules():
+            if name.startswith(tuple(experts)):
+                continue  # a mixture's experts run on a subset of the rows: no adapters
             if name.rpartition(".")[2] in ADAPTED_MODULES and isinstance(
                 module, ColumnParallelLinear | RowParallelLinear
             ):

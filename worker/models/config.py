@@ -1,11 +1,11 @@
 """One typed description of a Llama-family model, read once from its Hugging Face config.
 
 The families differ only in a few switches (which projections carry a bias, per-head q/k
-norms), and transformers versions differ in where they keep rope parameters (v5:
-``config.rope_parameters`` with ``rope_theta`` inside; v4: ``rope_scaling`` plus
-``config.rope_theta``). Everything model code needs is settled here, so the layers never
-look at an HF config, and anything headrace cannot run exactly fails here, at load time.
-"""
+norms, a mixture of experts in place of the MLP), and transformers versions differ in where
+they keep rope parameters (v5: ``config.rope_parameters`` with ``rope_theta`` inside; v4:
+``rope_scaling`` plus ``config.rope_theta``). Everything model code needs is settled here,
+so the layers never look at an HF config, and anything headrace cannot run exactly fails
+here, at load time."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.layers.moe import MoeConfig
 from headrace.worker.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
+
+#: The families with a mixture of experts in place of (some) MLPs.
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 class UnsupportedModelError(InvalidArgumentError):
@@ -47,6 +51,12 @@ class ModelConfig:
     #: The LM head reuses the token embedding matrix.
     tie_word_embeddings: bool
     rope: RopeConfig
+    #: The mixture of experts in place of the MLP (of the layers it names); None: dense.
+    moe: MoeConfig | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -67,14 +77,42 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             max_position_embeddings=int(hf_config.max_position_embeddings),
-            # Qwen2 hard-codes biased q/k/v and an unbiased o_proj; its config has no switch.
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_proj_bias=model_type != "qwen2" and attention_bias,
+            # Qwen2 hard-codes biased q/k/v and an unbiased o_proj; its config has no switch
+            # (Qwen2-MoE's has: qkv_bias).
+            qkv_bias=model_type == "qwen2"
+            or (model_type == "qwen2_moe" and bool(getattr(hf_config, "qkv_bias", True)))
+            or attention_bias,
+            o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_config_from_hf(hf_config, head_dim),
+            moe=moe_config_from_hf(hf_config) if model_type in MOE_MODEL_TYPES else None,
         )
+
+
+def moe_config_from_hf(hf_config: Any) -> MoeConfig | None:
+    """Mixtral: every layer sparse, experts of ``intermediate_size``, always renormalised.
+    Qwen2/3-MoE: ``moe_intermediate_size`` experts, ``norm_topk_prob``, dense layers where
+    ``mlp_only_layers`` or ``decoder_sparse_step`` say, and Qwen2-MoE's shared expert."""
+    num_layers = int(hf_config.num_hidden_layers)
+    num_experts = int(getattr(hf_config, "num_local_experts", None) or hf_config.num_experts)
+    top_k = int(hf_config.num_experts_per_tok)
+    if num_experts == 0:
+        return None  # Qwen's switch for a dense model
+    if str(hf_config.model_type) == "mixtral":
+        return MoeConfig(num_experts, top_k, int(hf_config.intermediate_size), renormalize=True)
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    only_mlp = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    dense = {i for i in range(num_layers) if i in only_mlp or (i + 1) % step}
+    return MoeConfig(
+        num_experts,
+        top_k,
+        int(hf_config.moe_intermediate_size),
+        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_intermediate_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
+        dense_layers=frozenset(dense),
+    )
 
 
 def rope_config_from_hf(hf_config: Any, head_dim: int) -> RopeConfig:

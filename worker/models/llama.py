@@ -1,9 +1,10 @@
-"""The Llama family forward pass: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2, Qwen3.
+"""The Llama family forward pass: Llama (incl. Llama 3 rope scaling), Mistral, Qwen2, Qwen3,
+and the mixtures of experts built on them: Mixtral, Qwen2-MoE, Qwen3-MoE.
 
 One implementation; the families differ only in switches `ModelConfig` reads from the HF
-config. Module and parameter names follow the HF checkpoint (``model.layers.N.self_attn``,
-``mlp``, ``input_layernorm``, ...) except where projections are fused, which
-`packed_modules_mapping` records for the loader.
+config (a sparse layer's MLP is a `SparseMoe`, `layers/moe.py`). Module and parameter names
+follow the HF checkpoint (``model.layers.N.self_attn``, ``mlp``, ``input_layernorm``, ...)
+except where projections are fused, which `packed_modules_mapping` records for the loader.
 
 The batch is flat: T tokens from any mix of prefill chunks and decodes, with the KV cache
 and `AttentionMetadata` saying which sequence each token belongs to. On the CPU kernels a
@@ -21,12 +22,9 @@ from headrace.kernels import AttentionMetadata, KernelSet, cpu_decode
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.attention import Attention
 from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from headrace.worker.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    kv_heads_per_rank,
-)
+from headrace.worker.layers.linear import QKVParallelLinear, RowParallelLinear, kv_heads_per_rank
+from headrace.worker.layers.mlp import GatedMLP
+from headrace.worker.layers.moe import SparseMoe
 from headrace.worker.layers.norm import RMSNorm
 from headrace.worker.layers.rotary import RotaryEmbedding
 from headrace.worker.layers.weights import LoadedTensor, ShardId
@@ -92,67 +90,49 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(
-        self, config: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype, kernels: KernelSet
-    ) -> None:
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size,
-            [size, size],
-            bias=config.mlp_bias,
-            parallel=parallel,
-            dtype=dtype,
-            kernels=kernels,
-        )
-        self.down_proj = RowParallelLinear(
-            size,
-            config.hidden_size,
-            bias=config.mlp_bias,
-            parallel=parallel,
-            dtype=dtype,
-            kernels=kernels,
-        )
-        self.kernels = kernels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2 x intermediate per rank]
-        return self.down_proj(self.kernels.silu_and_mul(gate_up))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        layer: int,
         parallel: ParallelConfig,
         dtype: torch.dtype,
         kernels: KernelSet,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, parallel, dtype, kernels)
-        self.mlp = LlamaMLP(config, parallel, dtype, kernels)
+        self.mlp: GatedMLP | SparseMoe
+        if config.moe is not None and config.is_sparse(layer):
+            self.mlp = SparseMoe(config.hidden_size, config.moe, parallel, dtype, kernels)
+        else:
+            self.mlp = GatedMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                bias=config.mlp_bias,
+                parallel=parallel,
+                dtype=dtype,
+                kernels=kernels,
+            )
         self.input_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
         )
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
         )
-        # (a tuple, not a ModuleList: read each decode step, without nn.Module's lookup)
-        self._projections = (
-            self.self_attn.qkv_proj,
-            self.self_attn.o_proj,
-            self.mlp.gate_up_proj,
-            self.mlp.down_proj,
-        )
+        # The projections LoRA may adapt (a mixture's experts take none). A tuple, not a
+        # ModuleList: read each decode step, without nn.Module's lookup.
+        self._projections: tuple[nn.Module, ...] = (self.self_attn.qkv_proj, self.self_attn.o_proj)
+        if isinstance(self.mlp, GatedMLP):
+            self._projections += (self.mlp.gate_up_proj, self.mlp.down_proj)
 
     def has_adapters(self) -> bool:
         """Whether LoRA adapters are attached to any of its projections."""
         return any(linear.lora is not None for linear in self._projections)
 
     def decode_weights(self) -> cpu_decode.DecoderLayerWeights:
-        """This layer's parameters for `cpu_decode`."""
+        """This layer's parameters for `cpu_decode` (a dense layer's)."""
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, GatedMLP), "cpu_decode runs dense models only"
         return cpu_decode.DecoderLayerWeights(
             input_norm=self.input_layernorm.weight,
             qkv=attn.qkv_proj.matrix(),
@@ -201,7 +181,7 @@ class LlamaModel(nn.Module):
                 config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
             )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, parallel, dtype, kernels)
+            LlamaDecoderLayer(config, i, parallel, dtype, kernels)
             if i in self.layer_range
             else nn.Identity()
             for i in range(config.num_layers)
@@ -271,11 +251,11 @@ def _decode_shape(
     config: ModelConfig, parallel: ParallelConfig, kernels: KernelSet
 ) -> cpu_decode.DecoderShape | None:
     """The stack's shape for `cpu_decode` where it serves this model: the CPU kernels, one
-    rank and one stage, no biases and no q/k norm. None otherwise."""
+    rank and one stage, no biases, no q/k norm, no experts. None otherwise."""
     whole = parallel.is_first_stage and parallel.is_last_stage
     if kernels.NAME != "cpu" or parallel.tensor_parallel_size > 1 or not whole:
         return None
-    if config.qkv_bias or config.o_proj_bias or config.mlp_bias or config.qk_norm:
+    if config.qkv_bias or config.o_proj_bias or config.mlp_bias or config.qk_norm or config.moe:
         return None
     return cpu_decode.DecoderShape(
         hidden_size=config.hidden_size,
@@ -377,6 +357,8 @@ class LlamaForCausalLM(nn.Module):
         """
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        if self.config.model_type == "mixtral":
+            name = _mixtral_name(name)
         parts = name.split(".")
         if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
             layer = int(parts[2])  # one beyond the model's layers is kept, so it is refused
@@ -390,3 +372,18 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith(("model.norm.", "lm_head.")):
             return name if self.lm_head is not None else None
         return name
+
+
+#: Mixtral's names for its experts' projections, and the Llama names headrace's modules use.
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _mixtral_name(name: str) -> str:
+    """``model.layers.0.block_sparse_moe.experts.3.w1.weight`` ->
+    ``model.layers.0.mlp.experts.3.gate_proj.weight`` (the router ``gate`` keeps its name)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[3] == "block_sparse_moe":
+        parts[3] = "mlp"
+        if len(parts) > 6 and parts[4] == "experts":
+            parts[6] = _MIXTRAL_PROJECTIONS.get(parts[6], parts[6])
+    return ".".join(parts)

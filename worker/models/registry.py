@@ -16,6 +16,7 @@ from headrace.worker.layers.linear import Layout, quantize_layers
 from headrace.worker.layers.weights import LoadedTensor
 from headrace.worker.models.compressed_tensors import COMPRESSED, read_scheme
 from headrace.worker.models.config import UnsupportedModelError
+from headrace.worker.models.families import FAMILIES
 from headrace.worker.models.gguf import iter_gguf_tensors
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.models.llama import LlamaForCausalLM
@@ -30,10 +31,7 @@ ModelFactory = Callable[[Any, ParallelConfig, torch.dtype, KernelSet], LoadableM
 
 #: model_type (as in config.json) -> the factory of the model that runs it.
 MODEL_REGISTRY: dict[str, ModelFactory] = {
-    "llama": LlamaForCausalLM.from_hf_config,
-    "mistral": LlamaForCausalLM.from_hf_config,
-    "qwen2": LlamaForCausalLM.from_hf_config,
-    "qwen3": LlamaForCausalLM.from_hf_config,
+    model_type: LlamaForCausalLM.from_hf_config for model_type in FAMILIES
 }
 
 

@@ -1,0 +1,51 @@
+"""The gated SiLU MLP of the Llama family: down(silu(gate(x)) * up(x)).
+
+gate and up are one column-parallel matmul (`MergedColumnParallelLinear`), down is
+row-parallel, so the block costs one all-reduce, or none with ``reduce_results=False`` (a
+mixture-of-experts block sums its experts' partials first, `layers/moe.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from headrace.kernels import KernelSet
+from headrace.worker.distributed.parallel import ParallelConfig
+from headrace.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+        reduce_results: bool = True,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias=bias,
+            parallel=parallel,
+            dtype=dtype,
+            kernels=kernels,
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            parallel=parallel,
+            dtype=dtype,
+            kernels=kernels,
+            reduce_results=reduce_results,
+        )
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 x intermediate per rank]
+        return self.down_proj(self.kernels.silu_and_mul(gate_up))

@@ -1,0 +1,137 @@
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router sends each token
+to its top-k experts, and the experts run grouped by expert.
+
+Routing is transformers' exactly: router logits in the model's dtype, softmax in float32,
+top-k, rescaled to sum to 1 where the family says so (Mixtral always, Qwen's
+``norm_topk_prob``), cast back to the model's dtype. The experts then run grouped: the
+(token, expert) pairs are sorted by expert, and each expert some token chose runs once over
+all of its tokens (one gate/up and one down matmul, through the kernel set's linear layers
+like any MLP), never a loop over tokens. Each expert's output, times its routing weight, is
+added into its tokens' rows in expert order, as transformers adds them. Qwen2-MoE also runs a
+shared expert over every token, scaled by sigmoid(shared_expert_gate(x)).
+
+Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
+(gate/up rows, down columns), as for a dense MLP; the router and the shared gate are whole on
+every rank. A rank's block output is then a partial sum, linear in its experts' partials, so
+the block costs one all-reduce, like the dense MLP. Experts take no LoRA adapters (the LoRA
+manager skips them; an adapter naming one is refused as a module the model lacks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from headrace.kernels import KernelSet
+from headrace.worker.distributed.parallel import ParallelConfig, all_reduce
+from headrace.worker.layers.mlp import GatedMLP
+from headrace.worker.layers.weights import new_parameter
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    num_experts: int
+    #: Experts each token is sent to.
+    top_k: int
+    #: Each expert's intermediate size.
+    intermediate_size: int
+    #: Rescale each token's top-k routing weights to sum to 1.
+    renormalize: bool
+    #: The shared expert's intermediate size (Qwen2-MoE); 0: no shared expert.
+    shared_intermediate_size: int = 0
+    #: Layers that keep a dense MLP (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``).
+    dense_layers: frozenset[int] = field(default_factory=frozenset)
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+class Gate(nn.Module):
+    """A bias-free projection to a few logits, whole on every rank (the router's, one per
+    expert; the shared expert's, one)."""
+
+    def __init__(self, num_outputs: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_parameter((num_outputs, hidden_size), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, num_outputs]
+        return F.linear(x, self.weight)
+
+
+class SparseMoe(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoeConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+    ) -> None:
+        super().__init__()
+        self.moe = moe
+        self.parallel = parallel
+        self.gate = Gate(moe.num_experts, hidden_size, dtype)
+        self.experts = nn.ModuleList(
+            self._mlp(hidden_size, moe.intermediate_size, parallel, dtype, kernels)
+            for _ in range(moe.num_experts)
+        )
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Gate | None = None
+        if moe.shared_intermediate_size:
+            size = moe.shared_intermediate_size
+            self.shared_expert = self._mlp(hidden_size, size, parallel, dtype, kernels)
+            self.shared_expert_gate = Gate(1, hidden_size, dtype)
+
+    @staticmethod
+    def _mlp(
+        hidden_size: int,
+        intermediate_size: int,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+    ) -> GatedMLP:
+        return GatedMLP(
+            hidden_size,
+            intermediate_size,
+            bias=False,
+            parallel=parallel,
+            dtype=dtype,
+            kernels=kernels,
+            reduce_results=False,  # the block all-reduces once, after every expert
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        weights, experts = self.route(x)
+        out = self.run_experts(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return all_reduce(out, self.parallel)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] (in x's dtype)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def run_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:  # [T, hidden]: sum over each token's experts of weight x expert(x)
+        top_k = experts.shape[1]
+        flat = experts.flatten()  # [T x k]: pair i is token i // k's (i % k)-th choice
+        order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, ascending
+        tokens = order // top_k
+        pair_weights = weights.flatten()[order].unsqueeze(1)  # [T x k, 1]
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = self.experts[expert](x[rows]) * pair_weights[start : start + count]
+                out.index_add_(0, rows, y)
+            start += count
+        return out
