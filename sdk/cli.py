@@ -120,6 +120,7 @@ def setup_logging(level: str) -> None:
 
 
 def _models_list(args: argparse.Namespace) -> int:
+    from headrace.worker.models.families import FAMILIES, NOT_YET
     from headrace.worker.models.store import DEFAULT_MODEL, KNOWN_MODELS, is_prepared, model_dir
 
     rows = [("NAME", "PREPARED", "PATH")]
@@ -130,6 +131,10 @@ def _models_list(args: argparse.Namespace) -> int:
     widths = [max(len(row[column]) for row in rows) for column in range(2)]
     for label, prepared, location in rows:
         print(f"{label:<{widths[0]}}  {prepared:<{widths[1]}}  {location}")
+    print("\nMODEL_TYPE (a checkpoint's config.json)  RUNS")
+    for model_type, runs in FAMILIES.items():
+        print(f"{model_type:<40} {runs}")
+    print(f"not yet: {NOT_YET}")
     return 0
 
 

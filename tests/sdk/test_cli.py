@@ -297,3 +297,23 @@ def test_bench_parallel_configs_parse_and_label_back(text: str, shape: tuple) ->
 
     parsed = parse_shape(text)
     assert astuple(parsed) == shape and parsed.label == text
+
+
+def test_models_list_names_every_family_the_worker_runs(
+    cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from headrace.worker.models.registry import MODEL_REGISTRY
+
+    assert main(["models", "list"]) == 0
+    shown = capsys.readouterr().out
+    for model_type in MODEL_REGISTRY:
+        assert f"\n{model_type} " in shown, model_type
+    assert "not yet: gemma2" in shown
+
+
+def test_bench_parallel_model_shapes_are_the_benchs() -> None:
+    from headrace.worker.bench.parallel import MODEL_SHAPES
+
+    parser = _commands()["bench parallel"]
+    (action,) = [a for a in parser._actions if "--model-shape" in a.option_strings]
+    assert tuple(action.choices) == tuple(MODEL_SHAPES)

@@ -268,6 +268,12 @@ def parallel_arguments(parser: argparse.ArgumentParser) -> None:
         help="H,KV: --model's shape with these head counts and random weights (e.g. 8,4 so "
         "SmolLM2-135M's 9/3 heads split over TP=2)",
     )
+    add(
+        "--model-shape",
+        choices=("qwen3-moe", "qwen3-dense"),
+        help="a random-weight model instead of --model: Qwen3-MoE (8 experts, top 2) or the "
+        "dense Qwen3 with its active parameters",
+    )
     add("--seed", type=int, default=0, help="seed of the random prompts")
 
 

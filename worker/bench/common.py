@@ -126,13 +126,17 @@ def build_tiny_checkpoint(directory: Path, tokenizer_source: Path) -> Path:
     )
 
 
-def build_random_checkpoint(directory: Path, tokenizer_source: Path, **shape: Any) -> Path:
-    """A Llama of the given shape (LlamaConfig fields) with random weights, and the
-    tokenizer of ``tokenizer_source``: for timing shapes no real checkpoint has."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def build_random_checkpoint(
+    directory: Path, tokenizer_source: Path, model_type: str = "llama", **shape: Any
+) -> Path:
+    """A model of ``model_type`` and the given shape (its config class's fields) with
+    random weights, and the tokenizer of ``tokenizer_source``: for timing shapes no real
+    checkpoint has."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=len(tokenizer),
         max_position_embeddings=shape.pop("max_position_embeddings", 2048),
         eos_token_id=tokenizer.eos_token_id,
@@ -140,6 +144,6 @@ def build_random_checkpoint(directory: Path, tokenizer_source: Path, **shape: An
         **shape,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

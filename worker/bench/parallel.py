@@ -6,6 +6,7 @@ every config in one run.
     headrace bench parallel --configs 1x1,1x2:1,1x2:2            # micro-batches
     headrace bench parallel --tiny                               # overhead only
     headrace bench parallel --heads 8,4 --configs 2x2,2x2@2      # one node vs two
+    headrace bench parallel --model-shape qwen3-moe --configs 1x1 --batch-size 24
 
 SmolLM2-135M (the default model) has 9 query / 3 KV heads, which TP=2 cannot split:
 ``--heads 8,4`` times a random-weight model of its exact shape with 8 / 4 heads instead.
@@ -312,6 +313,29 @@ def smollm2_shaped(directory: Path, heads: tuple[int, int], source: Path) -> Pat
     )
 
 
+#: ``--model-shape``: random-weight models for timing a mixture of experts against the dense
+#: model with the same active parameters (a token's MLP reads 2 of 8 experts of 768: 1536).
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-moe": {
+        "model_type": "qwen3_moe",
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+    },
+    "qwen3-dense": {"model_type": "qwen3", "intermediate_size": 2 * 768},
+}
+#: What both shapes share: SmolLM2-135M's width and vocabulary, 12 layers.
+_SHAPE_COMMON = {
+    "hidden_size": 576,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "tie_word_embeddings": True,
+}
+
+
 def run(args: argparse.Namespace) -> Summary:
     _check_args(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -323,6 +347,9 @@ def _run(args: argparse.Namespace, tmp: Path) -> Summary:
 
     if args.tiny:
         model_path = build_tiny_checkpoint(tmp, resolve_model(DEFAULT_MODEL))
+    elif args.model_shape:
+        shape = {**_SHAPE_COMMON, **MODEL_SHAPES[args.model_shape]}
+        model_path = build_random_checkpoint(tmp, resolve_model(DEFAULT_MODEL), **shape)
     elif args.heads:
         model_path = smollm2_shaped(tmp, args.heads, Path(resolve_model(args.model)))
     else:
@@ -343,6 +370,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> Summary:
     )
     check_configs(args.configs, settings, hf_config)
     model_name = TINY_MODEL if args.tiny else model_path.name
+    if args.model_shape:
+        model_name = f"{args.model_shape} shape, random weights"
     if args.heads:
         model_name = f"{args.model} shape, {args.heads[0]}/{args.heads[1]} heads, random weights"
     print(
