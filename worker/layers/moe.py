@@ -124,14 +124,16 @@ class SparseMoe(nn.Module):
         flat = experts.flatten()  # [T x k]: pair i is token i // k's (i % k)-th choice
         order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, ascending
         tokens = order // top_k
-        pair_weights = weights.flatten()[order].unsqueeze(1)  # [T x k, 1]
+        grouped = x[tokens]  # [T x k, hidden]: each expert's tokens contiguous, in order
+        outputs = torch.empty_like(grouped)
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
-        out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
             if count:
-                rows = tokens[start : start + count]
-                y = self.experts[expert](x[rows]) * pair_weights[start : start + count]
-                out.index_add_(0, rows, y)
+                outputs[start : start + count] = self.experts[expert](
+                    grouped[start : start + count]
+                )
             start += count
-        return out
+        outputs *= weights.flatten()[order].unsqueeze(1)
+        # One add into the tokens' rows, pair by pair in expert order (transformers' order).
+        return torch.zeros_like(x).index_add_(0, tokens, outputs)
