@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 from headrace.protos import worker_pb2, worker_pb2_grpc
 from headrace.sdk import launch
+from headrace.sdk.client import AsyncClient
+from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import ServerProcess, start_router
 from headrace.sdk.serving import wait_serving
 
@@ -19,6 +22,7 @@ __all__ = [
     "load_report",
     "start_router",
     "start_worker",
+    "stream_through_a_fault",
     "two_workers_behind_a_router",
     "wait_all_blocks_free",
     "wait_serving",
@@ -79,3 +83,28 @@ def wait_all_blocks_free(target: str, timeout_s: float = 10.0) -> worker_pb2.Loa
         ):
             return report
         time.sleep(0.05)
+
+
+def stream_through_a_fault(
+    target: str, prompts: list[str], config: GenerationConfig, fault: Callable[[], None]
+) -> list[list[int]]:
+    """Stream every prompt through ``target`` at once; once about 10 tokens per stream have
+    arrived (the workers are mid-generation), call ``fault``; each stream's tokens when all
+    have ended (a router resumes the interrupted ones elsewhere)."""
+
+    async def run() -> list[list[int]]:
+        async with AsyncClient(target) as client:
+            streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+
+            async def one(i: int) -> None:
+                async for chunk in client.stream(prompts[i], config):
+                    streamed[i].extend(chunk.token_ids)
+
+            tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
+            while sum(map(len, streamed.values())) < len(prompts) * 10:
+                await asyncio.sleep(0.01)
+            fault()
+            await asyncio.gather(*tasks)
+            return [streamed[i] for i in range(len(prompts))]
+
+    return asyncio.run(run())

@@ -10,11 +10,9 @@ its node timeout, and a router in front fails over to another worker, token-exac
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,14 +24,20 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from headrace.sdk.client import AsyncClient, Client
+from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.engine.llm import LLM
 
 from tests.deploy.lws import lws_node_command
-from tests.e2e.processes import ServerProcess, start_router, start_worker, wait_serving
+from tests.e2e.processes import (
+    ServerProcess,
+    start_router,
+    start_worker,
+    stream_through_a_fault,
+    wait_serving,
+)
 from tests.e2e.test_parallel_worker import alive, child_pids, wait_gone
-from tests.e2e.test_weight_updates import run_trainer
+from tests.e2e.test_weight_updates import free_port, run_trainer
 from tests.factories import cached_checkpoint, hf_greedy
 from tests.lora_factories import build_adapter
 
@@ -44,12 +48,6 @@ NODE_TIMEOUT_S = 2.0
 EXIT_WITHIN_S = NODE_TIMEOUT_S + 8.0
 #: The address node 1 binds its health port on (a second loopback address).
 NODE1_HOST = "127.0.0.2"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def node_args(model: Path, node_rank: int, rendezvous_port: int) -> list[str]:
@@ -270,23 +268,11 @@ def test_router_fails_over_when_node_one_is_killed_mid_stream(
         assert wait_serving(router.target)
         killed_at: list[float] = []
 
-        async def run() -> list[list[int]]:
-            async with AsyncClient(router.target) as client:
-                streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        def kill_node_one() -> None:
+            follower.kill()
+            killed_at.append(time.time())
 
-                async def one(i: int) -> None:
-                    async for chunk in client.stream(prompts[i], config):
-                        streamed[i].extend(chunk.token_ids)
-
-                tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
-                while sum(map(len, streamed.values())) < len(prompts) * 10:
-                    await asyncio.sleep(0.01)
-                follower.kill()
-                killed_at.append(time.time())
-                await asyncio.gather(*tasks)
-                return [streamed[i] for i in range(len(prompts))]
-
-        got = asyncio.run(run())
+        got = stream_through_a_fault(router.target, prompts, config, kill_node_one)
         assert leader.proc.wait(EXIT_WITHIN_S) != 0
         worker_gone_s = time.time() - killed_at[0]
     assert got == want

@@ -6,7 +6,6 @@ The worker serves the single-rank tokens; a rank that dies takes the worker down
 
 from __future__ import annotations
 
-import asyncio
 import os
 import queue
 import signal
@@ -18,12 +17,18 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from headrace.sdk.client import AsyncClient, Client
+from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import start_router
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import ServerProcess, load_report, start_worker, wait_serving
+from tests.e2e.processes import (
+    ServerProcess,
+    load_report,
+    start_worker,
+    stream_through_a_fault,
+    wait_serving,
+)
 
 PROMPTS = ["the quick brown fox", "a story about the sea", "to be or not", "hello"]
 #: How soon after a rank dies the whole worker must be gone.
@@ -107,23 +112,11 @@ def test_router_fails_over_when_a_rank_of_a_parallel_worker_dies(
     with single, parallel, router:
         assert wait_serving(router.target)
 
-        async def run() -> list[list[int]]:
-            async with AsyncClient(router.target) as client:
-                streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        def kill_a_rank() -> None:
+            assert load_report(parallel.target).running_requests > 0
+            os.kill(ranks[0], signal.SIGKILL)
 
-                async def one(i: int) -> None:
-                    async for chunk in client.stream(prompts[i], config):
-                        streamed[i].extend(chunk.token_ids)
-
-                tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
-                while sum(map(len, streamed.values())) < len(prompts) * 10:
-                    await asyncio.sleep(0.01)
-                assert load_report(parallel.target).running_requests > 0
-                os.kill(ranks[0], signal.SIGKILL)
-                await asyncio.gather(*tasks)
-                return [streamed[i] for i in range(len(prompts))]
-
-        got = asyncio.run(run())
+        got = stream_through_a_fault(router.target, prompts, config, kill_a_rank)
         assert parallel.proc.wait(timeout=EXIT_WITHIN_S) != 0
     assert got == want
     assert "resuming request" in (tmp_path / "router.log").read_text()
