@@ -213,7 +213,7 @@ def _family_kwargs(family: Family) -> dict[str, Any]:
             "num_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48,
+            "shared_expert_intermediate_size": 64,
             "norm_topk_prob": False,
         }
     if family == "qwen3_moe":

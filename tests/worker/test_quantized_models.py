@@ -60,6 +60,9 @@ PROJECTION_LAYOUTS = {"int8": (8, None), "int4": (4, quantized.INT4_GROUP_SIZE)}
 VOCAB_LAYOUT = (8, None)
 VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
 PROJECTION_WEIGHTS = {(module, "weight") for module in PROJECTIONS}  # biases stay float
+#: transformers keeps a mixture's experts as one [experts, rows, columns] tensor per
+#: projection; headrace quantizes each expert's matrix as a linear layer (routers stay float).
+EXPERT_WEIGHTS = {("experts", "gate_up_proj"), ("experts", "down_proj")}
 
 
 def layout_of(name: str, quantization: str) -> tuple[int, int | None] | None:
@@ -67,7 +70,8 @@ def layout_of(name: str, quantization: str) -> tuple[int, int | None] | None:
     if name in VOCAB_TABLES:
         return VOCAB_LAYOUT
     *_, module, kind = name.split(".")
-    return PROJECTION_LAYOUTS[quantization] if (module, kind) in PROJECTION_WEIGHTS else None
+    projection = (module, kind) in PROJECTION_WEIGHTS or (module, kind) in EXPERT_WEIGHTS
+    return PROJECTION_LAYOUTS[quantization] if projection else None
 
 
 def dequantized_checkpoint(path: Path, out: Path, quantization: str) -> Path:
@@ -79,8 +83,9 @@ def dequantized_checkpoint(path: Path, out: Path, quantization: str) -> Path:
             layout = layout_of(name, quantization)
             if layout is not None:
                 bits, group_size = layout
-                weight = quantized.quantize(param, bits, group_size or param.shape[1])
-                param.copy_(quantized.dequantize(weight))
+                for matrix in param.view(-1, *param.shape[-2:]):  # each expert's, or the one
+                    weight = quantized.quantize(matrix, bits, group_size or matrix.shape[1])
+                    matrix.copy_(quantized.dequantize(weight))
     shutil.copytree(path, out, ignore=shutil.ignore_patterns("*.safetensors*"))
     model.save_pretrained(out)
     return out
@@ -127,7 +132,7 @@ def tokens_of(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("composition", ["chunked-8", "preempting"])
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_moe"])
 def test_greedy_tokens_equal_transformers_over_the_dequantized_weights(
     oracle, family: Family, quantization: str, backend: str, composition: str
 ) -> None:
