@@ -5,7 +5,6 @@ a real TCPStore; tests/e2e/test_multinode.py starts real nodes)."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from pathlib import Path
@@ -26,12 +25,7 @@ from headrace.worker.distributed.rendezvous import (
 from headrace.worker.models.registry import ModelWeights
 
 from tests.factories import cached_checkpoint
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.worker.test_parallel_weights import free_port
 
 
 def two_nodes() -> NodeConfig:

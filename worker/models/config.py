@@ -54,10 +54,6 @@ class ModelConfig:
     #: The mixture of experts in place of the MLP (of the layers it names); None: dense.
     moe: MoeConfig | None = None
 
-    def is_sparse(self, layer: int) -> bool:
-        """Whether ``layer``'s MLP is a mixture of experts."""
-        return self.moe is not None and self.moe.is_sparse(layer)
-
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         model_type = str(hf_config.model_type)

@@ -102,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, parallel, dtype, kernels)
         self.mlp: GatedMLP | SparseMoe
-        if config.moe is not None and config.is_sparse(layer):
+        if config.moe is not None and config.moe.is_sparse(layer):
             self.mlp = SparseMoe(config.hidden_size, config.moe, parallel, dtype, kernels)
         else:
             self.mlp = GatedMLP(

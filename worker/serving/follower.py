@@ -66,9 +66,9 @@ def run_follower(config: EngineConfig, host: str, health_port: int | None) -> in
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     identity = NodeIdentity.of(config.model, source, tp, pp, nodes)
     setup = join(store, nodes.node_rank, identity).on_this_node(source, address, nodes.node_rank)
-    ranks = RankGroup(setup, setup.local_ranks())
-    watch.watch(0)
     local = setup.local_ranks()
+    ranks = RankGroup(setup, local)
+    watch.watch(0)
     print(
         f"headrace worker node {nodes.node_rank} of {nodes.nnodes}: ranks "
         f"{local.start}-{local.stop - 1} of {config.model}, rank 0 at {address[0]}:{address[1]}",
