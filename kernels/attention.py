@@ -4,6 +4,13 @@ One `AttentionMetadata` is built per engine step by the model runner and shared 
 layer. The batch is flattened (varlen): sequence ``i`` owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]``. Decode sequences (one query token each) come
 first, so a backend runs them as one batch and tiles only the prefill chunks after them.
+
+Sliding windows. A layer with a window of W lets the token at position p see keys
+``p - W + 1 .. p`` (transformers' ``kv_idx > q_idx - sliding_window``); the window is the
+layer's, passed to ``paged_attention`` beside the metadata. Once a sequence's window has
+moved past a block, the scheduler may free the block: its block-table entry stays, stale (a
+valid id whose block may hold another sequence's K/V), so a kernel starts each sequence's
+keys at `window_first_blocks` and never reads an entry before it.
 """
 
 from __future__ import annotations
@@ -46,3 +53,13 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def window_first_blocks(
+    seq_lens: list[int], num_queries: int, block_size: int, sliding_window: int | None
+) -> list[int]:
+    """Per sequence, the block (index into its table) that holds the first key the first of
+    its ``num_queries`` new tokens sees: 0 without a window."""
+    if sliding_window is None:
+        return [0] * len(seq_lens)
+    return [max(0, n - num_queries - sliding_window + 1) // block_size for n in seq_lens]

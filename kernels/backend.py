@@ -41,6 +41,7 @@ class KernelSet(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # keys a query sees, its own included; None: all
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
     def rms_norm(

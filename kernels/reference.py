@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from headrace.kernels.argmax import argmax_update
-from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.attention import AttentionMetadata, window_first_blocks
 from headrace.kernels.kv_layout import cache_rows, dequantize_rows, head_dim_of, is_quantized
 from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, linear
@@ -107,25 +107,22 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Causal attention of each new token over its sequence's cached + new K/V."""
+    """Causal attention of each new token over its sequence's cached + new K/V; with a
+    sliding window, over the last ``sliding_window`` positions up to and including its own
+    (see `headrace.kernels.attention` for the blocks before a window)."""
     out = torch.empty_like(query)
     query_start_loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     num_decode_seqs = metadata.num_decode_seqs
     if num_decode_seqs:
         rows = query_start_loc[num_decode_seqs]
-        out[:rows] = _decode(
-            query[:rows],
-            kv_cache,
-            metadata.block_tables[:num_decode_seqs],
-            metadata.seq_lens[:num_decode_seqs],
-            metadata.max_decode_seq_len,
-            scale,
-        )
+        out[:rows] = _decode(query[:rows], kv_cache, metadata, scale, sliding_window)
     for i in range(num_decode_seqs, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
+        table = metadata.block_tables[i : i + 1]
         out[start:end] = extend(
-            query[start:end], kv_cache, metadata.block_tables[i : i + 1], seq_lens[i], scale
+            query[start:end], kv_cache, table, seq_lens[i], scale, sliding_window
         )
     return out
 
@@ -158,20 +155,43 @@ def gather_kv(
 
 
 def _decode(
-    query: torch.Tensor,  # [B, H, D]: one token per sequence
+    query: torch.Tensor,  # [B, H, D]: one token per sequence, the batch's first B
     kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_num_blocks]
-    seq_lens: torch.Tensor,  # [B]
-    max_seq_len: int,
+    metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
-    """All decode sequences at once: gather K/V padded to the longest, mask the padding."""
-    key, value = _widen(*gather_kv(kv_cache, block_tables, max_seq_len))  # [B, Hkv, L, D]
-    positions = torch.arange(max_seq_len, device=query.device)
-    mask = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    """All decode sequences at once: gather K/V padded to the longest, mask the padding.
+
+    With a window, each row's gather starts at the block holding its window's first key, so
+    blocks before it are never read; the padding past a row's keys is zeroed as well as
+    masked (it may be any block: 0 * inf is no zero)."""
+    num_seqs = query.shape[0]
+    block_tables, seq_lens = metadata.block_tables[:num_seqs], metadata.seq_lens[:num_seqs]
+    first_blocks = window_first_blocks(
+        metadata.seq_lens_cpu[:num_seqs], 1, metadata.block_size, sliding_window
+    )
+    num_tokens = max(
+        n - b * metadata.block_size
+        for n, b in zip(metadata.seq_lens_cpu[:num_seqs], first_blocks, strict=True)
+    )
+    first = torch.tensor(first_blocks, dtype=torch.long, device=query.device)
+    if any(first_blocks):
+        num_blocks = -(-num_tokens // metadata.block_size)
+        index = first[:, None] + torch.arange(num_blocks, device=query.device)[None, :]
+        block_tables = block_tables.gather(1, index.clamp(max=block_tables.shape[1] - 1))
+    key, value = _widen(*gather_kv(kv_cache, block_tables, num_tokens))  # [B, Hkv, L, D]
+    positions = first[:, None] * metadata.block_size + torch.arange(
+        num_tokens, device=query.device
+    )  # [B, L]
+    visible = positions < seq_lens[:, None]
+    if sliding_window is not None:
+        visible &= positions > seq_lens[:, None] - 1 - sliding_window
+        hidden = ~visible[:, None, :, None]  # [B, 1, L, 1]
+        key, value = key.masked_fill(hidden, 0), value.masked_fill(hidden, 0)
     q = query.unsqueeze(2).to(key.dtype)  # [B, H, 1, D]
     out = F.scaled_dot_product_attention(
-        q, key, value, attn_mask=mask, scale=scale, enable_gqa=_is_gqa(q, key)
+        q, key, value, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=_is_gqa(q, key)
     )
     return out.squeeze(2).to(query.dtype)
 
@@ -182,21 +202,30 @@ def extend(
     block_table: torch.Tensor,  # [1, max_num_blocks]
     seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """One prefill chunk: new tokens attend to the cached prefix and causally to themselves."""
-    key, value = _widen(*gather_kv(kv_cache, block_table, seq_len))  # [1, Hkv, L, D]
+    """One prefill chunk: new tokens attend to the cached prefix and causally to themselves
+    (within the window, where there is one: the gather starts at its first query's window)."""
     num_queries = query.shape[0]
+    block_size = kv_cache.shape[2]
+    (first_block,) = window_first_blocks([seq_len], num_queries, block_size, sliding_window)
+    first_pos = first_block * block_size
+    table = block_table[:, first_block:]
+    key, value = _widen(*gather_kv(kv_cache, table, seq_len - first_pos))  # [1, Hkv, L, D]
     q = query.transpose(0, 1).unsqueeze(0).to(key.dtype)  # [1, H, Q, D]
     gqa = _is_gqa(q, key)
-    if num_queries == seq_len:
+    if num_queries == seq_len and sliding_window is None:
         out = F.scaled_dot_product_attention(
             q, key, value, is_causal=True, scale=scale, enable_gqa=gqa
         )
     else:
-        # Query j sits at position seq_len - Q + j and sees keys up to and including it.
+        # Query j sits at position seq_len - Q + j and sees keys up to and including it
+        # (and, in a window, the window - 1 before it).
         q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
+        k_pos = torch.arange(first_pos, seq_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         out = F.scaled_dot_product_attention(
             q, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from headrace.kernels import AttentionMetadata, reference
+from headrace.kernels.attention import window_first_blocks
 from headrace.kernels.kv_layout import cache_shape
 
 
@@ -41,10 +42,15 @@ def build_paged_batch(
     dtype: torch.dtype,
     device: str = "cpu",
     kv_cache_dtype: torch.dtype | None = None,
+    sliding_window: int | None = None,
 ) -> PagedBatch:
     """The cached prefix of each sequence is written as earlier steps would have, then this
     step's new K/V through the batch's slot mapping (the reference writer). The cache is in
-    kv_cache_dtype (default: dtype; int8: quantized rows, see `headrace.kernels.kv_layout`)."""
+    kv_cache_dtype (default: dtype; int8: quantized rows, see `headrace.kernels.kv_layout`).
+
+    With a sliding window, the table entries of blocks wholly before a sequence's window (as
+    the scheduler frees them) name a poisoned block instead: NaN in a float cache, so a
+    kernel that reads one, even masked, returns NaN."""
     num_blocks = sum(math.ceil(n / block_size) for n, _ in seqs) + 3
     cache_dtype = kv_cache_dtype or dtype
     shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim, cache_dtype)
@@ -71,6 +77,14 @@ def build_paged_batch(
     for table, (seq_len, num_new) in zip(tables, seqs, strict=True):
         query_start_loc.append(query_start_loc[-1] + num_new)
         slot_mapping += slots(table, range(seq_len - num_new, seq_len))
+    if sliding_window is not None:
+        poison = next(b for b in free if b != 0)  # (not the tables' padding)
+        free.remove(poison)
+        if cache.is_floating_point():
+            cache[poison] = float("nan")
+        for table, (seq_len, num_new) in zip(tables, seqs, strict=True):
+            (first,) = window_first_blocks([seq_len], num_new, block_size, sliding_window)
+            table[:first] = [poison] * first
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     seq_lens = [n for n, _ in seqs]
@@ -92,15 +106,18 @@ def build_paged_batch(
     return PagedBatch(query, cache, metadata, keys, values, seqs)
 
 
-def contiguous_attention(q, k, v, num_queries):
+def contiguous_attention(q, k, v, num_queries, sliding_window=None):
     """SDPA in float32 for one sequence: the last num_queries tokens attend causally to all
-    of k/v ([L, Hkv, D], contiguous)."""
+    of k/v ([L, Hkv, D], contiguous), or to the last sliding_window positions of it."""
     q, k, v = q.float(), k.float(), v.float()
     seq_len = k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos[:, None] - sliding_window
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
     return out.transpose(0, 1)

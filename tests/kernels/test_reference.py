@@ -27,6 +27,32 @@ def test_paged_attention_matches_sdpa(block_size, num_heads, num_kv_heads, dtype
         torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
 
 
+# Windows shorter than some prefixes, chunks and decodes, and one longer than every sequence.
+WINDOW_SEQS = [(1, 1), (9, 1), (40, 1), (20, 20), (37, 5), (50, 3)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_attention_matches_sdpa_and_skips_freed_blocks(
+    block_size, sliding_window, dtype
+):
+    torch.manual_seed(0)
+    batch = build_paged_batch(
+        WINDOW_SEQS, 3, block_size, 6, 2, 64, dtype, sliding_window=sliding_window
+    )
+    out = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window
+    )
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (_, num_new) in enumerate(WINDOW_SEQS):
+        expected = contiguous_attention(
+            batch.queries(i), batch.keys[i], batch.values[i], num_new, sliding_window
+        )
+        got = out[batch.metadata.query_start_loc_cpu[i] : batch.metadata.query_start_loc_cpu[i + 1]]
+        torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_transformers(dtype):
     torch.manual_seed(0)
