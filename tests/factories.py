@@ -167,8 +167,10 @@ def build_checkpoint(
     max_position_embeddings: int = 512,
     seed: int = 0,
     chat_template: bool | str = False,
+    sliding_window: int | None = None,
 ) -> Path:
-    """A tiny random checkpoint of ``family`` with a tokenizer, saved into ``path``."""
+    """A tiny random checkpoint of ``family`` with a tokenizer, saved into ``path``; with a
+    ``sliding_window``, attention within it where the family's config puts it."""
     path = Path(path)
     tokenizer = build_tokenizer(path, chat_template)
     config_class, model_class = _HF_CLASSES[family]
@@ -187,7 +189,7 @@ def build_checkpoint(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         rope_parameters=_rope_parameters(rope_scaling),
-        **_family_kwargs(family),
+        **{**_family_kwargs(family), **_window_kwargs(family, sliding_window)},
     )
     torch.manual_seed(seed)
     model = model_class(config)
@@ -203,7 +205,7 @@ def _family_kwargs(family: Family) -> dict[str, Any]:
     picks different experts per token (Qwen3-MoE with a dense layer, Qwen2-MoE with its
     shared expert and unnormalised top-k weights)."""
     if family == "mistral":
-        return {"sliding_window": None}  # full attention: headrace has no sliding window
+        return {"sliding_window": None}  # (the config's default window is 4096)
     if family == "qwen3":
         return {"attention_bias": False}
     if family == "mixtral":
@@ -226,6 +228,23 @@ def _family_kwargs(family: Family) -> dict[str, Any]:
             "attention_bias": False,
         }
     return {}
+
+
+def _window_kwargs(family: Family, sliding_window: int | None) -> dict[str, Any]:
+    """Mistral, Mixtral and Qwen3-MoE window every layer; the other Qwens window the layers
+    their ``max_window_layers`` picks (from it on in Qwen2/3, before it in Qwen2-MoE), so
+    with 1 their layers alternate full and windowed attention."""
+    if sliding_window is None:
+        return {}
+    if family in ("mistral", "mixtral", "qwen3_moe"):
+        return {"sliding_window": sliding_window, "use_sliding_window": True}
+    if family in ("qwen2", "qwen3", "qwen2_moe"):
+        return {
+            "sliding_window": sliding_window,
+            "use_sliding_window": True,
+            "max_window_layers": 1,
+        }
+    raise ValueError(f"{family} has no sliding window")
 
 
 def _rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:

@@ -67,6 +67,9 @@ class Sequence:
     num_cached_tokens: int = 0
     #: KV blocks holding this sequence's tokens, in order.
     block_ids: list[int] = field(default_factory=list)
+    #: The first blocks of block_ids that a sliding window has passed: no longer held, their
+    #: ids left in place (stale) so that token i stays in block_ids[i // block_size].
+    num_dropped_blocks: int = 0
     #: Hash of each full block of token_ids in order (prefix-cache chain).
     block_hashes: list[int] = field(default_factory=list)
     #: The prefix cache's epoch its hashes (and its KV) belong to (see `BlockManager.reset`).

@@ -173,3 +173,87 @@ def test_trim_frees_the_blocks_past_a_sequences_tokens():
     assert bm.num_free_blocks == 6 and past not in bm.hash_to_block.values()
     bm.free(seq)
     assert bm.num_free_blocks == 8
+
+
+def decode_one(bm: BlockManager, seq) -> None:
+    """One decode step as the scheduler runs it: a block for the token, then drop behind."""
+    seq.token_ids.append(7)
+    bm.allocate(seq, 1)
+    seq.num_computed_tokens += 1
+    bm.commit_full_blocks(seq)
+    bm.drop_behind_window(seq)
+
+
+def test_a_windowed_sequence_holds_at_most_its_window_of_blocks():
+    window, block_size = 10, 4
+    bm = BlockManager(
+        num_blocks=16, block_size=block_size, enable_prefix_caching=True, kv_window=window
+    )
+    seq = make_seq(list(range(6)))
+    admit(bm, seq)
+    bm.drop_behind_window(seq)
+    bound = -(-window // block_size) + 1
+    for _ in range(60):  # far past the window and past the pool's size
+        decode_one(bm, seq)
+        assert bm.num_held_blocks(seq) <= bound
+        # The next token (position num_computed_tokens) sees back to this position.
+        first_seen = seq.num_computed_tokens - window + 1
+        assert seq.num_dropped_blocks == max(0, first_seen) // block_size
+        assert bm.num_free_blocks == 16 - bm.num_held_blocks(seq)
+    assert len(seq.block_ids) == -(-seq.num_computed_tokens // block_size)  # ids stay put
+    bm.free(seq)
+    assert bm.num_free_blocks == 16 and all(count == 0 for count in bm.ref_counts)
+
+
+def test_without_a_window_nothing_is_dropped():
+    bm = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    seq = make_seq(list(range(6)))
+    admit(bm, seq)
+    for _ in range(40):
+        decode_one(bm, seq)
+    assert seq.num_dropped_blocks == 0 and bm.num_held_blocks(seq) == len(seq.block_ids) == 12
+
+
+def test_dropped_blocks_stay_cached_and_a_fork_shares_only_held_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True, kv_window=5)
+    parent = make_seq(list(range(14)))
+    admit(bm, parent)
+    bm.drop_behind_window(parent)
+    # The next token is 14; it sees 10..14, so blocks 0 and 1 (tokens 0..7) are dropped.
+    assert parent.num_dropped_blocks == 2
+    dropped = parent.block_ids[:2]
+    assert all(bm.ref_counts[b] == 0 for b in dropped)
+    child = make_seq(list(range(14)))
+    bm.fork(parent, child)
+    assert child.num_dropped_blocks == 2
+    assert all(bm.ref_counts[b] == 0 for b in dropped)
+    assert all(bm.ref_counts[b] == 2 for b in parent.block_ids[2:])
+    # A new prompt with the same start still finds the dropped blocks in the prefix cache.
+    again = make_seq(list(range(14)) + [99])
+    assert admit(bm, again)[:2] == dropped
+    for seq in (parent, child, again):
+        bm.free(seq)
+    assert bm.num_free_blocks == 16 and all(count == 0 for count in bm.ref_counts)
+
+
+def test_a_dropped_block_handed_to_another_sequence_is_never_registered_again():
+    """Regression: registering walks back over a sequence's unregistered full blocks (those
+    another sequence computed first); it must stop at its dropped ones, which may since have
+    gone to another sequence."""
+    bm = BlockManager(num_blocks=10, block_size=2, enable_prefix_caching=True, kv_window=2)
+    first = make_seq([1, 2, 3, 4, 5, 6, 7])
+    admit(bm, first)  # blocks 0-3, the three full ones registered
+    twin = make_seq([1, 2, 3, 4, 5, 6])
+    bm.allocate(twin, 6)  # the same tokens in blocks of its own (4-6): never registered
+    twin.num_computed_tokens = 6
+    bm.commit_full_blocks(twin)
+    bm.drop_behind_window(twin)  # its next token sees 5..6: blocks 4 and 5 dropped
+    assert twin.num_dropped_blocks == 2
+    bm.free(first)
+    other = make_seq(list(range(100, 114)))
+    bm.allocate(other, 14)  # every free block: first's (their hashes forgotten) and twin's two
+    assert set(twin.block_ids[:2]) <= set(other.block_ids)
+    bm.free(other)  # (back in the queue, unregistered)
+    decode_one(bm, twin)
+    assert all(bm.block_hashes[b] is None for b in twin.block_ids[:2])
+    assert bm.block_hashes[twin.block_ids[2]] is not None  # its held full block registered

@@ -17,7 +17,11 @@ from headrace.worker import LLM, Engine, EngineConfig
 from tests.factories import build_checkpoint, hf_greedy
 
 MAX_TOKENS = 10
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+# "+sw": a sliding window of 8, shorter than most prompts: on every layer (mistral, whose
+# blocks behind the window are given back as it decodes), and on every layer but the first
+# (qwen2's full/windowed alternation).
+WINDOWED = {"mistral+sw": ("mistral", 8), "qwen2+sw": ("qwen2", 8)}
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", *WINDOWED]
 
 # Engine options per batch composition. "preempting" gives the pool 14 blocks of 4 tokens
 # for 6 sequences that need 1 to 13 each (34 in all), so preemption must happen. "overlapped"
@@ -41,17 +45,18 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
-# The whole composition matrix runs on llama, qwen3 (qk-norm) and qwen3_moe (experts, and a
-# dense layer among them); mistral, qwen2 (qkv bias), mixtral and qwen2_moe (a shared expert)
-# run every test except the matrix, plus its hardest case, preemption. All of it on the CPU
-# backend's C kernels (what "auto" picks on a CPU); three cases again with every layer on the
-# torch reference kernels and three on the Triton kernels (Triton's CPU interpreter here,
-# compiled on a GPU): chunks mixed with decodes, and preemption.
+# The whole composition matrix runs on llama, qwen3 (qk-norm), qwen3_moe (experts, and a
+# dense layer among them) and mistral+sw (a window on every layer); mistral, qwen2 (qkv
+# bias), mixtral, qwen2_moe (a shared expert) and qwen2+sw run every test except the matrix,
+# plus its hardest case, preemption. All of it on the CPU backend's C kernels (what "auto"
+# picks on a CPU); cases again with every layer on the torch reference kernels and on the
+# Triton kernels (Triton's CPU interpreter here, compiled on a GPU): chunks mixed with
+# decodes, and preemption.
 MATRIX = [
     (family, composition, "cpu")
     for family in FAMILIES
     for composition in sorted(COMPOSITIONS)
-    if family in ("llama", "qwen3", "qwen3_moe") or composition == "preempting"
+    if family in ("llama", "qwen3", "qwen3_moe", "mistral+sw") or composition == "preempting"
 ] + [
     (family, composition, backend)
     for backend in ("reference", "triton")
@@ -59,6 +64,8 @@ MATRIX = [
         ("llama", "chunked-8"),
         ("qwen3", "preempting"),
         ("qwen2_moe", "chunked-8"),
+        ("mistral+sw", "preempting"),
+        ("qwen2+sw", "chunked-8"),
     )
 ]
 
@@ -70,7 +77,10 @@ def oracle(tmp_path_factory):
 
     def case(family: str):
         if family not in cases:
-            path = build_checkpoint(tmp_path_factory.mktemp(family), family=family)
+            model_type, window = WINDOWED.get(family, (family, None))
+            path = build_checkpoint(
+                tmp_path_factory.mktemp(model_type), family=model_type, sliding_window=window
+            )
             llm = LLM(str(path), dtype="float32", num_kv_blocks=512)
             prompts = make_prompts(llm.engine.vocab_size)
             cases[family] = (path, prompts, hf_greedy(path, prompts, MAX_TOKENS))

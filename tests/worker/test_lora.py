@@ -236,3 +236,23 @@ def test_tensor_parallel_equals_single_rank(case):
         engine.close()
     for name in ("a", "b", None):
         assert [tokens[f"{name}-{i}"] for i in range(len(prompts))] == expected[name]
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_adapters_on_a_sliding_window_model_equal_peft(tmp_path, family):
+    """Windowed attention (every layer, or alternating with full) under an adapter on
+    every projection: the mixed batch equals PEFT."""
+    base = build_checkpoint(tmp_path / "base", family, sliding_window=8)
+    adapter = build_adapter(base, tmp_path / "a", seed=1, rank=8, alpha=16)
+    prompts = make_prompts(256, seed=3)
+    expected = {
+        None: hf_greedy(base, prompts, MAX_TOKENS),
+        "a": hf_lora_greedy(base, adapter, prompts, MAX_TOKENS),
+    }
+    assert expected["a"] != expected[None]
+    llm = LLM(str(base), dtype="float32", lora_modules=(("a", adapter),), max_num_batched_tokens=16)
+    batch = [(prompt, name) for prompt in prompts for name in (None, "a")]
+    results = llm.generate([p for p, _ in batch], greedy(), adapter=[n for _, n in batch])
+    for name in (None, "a"):
+        got = [r.token_ids for (_, n), r in zip(batch, results, strict=True) if n == name]
+        assert got == expected[name]

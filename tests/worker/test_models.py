@@ -72,6 +72,10 @@ VARIANTS = [
     variant("mixtral"),
     variant("qwen2_moe", sharded=True),
     variant("qwen3_moe", tie_word_embeddings=True),
+    # Sliding windows shorter than the prompts: every layer, and alternating with full.
+    variant("mistral", sliding_window=4),
+    variant("qwen3", sliding_window=4),
+    variant("qwen2_moe", sliding_window=4),
 ]
 
 
@@ -327,11 +331,42 @@ def test_unsupported_model_type_names_it_and_the_supported_ones(tmp_path):
     assert "llama" in str(info.value) and "qwen3" in str(info.value)
 
 
-def test_sliding_window_shorter_than_context_is_refused(tmp_path):
-    path = build_checkpoint(tmp_path, "mistral", max_position_embeddings=512)
+def hf_config_of(family: str, **kwargs: Any) -> Any:
+    return AutoConfig.from_pretrained(cached_checkpoint(family, **kwargs))
+
+
+@pytest.mark.parametrize(
+    ("family", "window", "full_layers"),
+    [
+        ("mistral", 128, set()),  # every layer
+        ("mixtral", 128, set()),
+        ("qwen3_moe", 128, set()),
+        ("qwen2", 128, {0}),  # layer_types: windows from max_window_layers on
+        ("qwen2_moe", 128, {1}),  # ... and before it
+        ("mistral", None, set()),
+    ],
+)
+def test_sliding_windows_are_read_per_layer_as_transformers_reads_them(family, window, full_layers):
+    config = ModelConfig.from_hf(hf_config_of(family, sliding_window=window))
+    assert config.full_attention_layers == full_layers
+    assert [config.window_of(i) for i in range(2)] == [
+        None if i in full_layers else window for i in range(2)
+    ]
+    # Blocks behind a window are only given back where every layer keeps to it.
+    assert config.kv_window == (window if not full_layers else None)
+
+
+def test_a_window_no_sequence_can_outgrow_is_no_window():
+    config = ModelConfig.from_hf(hf_config_of("mistral", sliding_window=512))
+    assert config.sliding_window is None and config.kv_window is None
+
+
+def test_an_unknown_layer_type_is_refused_by_name(tmp_path):
+    path = build_checkpoint(tmp_path, "qwen2", sliding_window=8)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 128}))
-    with pytest.raises(UnsupportedModelError, match="sliding"):
+    layer_types = ["chunked_attention", "sliding_attention"]
+    (path / "config.json").write_text(json.dumps({**config, "layer_types": layer_types}))
+    with pytest.raises(UnsupportedModelError, match="chunked_attention"):
         load(path)
 
 

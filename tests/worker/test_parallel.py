@@ -134,6 +134,20 @@ def mixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return path, reference
 
 
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A sliding window of 8 on every layer (Mistral: blocks behind it given back as it
+    decodes) or every layer but the first (Qwen2), 3 layers; checked against transformers."""
+    path = build_checkpoint(
+        tmp_path_factory.mktemp(request.param), request.param, num_layers=3, sliding_window=8
+    )
+    reference = run(path, max_num_batched_tokens=16, block_size=4)
+    greedy = {rid: p for rid, p, c in workload(512) if c.temperature == 0}
+    oracle = hf_greedy(path, list(greedy.values()), MAX_TOKENS)
+    assert [reference.tokens[rid][0] for rid in greedy] == oracle
+    return path, reference
+
+
 def assert_same(parallel: Run, reference: Run) -> None:
     assert parallel.tokens == reference.tokens
     assert parallel.num_mixed_steps > 0
@@ -183,6 +197,21 @@ def test_mixture_of_experts_split_over_ranks_equals_single_rank(mixture, tp, pp)
     path, reference = mixture
     parallel = run(
         path, max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp
+    )
+    assert_same(parallel, reference)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
+def test_sliding_windows_split_over_ranks_equal_single_rank(windowed, tp, pp):
+    """Every rank's layers keep their windows; the blocks rank 0's scheduler gives back
+    stay in the other ranks' tables as stale ids that attention never reads."""
+    path, reference = windowed
+    parallel = run(
+        path,
+        max_num_batched_tokens=16,
+        block_size=4,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
     )
     assert_same(parallel, reference)
 

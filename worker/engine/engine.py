@@ -95,7 +95,10 @@ class Engine:
         self.runner = self.executor.runner
         self.vocab_size = self.runner.model.vocab_size
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.runner.model.kv_window,
         )
         #: The draft model's engine, proposing for speculative decoding (None: prompt
         #: lookup, if speculating).

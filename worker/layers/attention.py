@@ -1,4 +1,5 @@
-"""The attention op of one layer over the paged KV cache: store the new K/V, then attend.
+"""The attention op of one layer over the paged KV cache: store the new K/V, then attend
+(causally, or within the layer's sliding window).
 
 This layer has no weights: projections and rotary live in the model's attention block, and
 the kernels (Triton on CUDA, torch reference elsewhere) come as the engine's `KernelSet`.
@@ -13,7 +14,13 @@ from torch import nn
 
 class Attention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, kernels: KernelSet
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        kernels: KernelSet,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.kernels = kernels
@@ -22,6 +29,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        #: The keys a token sees, its own included (None: all of its sequence's).
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -32,4 +41,6 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         self.kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return self.kernels.paged_attention(query, kv_cache, metadata, self.scale)
+        return self.kernels.paged_attention(
+            query, kv_cache, metadata, self.scale, self.sliding_window
+        )

@@ -53,12 +53,26 @@ class ModelConfig:
     rope: RopeConfig
     #: The mixture of experts in place of the MLP (of the layers it names); None: dense.
     moe: MoeConfig | None = None
+    #: The sliding-window layers' window: the keys a token sees, its own included (None: no
+    #: layer has one). Every layer but those in full_attention_layers keeps to it.
+    sliding_window: int | None = None
+    full_attention_layers: frozenset[int] = frozenset()
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer ``layer``'s window, or None where it attends to the whole sequence."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer keeps to, so the KV behind it is never read again; None
+        where some layer sees the whole sequence."""
+        return None if self.full_attention_layers else self.sliding_window
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         model_type = str(hf_config.model_type)
         _check_activation(hf_config)
-        _check_full_attention(hf_config)
+        sliding_window, full_attention_layers = windows_from_hf(hf_config)
         num_heads = int(hf_config.num_attention_heads)
         head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
@@ -84,7 +98,28 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_config_from_hf(hf_config, head_dim),
             moe=moe_config_from_hf(hf_config) if model_type in MOE_MODEL_TYPES else None,
+            sliding_window=sliding_window,
+            full_attention_layers=full_attention_layers,
         )
+
+
+def windows_from_hf(hf_config: Any) -> tuple[int | None, frozenset[int]]:
+    """The sliding window and the layers that attend fully despite it, as transformers reads
+    them: a ``layer_types`` list names each layer's kind (Qwen2/3, Qwen2-MoE; they drop the
+    window unless ``use_sliding_window``); without one, a window applies to every layer
+    (Mistral, Mixtral, Qwen3-MoE). A window no sequence can outgrow is no window."""
+    window = getattr(hf_config, "sliding_window", None)
+    num_layers = int(hf_config.num_hidden_layers)
+    if window is None or window >= int(hf_config.max_position_embeddings):
+        return None, frozenset()
+    if int(window) < 1:
+        raise UnsupportedModelError(f"sliding_window {window} is not a positive length")
+    layer_types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * num_layers
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
+    full = frozenset(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    return (None, frozenset()) if len(full) == num_layers else (int(window), full)
 
 
 def moe_config_from_hf(hf_config: Any) -> MoeConfig | None:
@@ -162,23 +197,3 @@ def _check_activation(hf_config: Any) -> None:
     activation = getattr(hf_config, "hidden_act", "silu")
     if activation != "silu":
         raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (only 'silu')")
-
-
-def _check_full_attention(hf_config: Any) -> None:
-    """Sliding-window attention is not implemented; a window it can never hit is harmless.
-
-    Mistral sets ``sliding_window`` and applies it to every layer; Qwen2/3 apply it only to
-    layers whose ``layer_types`` entry is "sliding_attention" (and drop it unless
-    ``use_sliding_window``).
-    """
-    window = getattr(hf_config, "sliding_window", None)
-    max_position = int(hf_config.max_position_embeddings)
-    if window is None or window >= max_position:
-        return
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return
-    raise UnsupportedModelError(
-        f"sliding-window attention (window {window} < max_position_embeddings {max_position}) "
-        "is not supported"
-    )

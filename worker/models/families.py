@@ -9,12 +9,12 @@ from __future__ import annotations
 #: model_type -> what headrace runs of the family, and what it lacks (`headrace models list`).
 FAMILIES: dict[str, str] = {
     "llama": "Llama 1-3 (Llama 3 and linear rope scaling)",
-    "mistral": "Mistral; a sliding window shorter than the context is refused",
-    "qwen2": "Qwen2 / Qwen2.5; sliding-window layers are refused",
-    "qwen3": "Qwen3 (q/k norms); sliding-window layers are refused",
-    "mixtral": "Mixtral (mixture of experts); no LoRA on the experts; sliding window refused",
+    "mistral": "Mistral (sliding window)",
+    "qwen2": "Qwen2 / Qwen2.5 (sliding-window layers)",
+    "qwen3": "Qwen3 (q/k norms, sliding-window layers)",
+    "mixtral": "Mixtral (mixture of experts, sliding window); no LoRA on the experts",
     "qwen2_moe": "Qwen2-MoE (shared expert); no LoRA on the experts",
     "qwen3_moe": "Qwen3-MoE; no LoRA on the experts",
 }
 #: Families people ask for that headrace does not run yet.
-NOT_YET = "gemma2, gemma3_text, phi3, gpt_oss (and sliding-window attention)"
+NOT_YET = "gemma2, gemma3_text, phi3, gpt_oss"

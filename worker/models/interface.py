@@ -19,6 +19,9 @@ class CausalLM(Protocol):
     head_dim: int
     vocab_size: int
     hidden_size: int
+    #: The sliding window every layer of the whole model keeps to (the KV behind a
+    #: sequence's window is never read again); None where some layer sees everything.
+    kv_window: int | None
 
     def __call__(
         self,

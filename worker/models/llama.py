@@ -37,6 +37,7 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
+        layer: int,
         parallel: ParallelConfig,
         dtype: torch.dtype,
         kernels: KernelSet,
@@ -69,7 +70,14 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads_per_rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.head_dim = head_dim
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, kernels)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            head_dim,
+            head_dim**-0.5,
+            kernels,
+            config.window_of(layer),
+        )
         self.kernels = kernels
 
     def forward(
@@ -100,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         kernels: KernelSet,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, parallel, dtype, kernels)
+        self.self_attn = LlamaAttention(config, layer, parallel, dtype, kernels)
         self.mlp: GatedMLP | SparseMoe
         if config.moe is not None and config.moe.is_sparse(layer):
             self.mlp = SparseMoe(config.hidden_size, config.moe, parallel, dtype, kernels)
@@ -140,6 +148,7 @@ class LlamaDecoderLayer(nn.Module):
             post_norm=self.post_attention_layernorm.weight,
             gate_up=mlp.gate_up_proj.matrix(),
             down=mlp.down_proj.matrix(),
+            sliding_window=attn.attn.sliding_window,
         )
 
     def forward(
@@ -307,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.hidden_size = config.hidden_size
         self.max_position_embeddings = config.max_position_embeddings
+        self.kv_window = config.kv_window  # (the whole model's, as the scheduler needs)
 
     @classmethod
     def from_hf_config(

@@ -23,6 +23,13 @@ Beam search forks a sequence (`fork`): the child holds the parent's blocks (ref 
 A sequence about to write into a block it shares (the partial last block of a fork) first
 copies it to a fresh block of its own (copy-on-write); the copies a step needs are handed to
 the runner with the step (`take_copies`) and run before its forward pass.
+
+Sliding windows. Where every layer of the model attends within a window (``kv_window``), a
+block wholly behind a sequence's window is never read again: `drop_behind_window` gives it
+back after each step, so a long generation holds about ``window / block_size`` blocks. The
+dropped ids stay at the front of ``seq.block_ids`` (``seq.num_dropped_blocks`` of them) so
+block indices keep meaning positions; attention never reads them (see
+`headrace.kernels.attention`). A dropped block keeps its prefix hash like any freed block.
 """
 
 from __future__ import annotations
@@ -46,11 +53,19 @@ def chain_hash(prev_hash: int, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        kv_window: int | None = None,
+    ) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        #: The sliding window every layer keeps to (None: some layer reads all the KV).
+        self.kv_window = kv_window
         self.ref_counts = [0] * num_blocks
         #: Registered hash of each block (None while the block is partial or unregistered).
         self.block_hashes: list[int | None] = [None] * num_blocks
@@ -177,7 +192,8 @@ class BlockManager:
         assert not child.block_ids
         num_blocks = self.num_blocks_for(parent.num_computed_tokens)
         child.block_ids = parent.block_ids[:num_blocks]
-        for block_id in child.block_ids:
+        child.num_dropped_blocks = parent.num_dropped_blocks
+        for block_id in child.block_ids[child.num_dropped_blocks :]:
             self._ref(block_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
@@ -194,7 +210,7 @@ class BlockManager:
             return  # (an older epoch's KV is never offered to others)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_ids))
         self._extend_hashes(seq, num_full)
-        for i in range(num_full - 1, -1, -1):
+        for i in range(num_full - 1, seq.num_dropped_blocks - 1, -1):
             block_id = seq.block_ids[i]
             if self.block_hashes[block_id] is not None:
                 break  # this block and every one before it are already registered
@@ -207,12 +223,26 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; the tail goes to the free queue first, so it is evicted first."""
-        for block_id in reversed(seq.block_ids):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0
-            if self.ref_counts[block_id] == 0:
-                self.free_queue[block_id] = None
+        for block_id in reversed(seq.block_ids[seq.num_dropped_blocks :]):
+            self._unref(block_id)
         seq.block_ids = []
+        seq.num_dropped_blocks = 0
+
+    def drop_behind_window(self, seq: Sequence) -> None:
+        """Give back the blocks wholly behind the window of seq's next token (the first not
+        computed): the keys it and every later token see start at position
+        ``num_computed_tokens - kv_window + 1``."""
+        if self.kv_window is None:
+            return
+        first_seen = max(0, seq.num_computed_tokens - self.kv_window + 1)
+        num_behind = min(first_seen // self.block_size, len(seq.block_ids))
+        for block_id in seq.block_ids[seq.num_dropped_blocks : num_behind]:
+            self._unref(block_id)
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks, num_behind)
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """The blocks seq holds a reference to (its dropped ones not counted)."""
+        return len(seq.block_ids) - seq.num_dropped_blocks
 
     def trim(self, seq: Sequence) -> None:
         """Free seq's blocks past those its tokens need (KV written for proposals that were
@@ -223,6 +253,12 @@ class BlockManager:
             assert self.ref_counts[block_id] == 0, "a block past a sequence's tokens is its own"
             self.free_queue[block_id] = None
         del seq.block_ids[keep:]
+
+    def _unref(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        assert self.ref_counts[block_id] >= 0
+        if self.ref_counts[block_id] == 0:
+            self.free_queue[block_id] = None
 
     def _ref(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:

@@ -418,7 +418,7 @@ class Scheduler:
 
     def update_from_output(self, step: SchedulerOutput, sampled: list[SampledToken]) -> None:
         """Apply a step's results: its chunks' tokens count as computed (full blocks enter the
-        prefix cache), each live sequence's sampled tokens are appended (a speculating one
+        prefix cache, blocks a sliding window has passed are given back), each live sequence's sampled tokens are appended (a speculating one
         may have several: its accepted proposals and the model's next token), and the
         sequences the stop checks end are finished, their blocks freed."""
         for chunk in step.chunks:
@@ -443,6 +443,7 @@ class Scheduler:
         if seq.num_computed_tokens // block_size != chunk.start // block_size:
             self.block_manager.commit_full_blocks(seq)
         self.block_manager.trim(seq)
+        self.block_manager.drop_behind_window(seq)
 
     def _advance_computed(self, chunk: ScheduledChunk) -> None:
         seq, block_size = chunk.seq, self.block_manager.block_size
@@ -450,6 +451,7 @@ class Scheduler:
         seq.num_computed_tokens = before + chunk.num_new_tokens
         if seq.num_computed_tokens // block_size != before // block_size:
             self.block_manager.commit_full_blocks(seq)
+        self.block_manager.drop_behind_window(seq)
 
     def _append(self, token: SampledToken) -> None:
         seq = token.seq
