@@ -42,6 +42,7 @@ class KernelSet(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # keys a query sees, its own included; None: all
+        softcap: float | None = None,  # scores s -> softcap * tanh(s / softcap); None: as is
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
     def rms_norm(

@@ -108,21 +108,23 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each new token over its sequence's cached + new K/V; with a
     sliding window, over the last ``sliding_window`` positions up to and including its own
-    (see `headrace.kernels.attention` for the blocks before a window)."""
+    (see `headrace.kernels.attention` for the blocks before a window); with a soft cap, each
+    score s becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2)."""
     out = torch.empty_like(query)
     query_start_loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     num_decode_seqs = metadata.num_decode_seqs
     if num_decode_seqs:
         rows = query_start_loc[num_decode_seqs]
-        out[:rows] = _decode(query[:rows], kv_cache, metadata, scale, sliding_window)
+        out[:rows] = _decode(query[:rows], kv_cache, metadata, scale, sliding_window, softcap)
     for i in range(num_decode_seqs, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         table = metadata.block_tables[i : i + 1]
         out[start:end] = extend(
-            query[start:end], kv_cache, table, seq_lens[i], scale, sliding_window
+            query[start:end], kv_cache, table, seq_lens[i], scale, sliding_window, softcap
         )
     return out
 
@@ -160,6 +162,7 @@ def _decode(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """All decode sequences at once: gather K/V padded to the longest, mask the padding.
 
@@ -190,9 +193,7 @@ def _decode(
         hidden = ~visible[:, None, :, None]  # [B, 1, L, 1]
         key, value = key.masked_fill(hidden, 0), value.masked_fill(hidden, 0)
     q = query.unsqueeze(2).to(key.dtype)  # [B, H, 1, D]
-    out = F.scaled_dot_product_attention(
-        q, key, value, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=_is_gqa(q, key)
-    )
+    out = _attend(q, key, value, visible[:, None, None, :], scale, softcap)
     return out.squeeze(2).to(query.dtype)
 
 
@@ -203,6 +204,7 @@ def extend(
     seq_len: int,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One prefill chunk: new tokens attend to the cached prefix and causally to themselves
     (within the window, where there is one: the gather starts at its first query's window)."""
@@ -213,10 +215,9 @@ def extend(
     table = block_table[:, first_block:]
     key, value = _widen(*gather_kv(kv_cache, table, seq_len - first_pos))  # [1, Hkv, L, D]
     q = query.transpose(0, 1).unsqueeze(0).to(key.dtype)  # [1, H, Q, D]
-    gqa = _is_gqa(q, key)
-    if num_queries == seq_len and sliding_window is None:
+    if num_queries == seq_len and sliding_window is None and softcap is None:
         out = F.scaled_dot_product_attention(
-            q, key, value, is_causal=True, scale=scale, enable_gqa=gqa
+            q, key, value, is_causal=True, scale=scale, enable_gqa=_is_gqa(q, key)
         )
     else:
         # Query j sits at position seq_len - Q + j and sees keys up to and including it
@@ -226,10 +227,31 @@ def extend(
         mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        out = F.scaled_dot_product_attention(
-            q, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
+        out = _attend(q, key, value, mask, scale, softcap)
     return out[0].transpose(0, 1).to(query.dtype)
+
+
+def _attend(
+    query: torch.Tensor,  # [B, H, Q, D]
+    key: torch.Tensor,  # [B, Hkv, L, D]
+    value: torch.Tensor,  # [B, Hkv, L, D]
+    mask: torch.Tensor,  # bool, broadcast to [B, H, Q, L]: the keys each query sees
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [B, H, Q, D]
+    """SDPA, or with a soft cap the same written out as transformers' Gemma 2 eager attention
+    computes it: scaled scores capped, masked, softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=_is_gqa(query, key)
+        )
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
 
 
 def _widen(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,9 +106,10 @@ def build_paged_batch(
     return PagedBatch(query, cache, metadata, keys, values, seqs)
 
 
-def contiguous_attention(q, k, v, num_queries, sliding_window=None):
-    """SDPA in float32 for one sequence: the last num_queries tokens attend causally to all
-    of k/v ([L, Hkv, D], contiguous), or to the last sliding_window positions of it."""
+def contiguous_attention(q, k, v, num_queries, sliding_window=None, softcap=None):
+    """Attention in float32 for one sequence: the last num_queries tokens attend causally to
+    all of k/v ([L, Hkv, D], contiguous), or to the last sliding_window positions of it; with
+    a softcap, each scaled score s is softcap * tanh(s / softcap)."""
     q, k, v = q.float(), k.float(), v.float()
     seq_len = k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -119,5 +120,10 @@ def contiguous_attention(q, k, v, num_queries, sliding_window=None):
     mask = k_pos <= q_pos[:, None]
     if sliding_window is not None:
         mask &= k_pos > q_pos[:, None] - sliding_window
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
-    return out.transpose(0, 1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+        return out.transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, Q, L]
+    scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ v).transpose(0, 1)

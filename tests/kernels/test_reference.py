@@ -53,6 +53,29 @@ def test_sliding_window_attention_matches_sdpa_and_skips_freed_blocks(
         torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_attention_matches_the_capped_scores(sliding_window, dtype):
+    torch.manual_seed(0)
+    batch = build_paged_batch(WINDOW_SEQS, 3, 4, 6, 2, 64, dtype, sliding_window=sliding_window)
+    batch.query.mul_(8)  # scores well past the cap, so capping changes them
+    out = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap=2.0
+    )
+    uncapped = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window
+    )
+    assert not torch.allclose(out.float(), uncapped.float(), atol=0.1)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (_, num_new) in enumerate(WINDOW_SEQS):
+        q = batch.queries(i)
+        expected = contiguous_attention(
+            q, batch.keys[i], batch.values[i], num_new, sliding_window, softcap=2.0
+        )
+        got = out[batch.metadata.query_start_loc_cpu[i] : batch.metadata.query_start_loc_cpu[i + 1]]
+        torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_transformers(dtype):
     torch.manual_seed(0)
