@@ -10,6 +10,7 @@ speculating sequence's proposals, a short prompt); the model asks `DecoderStack.
 keeps to the per-op path otherwise. The four matrices of every
 layer may instead be quantized alike (`headrace.kernels.quantized`: the same bits, and groups
 of one size or one per row), and the KV cache may be int8 (`headrace.kernels.kv_layout`).
+Each layer attends within its own sliding window, or to every key.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class DecoderLayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Matrix  # [2 I, hidden]
     down: Matrix  # [hidden, I]
+    #: Keys a query sees, its own included (`cpu_ops.paged_attention`'s); None: all.
+    sliding_window: int | None = None
 
     def norms(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.input_norm, self.post_norm)
@@ -92,6 +95,10 @@ class DecoderStack:
         #: (bits, group size, int8 activations) of the matrices: (0, 0, 0) in the dtype; a
         #: group of 0 is a row.
         self.weights = _common_layout(matrices, self.dtype)
+        #: [L] int32: each layer's window as decode_stack.c takes it (0: none).
+        self.sliding_windows = torch.tensor(
+            [layer.sliding_window or 0 for layer in layers], dtype=torch.int32
+        )
         in_kernel = all(_in_kernel(t, self.dtype) for t in norms)
         self.usable = cpu_ops.available() and in_kernel and self.weights is not None
 
@@ -184,6 +191,7 @@ def decode_layers(
         out.shape[0],
         len(stack.layers),
         pointers.data_ptr(),
+        stack.sliding_windows.data_ptr(),
         stack.final_norm.data_ptr(),
         shape.eps,
         shape.hidden_size,

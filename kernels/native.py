@@ -54,7 +54,7 @@ _SIGNATURES = {
         [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P]
         + [_INT] * 5
         + [ctypes.c_float]
-        + [_INT] * 3
+        + [_INT] * 4
         + [_P],
         _INT,
     ),
@@ -83,7 +83,7 @@ _SIGNATURES = {
         None,
     ),
     "headrace_decode_layers": (
-        [_P, _I64, _INT, _P, _P, ctypes.c_float, _I64, _I64]
+        [_P, _I64, _INT, _P, _P, _P, ctypes.c_float, _I64, _I64]
         + [_INT] * 6
         + [_I64, _INT]
         + [_P] * 4

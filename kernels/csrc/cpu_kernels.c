@@ -5,8 +5,9 @@
    loaded, so these kernels and torch's share one thread pool and torch.set_num_threads.
 
    - paged_attention: causal attention of every query row of a varlen batch over its
-     sequence's K/V, read block by block from the paged cache in place (no gather, no padding).
-     Decode rows (one query) and prefill chunks (many) take the same path.
+     sequence's K/V, read block by block from the paged cache in place (no gather, no padding),
+     within a sliding window where the layer has one. Decode rows (one query) and prefill
+     chunks (many) take the same path.
    - write_kv_cache: scatter new K/V rows into their cache slots.
    - argmax_update: each row's first maximum over column blocks that arrive in order (the
      greedy LM head's vocabulary slices), kept running.
@@ -218,6 +219,8 @@ typedef struct {
     /* the queries' and output's dtype, and the cache's (I8: rows with their scale) */
     int dtype, kv_dtype;
     float scale;
+    /* keys a query sees, its own included (the query at p sees p - W + 1 .. p); 0: all */
+    int sliding_window;
     void *out; /* [T, H, D] contiguous, dtype */
     /* head_dim rounded up to whole v16s: every float32 row below is padded with zeros. */
     int padded_dim;
@@ -374,11 +377,15 @@ static void score_by_transpose(const Attention *a, Scratch *s, int row0, int row
 }
 
 /* Fold the tile's scores into row r's online softmax: keys [first, first + count) of which the
-   row sees those up to last_key (its own position). Leaves the row's probabilities in scores. */
-static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int last_key) {
+   row sees those from first_key (its window's first) up to last_key (its own position). Leaves
+   the row's probabilities in scores. A row that saw none of them would be left as it was,
+   with probabilities zero (selected lanes: whatever exp made of -inf - -inf is dropped), but
+   attend_key_tile passes no such row: a window's rows past the tile are skipped. */
+static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int first_key,
+                           int last_key) {
     int visible = last_key - first + 1;
     visible = visible < count ? visible : count;
-    const v16i seen = LANE_INDEX < visible;
+    const v16i seen = (LANE_INDEX >= first_key - first) & (LANE_INDEX < visible);
     const v16 scores = select_lanes(seen, s->scores[r], splat(-INFINITY));
     const float old_max = s->row_max[r], tile_max = hmax(scores);
     const float new_max = tile_max > old_max ? tile_max : old_max;
@@ -448,11 +455,17 @@ static void load_queries(const Attention *a, const Tile *t, int kvh, Scratch *s,
     }
 }
 
+/* The first key the query at position pos sees: its window's first, or 0 without a window. */
+static inline int window_start(const Attention *a, int pos) {
+    const int start = pos - a->sliding_window + 1;
+    return a->sliding_window > 0 && start > 0 ? start : 0;
+}
+
 /* Where a tile's rows sit: its sequence's first query row and block table, the position of
-   its first query, its rows (query, head-in-group pairs) per KV head and the keys its last
-   query sees. */
+   its first query, its rows (query, head-in-group pairs) per KV head, the first key its first
+   query sees and the keys its last query sees (its key tiles span [first_key, num_keys)). */
 typedef struct {
-    int q_first, first_pos, rows, num_keys;
+    int q_first, first_pos, rows, first_key, num_keys;
     const int32_t *table;
 } TileSpan;
 
@@ -462,7 +475,11 @@ static TileSpan tile_span(const Attention *a, const Tile *t) {
     const int num_queries = a->query_start_loc[t->seq + 1] - q_first;
     /* Query i of the sequence sits at position seq_len - num_queries + i. */
     const int first_pos = a->seq_lens[t->seq] - num_queries;
-    return (TileSpan){q_first, first_pos, (t->q_end - t->q_begin) * group, first_pos + t->q_end,
+    return (TileSpan){q_first,
+                      first_pos,
+                      (t->q_end - t->q_begin) * group,
+                      window_start(a, first_pos + t->q_begin),
+                      first_pos + t->q_end,
                       a->block_tables + (int64_t)t->seq * a->block_table_stride};
 }
 
@@ -471,20 +488,25 @@ static void attend_key_tile(const Attention *a, const Tile *t, const TileSpan *s
                             int first, Scratch *s) {
     const int group = a->num_heads / a->num_kv_heads, rows = span->rows;
     const int count = span->num_keys - first < LANES ? span->num_keys - first : LANES;
+    const int position0 = span->first_pos + t->q_begin;
     load_key_tile(a, span->table, kvh, first, count, s);
-    /* Rows ascend in position: skip those that see none of this tile. */
-    int row0 = 0;
-    while (row0 < rows && span->first_pos + t->q_begin + row0 / group < first) row0++;
-    if (rows - row0 >= TRANSPOSE_MIN_ROWS) {
-        score_by_transpose(a, s, row0, rows, count);
+    /* Rows ascend in position, and so do their windows: skip those that see none of this
+       tile, before it (their own position precedes it) or past it (their window starts
+       after it). The rows between see some of it; without a window, all rows after row0. */
+    int row0 = 0, row_end = rows;
+    while (row0 < rows && position0 + row0 / group < first) row0++;
+    while (row_end > row0 && window_start(a, position0 + (row_end - 1) / group) >= first + count)
+        row_end--;
+    if (row_end - row0 >= TRANSPOSE_MIN_ROWS) {
+        score_by_transpose(a, s, row0, row_end, count);
     } else {
-        score_by_dots(a, s, row0, rows, count);
+        score_by_dots(a, s, row0, row_end, count);
     }
-    for (int r = row0; r < rows; r++) {
-        const int position = span->first_pos + t->q_begin + r / group;
-        softmax_update(s, r, a->padded_dim, first, count, position);
+    for (int r = row0; r < row_end; r++) {
+        const int position = position0 + r / group;
+        softmax_update(s, r, a->padded_dim, first, count, window_start(a, position), position);
     }
-    accumulate_values(a, s, row0, rows, count);
+    accumulate_values(a, s, row0, row_end, count);
 }
 
 /* The tile's rows of KV head kvh, normalised, into the output. */
@@ -501,11 +523,18 @@ static void store_tile(const Attention *a, const Tile *t, const TileSpan *span, 
     }
 }
 
-/* The tile's rows of one KV head, key tile by key tile. */
+/* The tile's rows of one KV head, key tile by key tile.
+
+   With a window, the key tiles start at the first key the tile's first query sees, wherever
+   that falls in its block (tiles are then not aligned to 16 keys): no key before it is read,
+   so neither is any block before the one holding it. Those blocks' table entries may be
+   stale (the scheduler frees a block once every window has passed it), and a masked lane
+   would not do: 0 * NaN is NaN. The first query of a sequence sees the earliest key any of
+   its queries sees. Without a window the tiles start at key 0, as they always have. */
 static void run_tile(const Attention *a, const Tile *t, int kvh, Scratch *s) {
     const TileSpan span = tile_span(a, t);
     load_queries(a, t, kvh, s, span.rows);
-    for (int first = 0; first < span.num_keys; first += LANES) {
+    for (int first = span.first_key; first < span.num_keys; first += LANES) {
         attend_key_tile(a, t, &span, kvh, first, s);
     }
     store_tile(a, t, &span, kvh, s);
@@ -522,7 +551,7 @@ static void run_tile_heads(const Attention *a, const Tile *t, Scratch *heads) {
     for (int kvh = 0; kvh < a->num_kv_heads; kvh++) {
         load_queries(a, t, kvh, &heads[kvh], span.rows);
     }
-    for (int first = 0; first < span.num_keys; first += LANES) {
+    for (int first = span.first_key; first < span.num_keys; first += LANES) {
         for (int kvh = 0; kvh < a->num_kv_heads; kvh++) {
             attend_key_tile(a, t, &span, kvh, first, &heads[kvh]);
         }
@@ -570,14 +599,14 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
                         int64_t block_table_stride, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const int32_t *seq_ids, int num_selected,
                         int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int dtype, int kv_dtype, int query_tile, void *out,
-                        int *failed) {
+                        float scale, int sliding_window, int dtype, int kv_dtype,
+                        int query_tile, void *out, int *failed) {
     const int padded_dim = (head_dim + LANES - 1) / LANES * LANES;
     Attention a = {query,        query_stride_token, query_stride_head, kv_cache,
                    block_tables, block_table_stride, query_start_loc,   seq_lens,
                    num_heads,    num_kv_heads,       head_dim,          block_size,
-                   dtype,        kv_dtype,           scale,             out,
-                   padded_dim,   kv_dtype == F32 && head_dim == padded_dim};
+                   dtype,        kv_dtype,           scale,             sliding_window,
+                   out,          padded_dim,         kv_dtype == F32 && head_dim == padded_dim};
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     /* each thread's own list (a few entries per sequence): no thread waits for another's */
     Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
@@ -633,21 +662,24 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
 /* Attention of the query rows of the sequences seq_ids[0..num_selected) of a varlen batch
    (rows of other sequences are left alone). Returns 0, or -1 if scratch memory could not be
    allocated. `query_tile`: queries of one sequence handled together (they share each key
-   tile); decode sequences have one. */
+   tile); decode sequences have one. `sliding_window`: keys a query sees, its own included (0:
+   all); the block-table entries before the block holding the first key a sequence's first
+   query sees are never read. */
 int headrace_paged_attention(const void *query, int64_t query_stride_token,
                              int64_t query_stride_head, const void *kv_cache,
                              const int32_t *block_tables, int64_t block_table_stride,
                              const int32_t *query_start_loc, const int32_t *seq_lens,
                              const int32_t *seq_ids, int num_selected, int num_heads,
                              int num_kv_heads, int head_dim, int block_size, float scale,
-                             int dtype, int kv_dtype, int query_tile, void *out) {
+                             int sliding_window, int dtype, int kv_dtype, int query_tile,
+                             void *out) {
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     int failed = 0;
 #pragma omp parallel if ((int64_t)num_tiles * num_kv_heads > 1)
     hr_paged_attention(query, query_stride_token, query_stride_head, kv_cache, block_tables,
                        block_table_stride, query_start_loc, seq_lens, seq_ids, num_selected,
-                       num_heads, num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype,
-                       query_tile, out, &failed);
+                       num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
+                       dtype, kv_dtype, query_tile, out, &failed);
     return failed ? -1 : 0;
 }
 

@@ -14,7 +14,8 @@
    too, or all quantized alike (kernels/quantized.py: the same bits and group size). The
    caller checks that a step fits (few enough rows for the skinny matmul: decodes, and short
    chunks, whose attention is the same paged-attention call as the per-op path's) and keeps
-   to the per-op path otherwise. */
+   to the per-op path otherwise. Each layer attends within its own sliding window, or to all
+   keys (sliding_windows). */
 
 #include <stdlib.h>
 #include <string.h>
@@ -96,7 +97,8 @@ static void matmul(const void *x, int64_t T, const int64_t *matrix, Weights w, i
    and the KV cache are then undefined). */
 int headrace_decode_layers(
     void *hidden, int64_t T, int num_layers,
-    const int64_t *layers, /* [num_layers, LAYER_TENSORS] data pointers */
+    const int64_t *layers,          /* [num_layers, LAYER_TENSORS] data pointers */
+    const int32_t *sliding_windows, /* [num_layers]: each layer's window, 0 for none */
     const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
     int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype, int weight_bits,
     int64_t group_size, int int8_activations,
@@ -136,8 +138,8 @@ int headrace_decode_layers(
                           num_kv_heads, head_dim, block_size, dtype, kv_dtype);
         hr_paged_attention(b.query, H * D, D, kv_cache, block_tables, block_table_stride,
                            query_start_loc, seq_lens, seq_ids, num_seqs, num_heads,
-                           num_kv_heads, head_dim, block_size, scale, dtype, kv_dtype,
-                           query_tile, b.attention, &failed);
+                           num_kv_heads, head_dim, block_size, scale, sliding_windows[l],
+                           dtype, kv_dtype, query_tile, b.attention, &failed);
         matmul(b.attention, T, t + O_PROJ, w, hidden_size, H * D, b.hidden, dtype, b.wide);
         hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, (const void *)t[POST_NORM],
                     eps, b.normed, b.residual, T, hidden_size, dtype);

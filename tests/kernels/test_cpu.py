@@ -1,6 +1,7 @@
 """The C kernels of the CPU backend equal the torch references: attention read from the paged
 cache in place (decodes, prefills, mixed; GQA; block sizes that do and do not divide the key
-tile; fp32 / bf16 / fp16; strided queries), the KV-cache write bit for bit, and argmax with
+tile; fp32 / bf16 / fp16; strided queries; sliding windows, never reading the freed blocks
+before one), the KV-cache write bit for bit, and argmax with
 ties and NaN as numpy breaks them, and the skinny linear against a float64 matmul (float32
 weights) or a float32 matmul of the same values (bf16 / fp16 weights), bit for bit the same
 for a row alone as in a batch. Also: the build is cached, and a machine without a
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from headrace.kernels import cpu_ops, native, reference, select_kernels
-from headrace.kernels.attention import AttentionMetadata
+from headrace.kernels.attention import AttentionMetadata, window_first_blocks
 
 from tests.kernels import needs_c_compiler
 from tests.kernels.paged import build_paged_batch, contiguous_attention
@@ -85,16 +86,30 @@ def test_decode_only_and_prefill_only_against_contiguous_sdpa(seqs, num_decode):
     ids=str,
 )
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_a_decode_alone_and_among_many_gets_the_same_bits(block_size, dtype, kv_cache_dtype):
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_a_decode_alone_and_among_many_gets_the_same_bits(
+    sliding_window, block_size, dtype, kv_cache_dtype
+):
     """Many decodes run every KV head of one decode in one work item, key tile by key tile
     (the kernel's `run_tile_heads`); a decode alone runs a head per item. Each row's sums are
-    the same either way, so the outputs are equal bit for bit (over an int8 cache too)."""
+    the same either way, so the outputs are equal bit for bit (over an int8 cache too, and
+    within a window, whose key tiles start where it does)."""
     torch.manual_seed(block_size)
     seqs = [(n, 1) for n in (1, 15, 16, 17, 40, 99, 300, 5)]
     batch = build_paged_batch(
-        seqs, len(seqs), block_size, 9, 3, 64, dtype, kv_cache_dtype=kv_cache_dtype
+        seqs,
+        len(seqs),
+        block_size,
+        9,
+        3,
+        64,
+        dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        sliding_window=sliding_window,
     )
-    together = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    together = cpu_ops.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window
+    )
     for i, (seq_len, _) in enumerate(seqs):
         alone = AttentionMetadata(
             slot_mapping=batch.metadata.slot_mapping[i : i + 1],
@@ -106,7 +121,9 @@ def test_a_decode_alone_and_among_many_gets_the_same_bits(block_size, dtype, kv_
             seq_lens_cpu=[seq_len],
             block_size=block_size,
         )
-        out = cpu_ops.paged_attention(batch.query[i : i + 1], batch.kv_cache, alone, batch.scale)
+        out = cpu_ops.paged_attention(
+            batch.query[i : i + 1], batch.kv_cache, alone, batch.scale, sliding_window
+        )
         assert torch.equal(out[0], together[i]), f"decode {i} ({seq_len} keys)"
 
 
@@ -192,6 +209,130 @@ def test_long_prefill_chunks_mixed_with_kernel_rows():
     expected = reference.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
     got = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# --- sliding windows ---------------------------------------------------------------------------
+
+#: (context after the step, new tokens), decodes first: contexts shorter than, at and far past
+#: the windows; a fresh prompt, a continued one, and one of several query tiles.
+WINDOW_SEQS = [(1, 1), (9, 1), (40, 1), (300, 1), (20, 20), (37, 5), (130, 40), (50, 3)]
+#: One key, windows that do and do not divide the key tile, one longer than every sequence.
+WINDOWS = [1, 5, 16, 37, 1000]
+
+
+def assert_equals_contiguous_sdpa(batch, out, sliding_window, tol):
+    for i, (_, num_new) in enumerate(batch.seqs):
+        start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+        want = contiguous_attention(
+            batch.queries(i), batch.keys[i], batch.values[i], num_new, sliding_window
+        )
+        torch.testing.assert_close(out[start:end].float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_sliding_window_attention_equals_sdpa_and_skips_freed_blocks(
+    block_size, sliding_window, num_heads, num_kv_heads, dtype
+):
+    """Decodes and prefill chunks mixed, each query over the last sliding_window positions up
+    to its own. The table entries before each sequence's window name a NaN block: a kernel
+    that read one, into a masked lane even, would return NaN."""
+    torch.manual_seed(block_size + sliding_window)
+    batch = build_paged_batch(
+        WINDOW_SEQS,
+        4,
+        block_size,
+        num_heads,
+        num_kv_heads,
+        64,
+        dtype,
+        sliding_window=sliding_window,
+    )
+    out = cpu_ops.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window
+    )
+    assert out.dtype == dtype
+    assert_equals_contiguous_sdpa(batch, out, sliding_window, TOLERANCE[dtype])
+
+
+def poison_freed_int8_blocks(batch, sliding_window):
+    """NaN as the scale of every row of the blocks before each sequence's window (an int8
+    row reads back as value * scale), as `build_paged_batch` poisons a float cache."""
+    nan = torch.tensor([float("nan")]).view(torch.int8)  # the scale's 4 bytes
+    block_size = batch.metadata.block_size
+    for i, (seq_len, num_new) in enumerate(batch.seqs):
+        (first,) = window_first_blocks([seq_len], num_new, block_size, sliding_window)
+        for block in batch.metadata.block_tables[i, :first].tolist():
+            batch.kv_cache[block, ..., -4:] = nan
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sliding_window", [1, 6, 16, 1000])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_sliding_window_over_an_int8_cache_equals_the_reference(
+    block_size, sliding_window, query_dtype
+):
+    """Over an int8 cache, whose freed blocks' scales are NaN: the reference's attention over
+    the same quantized rows (the tolerances of the float caches), and no NaN read."""
+    torch.manual_seed(block_size * sliding_window)
+    batch = build_paged_batch(
+        WINDOW_SEQS,
+        4,
+        block_size,
+        6,
+        2,
+        64,
+        query_dtype,
+        kv_cache_dtype=torch.int8,
+        sliding_window=sliding_window,
+    )
+    poison_freed_int8_blocks(batch, sliding_window)
+    query, metadata, scale = batch.query, batch.metadata, batch.scale
+    want = reference.paged_attention(query.float(), batch.kv_cache, metadata, scale, sliding_window)
+    got = cpu_ops.paged_attention(query, batch.kv_cache, metadata, scale, sliding_window)
+    tol = TOLERANCE[query_dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    if sliding_window < 40:  # some blocks are freed: the poison is live
+        assert cpu_ops.paged_attention(query, batch.kv_cache, metadata, scale).isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_a_window_longer_than_the_sequences_gives_the_bits_of_none(block_size, dtype):
+    """A window as long as the longest context, or longer, hides no key: the key tiles start
+    at key 0 and the masks are the causal ones, so every sum is the one without a window."""
+    torch.manual_seed(block_size)
+    query_dtype = torch.float32 if dtype == torch.int8 else dtype
+    batch = build_paged_batch(
+        WINDOW_SEQS, 4, block_size, 6, 2, 64, query_dtype, kv_cache_dtype=dtype
+    )
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    unwindowed = cpu_ops.paged_attention(*args)
+    longest = max(batch.metadata.seq_lens_cpu)
+    for sliding_window in (longest, longest + 1, 1 << 30):
+        assert torch.equal(cpu_ops.paged_attention(*args, sliding_window), unwindowed)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 100, 600])
+def test_sliding_window_in_long_prefill_chunks_mixed_with_kernel_rows(sliding_window):
+    """Chunks longer than LONG_PREFILL go to the reference's `extend`, within the window too
+    (and without reading the freed blocks before it); the rest to the kernel."""
+    torch.manual_seed(sliding_window)
+    long = cpu_ops.LONG_PREFILL + 9
+    seqs = [(700, 1), (3, 1), (long + 90, long), (50, 7), (long, long)]
+    batch = build_paged_batch(seqs, 2, 16, 6, 2, 64, torch.float32, sliding_window=sliding_window)
+    out = cpu_ops.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window
+    )
+    assert_equals_contiguous_sdpa(batch, out, sliding_window, 1e-5)
+
+
+def test_a_window_of_no_keys_is_refused():
+    batch = build_paged_batch([(4, 1)], 1, 4, 2, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="at least one key"):
+        cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale, 0)
 
 
 # --- the skinny linear -----------------------------------------------------------------------

@@ -5,22 +5,28 @@ the same logprobs (floats compared exactly) in every dtype the kernels take, one
 three, with grouped-query attention and a head size that is not a whole vector, with the KV
 cache in the model's dtype or in int8, and 4- and 8-bit weights against int8 activations;
 the prompts' steps too, whose chunks are short enough for the call. Steps it does not take
-(more rows than the skinny matmul's, LoRA) keep to the per-op path.
+(more rows than the skinny matmul's, LoRA) keep to the per-op path. Each layer's own sliding
+window (a stack built from `DecoderLayerWeights` directly, against the same ops called one by
+one) gives the per-op bits too, without reading the blocks freed before the windows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
-from headrace.kernels import cpu_decode
+from headrace.kernels import cpu_decode, cpu_ops
+from headrace.kernels.attention import AttentionMetadata
 from headrace.sdk import GenerationConfig
 from headrace.worker import Engine, EngineConfig
 from headrace.worker.models import llama
 
 from tests.factories import cached_checkpoint
 from tests.kernels import needs_c_compiler
+from tests.kernels.paged import build_paged_batch
+from tests.kernels.test_cpu import poison_freed_int8_blocks
 
 pytestmark = needs_c_compiler
 
@@ -116,3 +122,121 @@ def test_models_it_does_not_serve_run_layer_by_layer(monkeypatch):
     for family in ("qwen2", "qwen3"):
         generate(str(cached_checkpoint(family=family, num_layers=2)), "float32", PROMPTS[:1])
     assert calls.rows == []
+
+
+# --- per-layer sliding windows -----------------------------------------------------------------
+
+WINDOW_SHAPE = cpu_decode.DecoderShape(
+    hidden_size=64,
+    intermediate_size=96,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    eps=1e-5,
+    scale=16**-0.5,
+)
+#: Four decodes (contexts shorter and longer than the windows) and a 3-token chunk: 7 rows.
+WINDOW_SEQS = [(1, 1), (9, 1), (23, 1), (40, 1), (12, 3)]
+
+
+def random_layer(sliding_window: int | None, dtype: torch.dtype) -> cpu_decode.DecoderLayerWeights:
+    shape = WINDOW_SHAPE
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    qkv_rows = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols) * cols**-0.5).to(dtype)
+
+    return cpu_decode.DecoderLayerWeights(
+        input_norm=(1 + 0.1 * torch.randn(hidden)).to(dtype),
+        qkv=matrix(qkv_rows, hidden),
+        o_proj=matrix(hidden, shape.num_heads * shape.head_dim),
+        post_norm=(1 + 0.1 * torch.randn(hidden)).to(dtype),
+        gate_up=matrix(2 * inter, hidden),
+        down=matrix(hidden, inter),
+        sliding_window=sliding_window,
+    )
+
+
+def per_op_layers(
+    hidden: torch.Tensor,  # [T, hidden]
+    stack: cpu_decode.DecoderStack,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    metadata: AttentionMetadata,
+) -> torch.Tensor:  # [T, hidden]: the final norm's output
+    """The stack's layers as the model runs them op by op (each a `cpu_ops` kernel call)."""
+    shape, num_tokens = stack.shape, hidden.shape[0]
+    q_cols = shape.num_heads * shape.head_dim
+    kv_cols = shape.num_kv_heads * shape.head_dim
+    residual = None
+    for layer, cache in zip(stack.layers, kv_caches, strict=True):
+        normed, residual = cpu_ops.rms_norm(hidden, layer.input_norm, shape.eps, residual)
+        qkv = cpu_ops.linear(normed, layer.qkv)
+        query = qkv[:, :q_cols].view(num_tokens, shape.num_heads, shape.head_dim)
+        key = qkv[:, q_cols : q_cols + kv_cols].view(num_tokens, -1, shape.head_dim)
+        value = qkv[:, q_cols + kv_cols :].view(num_tokens, -1, shape.head_dim)
+        query, key = cpu_ops.apply_rotary(query, key, cos, sin)
+        cpu_ops.write_kv_cache(key, value, cache, metadata.slot_mapping)
+        attention = cpu_ops.paged_attention(
+            query, cache, metadata, shape.scale, layer.sliding_window
+        )
+        hidden = cpu_ops.linear(attention.view(num_tokens, q_cols), layer.o_proj)
+        normed, residual = cpu_ops.rms_norm(hidden, layer.post_norm, shape.eps, residual)
+        hidden = cpu_ops.linear(
+            cpu_ops.silu_and_mul(cpu_ops.linear(normed, layer.gate_up)), layer.down
+        )
+    out, _ = cpu_ops.rms_norm(hidden, stack.final_norm, shape.eps, residual)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.int8)],
+    ids=str,
+)
+@pytest.mark.parametrize("windows", [(None, 3, None, 8), (3, 8, 5, 8)], ids=str)
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_per_layer_sliding_windows_in_one_call_are_the_per_op_forward_bit_for_bit(
+    block_size, windows, dtype, kv_cache_dtype
+):
+    """Each layer attends within its own window in the call as in its per-op kernel call.
+    Where every layer has a window, the blocks before the widest one are freed (poisoned:
+    NaN in them would reach the output); beside a layer with none, no block is."""
+    torch.manual_seed(block_size)
+    widest = None if None in windows else max(windows)  # what frees blocks, if any does
+    batch = build_paged_batch(
+        WINDOW_SEQS,
+        4,
+        block_size,
+        WINDOW_SHAPE.num_heads,
+        WINDOW_SHAPE.num_kv_heads,
+        WINDOW_SHAPE.head_dim,
+        dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        sliding_window=widest,
+    )
+    if kv_cache_dtype == torch.int8 and widest is not None:
+        poison_freed_int8_blocks(batch, widest)
+    layers = [random_layer(window, dtype) for window in windows]
+    final_norm = (1 + 0.1 * torch.randn(WINDOW_SHAPE.hidden_size)).to(dtype)
+    stack = cpu_decode.DecoderStack(layers, final_norm, WINDOW_SHAPE)
+    num_tokens = batch.query.shape[0]
+    hidden = torch.randn(num_tokens, WINDOW_SHAPE.hidden_size).to(dtype)
+    angles = torch.randn(num_tokens, 1, WINDOW_SHAPE.head_dim // 2)
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+
+    def run(stack: cpu_decode.DecoderStack, one_call: bool) -> torch.Tensor:
+        caches = [batch.kv_cache.clone() for _ in layers]  # each layer's, written as it runs
+        if one_call:
+            assert stack.fits(hidden, caches, batch.metadata)
+            return stack.decode(hidden, cos, sin, caches, batch.metadata)
+        return per_op_layers(hidden, stack, cos, sin, caches, batch.metadata)
+
+    fused = run(stack, one_call=True)
+    assert not fused.isnan().any()
+    assert torch.equal(fused, run(stack, one_call=False))
+    unwindowed = [dataclasses.replace(layer, sliding_window=None) for layer in layers]
+    everything = cpu_decode.DecoderStack(unwindowed, final_norm, WINDOW_SHAPE)
+    assert not torch.equal(fused, run(everything, one_call=True))  # the windows hide keys
