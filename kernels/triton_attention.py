@@ -14,6 +14,14 @@ the context is cut into splits run in parallel; a second kernel merges their par
 outputs by their log-sum-exp. Extend: one program per (sequence, query head, tile of
 BLOCK_M query rows), iterating over K/V tiles up to the tile's last query position; the
 tiles before its first query position are visible to every row and run without masks.
+
+Sliding windows (`headrace.kernels.attention`): the query at position p sees keys
+``p - W + 1 .. p``. Table entries of blocks wholly before a sequence's window may be stale
+(freed blocks holding anything), so no load may touch a position before the window: a
+decode's splits cut its window ``[seq_len - W, seq_len)`` rather than its whole context, and
+an extend tile's key loop starts at its first query's window (and masks each row's own). The
+window's bounds and masks are compiled only where WINDOWED (a `tl.constexpr`): a layer
+without a window runs none of them.
 """
 
 from __future__ import annotations
@@ -145,6 +153,7 @@ def _decode_kernel(
     cache_stride_token,
     cache_stride_head,
     split_len,  # tokens per split, a multiple of BLOCK_N
+    sliding_window,  # keys each query sees, its own included (read only where WINDOWED)
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
     HEAD_DIM: tl.constexpr,
@@ -155,13 +164,19 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
+    WINDOWED: tl.constexpr,  # a sliding window: the splits cut only the window's keys
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * split_len
+    if WINDOWED:
+        # The query at seq_len - 1 sees the window's keys only; no position before them is
+        # loaded (their blocks may be freed), so splits wholly before it cannot exist.
+        start = tl.maximum(0, seq_len - sliding_window) + split * split_len
+    else:
+        start = split * split_len
     end = tl.maximum(start, tl.minimum(seq_len, start + split_len))  # empty: end == start
 
     groups = tl.arange(0, BLOCK_G)
@@ -234,6 +249,34 @@ def _merge_splits_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
+@triton.jit
+def _extend_key_runs(
+    q_first,  # position of the tile's first query row
+    seq_len,
+    sliding_window,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):  # -> (kv_start, unmasked_start, unmasked_end, kv_end)
+    """The keys a tile of query rows attends to, ``[kv_start, kv_end)``, and the run of whole
+    BLOCK_N-token tiles in it that every row sees, ``[unmasked_start, unmasked_end)``.
+
+    kv_start is the first key of the first row's window (0 without one), kv_end one past the
+    last row's position. Before the unmasked run lie the keys some rows' windows have left;
+    after it, those some rows' causal masks have not reached yet.
+    """
+    kv_end = tl.minimum(seq_len, q_first + BLOCK_M)
+    if WINDOWED:
+        kv_start = tl.maximum(0, q_first - sliding_window + 1)
+        shared_start = tl.maximum(kv_start, kv_end - sliding_window)  # the last row's first key
+    else:
+        kv_start = 0
+        shared_start = 0
+    unmasked_start = kv_start + tl.cdiv(shared_start - kv_start, BLOCK_N) * BLOCK_N
+    num_unmasked = tl.maximum(0, q_first - unmasked_start) // BLOCK_N * BLOCK_N
+    return kv_start, unmasked_start, unmasked_start + num_unmasked, kv_end
+
+
 @triton.jit(do_not_specialize=["first_seq", "block_tables_stride"])
 def _extend_kernel(
     query_ptr,  # [T, H, D]: the whole flattened batch's queries
@@ -253,6 +296,7 @@ def _extend_kernel(
     cache_stride_plane,
     cache_stride_token,
     cache_stride_head,
+    sliding_window,  # keys each query sees, its own included (read only where WINDOWED)
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -262,6 +306,7 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
+    WINDOWED: tl.constexpr,  # a sliding window: rows also mask keys their window has left
 ):
     seq = first_seq + tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -276,7 +321,9 @@ def _extend_kernel(
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows of this tile within the chunk
     dims = tl.arange(0, BLOCK_D)
     row_mask = (rows[:, None] < num_queries) & (dims[None, :] < HEAD_DIM)
-    query_positions = seq_len - num_queries + rows  # each query's position in the sequence
+    # Each query's position in the sequence; padding rows past the chunk repeat its last, so
+    # every row sees a key (their output is not stored).
+    query_positions = seq_len - num_queries + tl.minimum(rows, num_queries - 1)
     tokens = (query_start + rows).to(tl.int64)
     q = tl.load(
         query_ptr + tokens[:, None] * query_stride_t + head * query_stride_h + dims[None, :],
@@ -289,22 +336,31 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Keys before the tile's first query position are seen by every row: whole tiles of them
-    # go unmasked. Keys past its last query position are masked for every row: stop there.
-    full_end = (seq_len - num_queries + tile * BLOCK_M) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(seq_len, seq_len - num_queries + (tile + 1) * BLOCK_M)
-    for tile_start in range(0, full_end, BLOCK_N):
+    kv_start, unmasked_start, unmasked_end, kv_end = _extend_key_runs(
+        seq_len - num_queries + tile * BLOCK_M, seq_len, sliding_window, BLOCK_M, BLOCK_N, WINDOWED
+    )
+    for tile_start in range(unmasked_start, unmasked_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, positions, positions, dims,
             scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
             HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False, QUANTIZED_KV,
         )  # fmt: skip
-    for tile_start in range(full_end, kv_end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
+    # The masked tiles, BLOCK_N apart from kv_start but for the unmasked run they skip: the
+    # window's edge before it, the causal diagonal after it. Positions start at kv_start, so
+    # no load reaches a block before the window. Each row's first key is one of the BLOCK_M
+    # from kv_start, so when no unmasked tile came first, the first masked tile gives every
+    # row a finite m (a row seeing no key in a tile would make exp2(-inf - -inf) NaN).
+    tl.static_assert(BLOCK_M <= BLOCK_N)
+    num_edge_tiles = (unmasked_start - kv_start) // BLOCK_N
+    num_masked_tiles = num_edge_tiles + tl.cdiv(kv_end - unmasked_end, BLOCK_N)
+    for i in range(0, num_masked_tiles):
+        skip = tl.where(i < num_edge_tiles, 0, unmasked_end - unmasked_start)
+        positions = kv_start + i * BLOCK_N + skip + tl.arange(0, BLOCK_N)
         in_range = positions < kv_end
         visible = in_range[None, :] & (positions[None, :] <= query_positions[:, None])
-        # Position 0 is visible to every row, so m is finite after the first tile.
+        if WINDOWED:
+            visible &= positions[None, :] > query_positions[:, None] - sliding_window
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, in_range, visible, dims,
             scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
@@ -321,28 +377,33 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, row] (kv_layout)
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
     *,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """Causal attention of each new token over its sequence's cached + new K/V.
+    """Causal attention of each new token over its sequence's cached + new K/V; with a
+    sliding window, over the last ``sliding_window`` positions up to and including its own
+    (table entries before a sequence's window are never read).
 
     ``num_kv_splits`` forces the decode split count (tests); by default it is chosen from
-    the batch size and the longest decode context.
+    the batch size and the most keys a decode sees.
     """
     _check_shapes(query, kv_cache, metadata)
     if num_kv_splits is not None and not 1 <= num_kv_splits <= MAX_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_SPLITS}], got {num_kv_splits}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     out = torch.empty_like(query)
     num_decode_seqs = metadata.num_decode_seqs
     if num_decode_seqs:
         splits = num_kv_splits or _num_kv_splits(
             num_decode_seqs * kv_cache.shape[3],
-            metadata.max_decode_seq_len,
+            _max_decode_keys(metadata, sliding_window),
             query.device,
         )
-        _decode(query[:num_decode_seqs], kv_cache, metadata, scale, splits, out)
+        _decode(query[:num_decode_seqs], kv_cache, metadata, scale, sliding_window, splits, out)
     if metadata.num_seqs > num_decode_seqs:
-        _extend(query, kv_cache, metadata, scale, out)
+        _extend(query, kv_cache, metadata, scale, sliding_window, out)
     return out
 
 
@@ -362,11 +423,18 @@ def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Attenti
         )
 
 
-def _num_kv_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+def _max_decode_keys(metadata: AttentionMetadata, sliding_window: int | None) -> int:
+    """The most keys one decode sees, what its splits cut: its context, or its window."""
+    if sliding_window is None:
+        return metadata.max_decode_seq_len
+    return min(metadata.max_decode_seq_len, sliding_window)
+
+
+def _num_kv_splits(num_programs: int, max_keys: int, device: torch.device) -> int:
     """Splits per sequence so the grid covers the GPU about twice, each split doing at
-    least MIN_SPLIT_TOKENS tokens (short contexts are not worth a merge pass)."""
+    least MIN_SPLIT_TOKENS tokens (few keys are not worth a merge pass)."""
     wanted = -(-2 * _num_sms(device) // num_programs)
-    most = max(1, max_seq_len // MIN_SPLIT_TOKENS)
+    most = max(1, max_keys // MIN_SPLIT_TOKENS)
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
@@ -391,14 +459,15 @@ def _decode(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None,
     num_splits: int,
     out: torch.Tensor,  # [T, H, D]; rows [0, B) are written
 ) -> None:
     batch, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    max_seq_len = metadata.max_decode_seq_len
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    max_keys = _max_decode_keys(metadata, sliding_window)
+    split_len = triton.cdiv(triton.cdiv(max_keys, num_splits), DECODE_BLOCK_N) * DECODE_BLOCK_N
     if num_splits == 1:
         target, lse = out, out  # lse unused
     else:
@@ -425,6 +494,7 @@ def _decode(
         kv_cache.stride(2),
         kv_cache.stride(3),
         split_len,
+        sliding_window or 0,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -435,6 +505,7 @@ def _decode(
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST=_upcast_dot(query.dtype),
         QUANTIZED_KV=is_quantized(kv_cache),
+        WINDOWED=sliding_window is not None,
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
     )
@@ -466,6 +537,7 @@ def _extend(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None,
     out: torch.Tensor,  # [T, H, D]; the prefill sequences' rows are written
 ) -> None:
     num_heads, head_dim = query.shape[1:]
@@ -490,6 +562,7 @@ def _extend(
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
+        sliding_window or 0,
         GROUP=num_heads // kv_cache.shape[3],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -499,6 +572,7 @@ def _extend(
         DOT_PRECISION=_dot_precision(query.dtype),
         UPCAST=_upcast_dot(query.dtype),
         QUANTIZED_KV=is_quantized(kv_cache),
+        WINDOWED=sliding_window is not None,
         num_warps=EXTEND_NUM_WARPS,
         num_stages=EXTEND_NUM_STAGES,
     )

@@ -249,3 +249,103 @@ def test_decode_splits_longer_than_a_tile_some_empty():
     for i, (_, num_new) in enumerate(seqs):
         want = contiguous_attention(batch.queries(i).cpu(), batch.keys[i], batch.values[i], num_new)
         torch.testing.assert_close(out[i : i + 1].cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+# (context length after the step, new tokens), decodes first: a 1-token context, a few
+# blocks' worth, one long enough to split; prefills fresh, continuing a cached prefix, and two
+# spanning two query tiles (the longer one, under a 200-token window, has tiles of keys its
+# window's edge masks, tiles every row sees unmasked and the causal diagonal).
+WINDOW_SEQS = [
+    (1, 1),
+    (9, 1),
+    (40, 1),
+    (700, 1),
+    (20, 20),
+    (37, 5),
+    (50, 3),
+    (150, triton_attention.EXTEND_BLOCK_M + 6),
+    (300, triton_attention.EXTEND_BLOCK_M + 6),
+]
+NUM_WINDOW_DECODES = 4
+
+
+def assert_window_attention(batch, out, sliding_window, tol):
+    """Each sequence's rows equal SDPA over its contiguous K/V within the window."""
+    for i, (_, num_new) in enumerate(batch.seqs):
+        start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+        want = contiguous_attention(
+            batch.queries(i).cpu(), batch.keys[i], batch.values[i], num_new, sliding_window
+        )
+        torch.testing.assert_close(out[start:end].float().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sliding_window", [1, 5, 200, 1000])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_sliding_window_attention_equals_reference_and_skips_freed_blocks(
+    block_size, sliding_window, dtype
+):
+    """Windows of one token, of a few, wider than a tile, and wider than every sequence,
+    over decodes and prefill chunks; the table entries of blocks before each sequence's
+    window name a NaN block, so a kernel that loads one, even into masked lanes, fails. The
+    forced 5 splits leave every decode's later splits empty (its window has fewer keys)."""
+    torch.manual_seed(block_size + sliding_window)
+    batch = build_paged_batch(
+        WINDOW_SEQS, NUM_WINDOW_DECODES, block_size, 6, 2, 64, dtype, DEVICE,
+        sliding_window=sliding_window,
+    )  # fmt: skip
+    wide = build_like(batch, torch.float32)
+    expected = reference.paged_attention(
+        wide.query, wide.kv_cache, wide.metadata, batch.scale, sliding_window
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for num_kv_splits in (None, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window,
+            num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+        assert_window_attention(batch, out, sliding_window, tol)
+
+
+def test_sliding_window_decode_splits_cut_the_window_not_the_context():
+    """A 700-token decode under a 100-token window: its 3 splits of 64 tokens cover the
+    window's 100 keys (the last split empty), none the 600 freed ones before them; the
+    20-token decode fills only its first split."""
+    torch.manual_seed(7)
+    seqs = [(20, 1), (700, 1)]
+    batch = build_paged_batch(seqs, 2, 16, 6, 2, 64, torch.float32, DEVICE, sliding_window=100)
+    out = triton_attention.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, 100, num_kv_splits=3
+    )
+    assert_window_attention(batch, out, 100, 1e-5)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 1)])
+@pytest.mark.parametrize("sliding_window", [5, 200])
+def test_sliding_window_int8_cache_equals_reference(sliding_window, num_heads, num_kv_heads):
+    """Over an int8 cache, as the float cache's test; the freed blocks' bytes are all -1,
+    so their float32 scales are NaN (0xFFFFFFFF) and a kernel that loads one fails."""
+    torch.manual_seed(sliding_window + num_heads)
+    batch = build_paged_batch(
+        WINDOW_SEQS, NUM_WINDOW_DECODES, 16, num_heads, num_kv_heads, 64, torch.float32,
+        DEVICE, kv_cache_dtype=torch.int8, sliding_window=sliding_window,
+    )  # fmt: skip
+    poison = batch.metadata.block_tables[NUM_WINDOW_DECODES - 1, 0]  # the 700-token decode's
+    batch.kv_cache[poison] = -1
+    expected = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window
+    )
+    for num_kv_splits in (1, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window,
+            num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_must_see_a_key():
+    batch = build_paged_batch([(5, 1)], 1, 16, 6, 2, 64, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
+        triton_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale, 0)
