@@ -158,10 +158,13 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each new token over its sequence's cached + new K/V; with a
     sliding window, over the last ``sliding_window`` positions up to and including its own
-    (no block before a sequence's window is read: see `headrace.kernels.attention`).
+    (no block before a sequence's window is read: see `headrace.kernels.attention`); with a
+    soft cap, each scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax
+    (Gemma 2).
 
     Decodes and prefill chunks up to `LONG_PREFILL` tokens run in the C kernel; longer chunks
     are compute-bound, where torch's flash attention over the gathered context is faster (the
@@ -170,6 +173,8 @@ def paged_attention(
     _check_cache(kv_cache)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"a sliding window must hold at least one key, not {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"a soft cap must be positive, not {softcap}")
     query_dtype = query.dtype
     query = _rows(query.to(_row_dtype(query, kv_cache)))
     num_tokens, num_heads, head_dim = query.shape
@@ -180,12 +185,14 @@ def paged_attention(
     for i in range(metadata.num_seqs):
         (long if starts_cpu[i + 1] - starts_cpu[i] > LONG_PREFILL else in_kernel).append(i)
     if in_kernel:
-        _attend_in_kernel(query, kv_cache, metadata, scale, sliding_window, in_kernel, out)
+        _attend_in_kernel(query, kv_cache, metadata, scale, sliding_window, softcap, in_kernel, out)
     for i in long:
         start, end = starts_cpu[i], starts_cpu[i + 1]
         table = metadata.block_tables[i : i + 1]
         seq_len = metadata.seq_lens_cpu[i]
-        out[start:end] = extend(query[start:end], kv_cache, table, seq_len, scale, sliding_window)
+        out[start:end] = extend(
+            query[start:end], kv_cache, table, seq_len, scale, sliding_window, softcap
+        )
     return out.to(query_dtype)
 
 
@@ -205,6 +212,7 @@ def _attend_in_kernel(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
     seq_ids: list[int],
     out: torch.Tensor,
 ) -> None:
@@ -227,6 +235,7 @@ def _attend_in_kernel(
         kv_cache.shape[2],
         scale,
         sliding_window or 0,
+        softcap or 0.0,
         _DTYPE_CODES[query.dtype],
         _KV_DTYPE_CODES[kv_cache.dtype],
         QUERY_TILE,

@@ -53,11 +53,12 @@ _SIGNATURES = {
     "headrace_paged_attention": (
         [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P]
         + [_INT] * 5
-        + [ctypes.c_float]
-        + [_INT] * 4
+        + [ctypes.c_float, _INT, ctypes.c_float]
+        + [_INT] * 3
         + [_P],
         _INT,
     ),
+    "headrace_soft_cap": ([_P, _I64, ctypes.c_float, _P], None),
     "headrace_write_kv_cache": ([_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64] + [_INT] * 5, None),
     "headrace_argmax_update": ([_P, _I64, _I64, _I64, _I64, _P, _P], None),
     "headrace_draw_tokens": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], None),

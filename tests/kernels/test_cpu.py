@@ -1,11 +1,11 @@
 """The C kernels of the CPU backend equal the torch references: attention read from the paged
 cache in place (decodes, prefills, mixed; GQA; block sizes that do and do not divide the key
 tile; fp32 / bf16 / fp16; strided queries; sliding windows, never reading the freed blocks
-before one), the KV-cache write bit for bit, and argmax with
-ties and NaN as numpy breaks them, and the skinny linear against a float64 matmul (float32
-weights) or a float32 matmul of the same values (bf16 / fp16 weights), bit for bit the same
-for a row alone as in a batch. Also: the build is cached, and a machine without a
-compiler falls back to the reference kernels.
+before one; soft-capped scores, whose tanh is within an ulp or two of torch's), the KV-cache
+write bit for bit, and argmax with ties and NaN as numpy breaks them, and the skinny linear
+against a float64 matmul (float32 weights) or a float32 matmul of the same values (bf16 /
+fp16 weights), bit for bit the same for a row alone as in a batch. Also: the build is cached,
+and a machine without a compiler falls back to the reference kernels.
 
 Tolerances: fp32 agrees to float rounding (1e-5); bf16 / fp16 attention is compared with the
 float32 reference over the same rounded inputs, and the kernel rounds its output once (2e-2).
@@ -86,14 +86,14 @@ def test_decode_only_and_prefill_only_against_contiguous_sdpa(seqs, num_decode):
     ids=str,
 )
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (7, 2.0)])
 def test_a_decode_alone_and_among_many_gets_the_same_bits(
-    sliding_window, block_size, dtype, kv_cache_dtype
+    sliding_window, softcap, block_size, dtype, kv_cache_dtype
 ):
     """Many decodes run every KV head of one decode in one work item, key tile by key tile
     (the kernel's `run_tile_heads`); a decode alone runs a head per item. Each row's sums are
     the same either way, so the outputs are equal bit for bit (over an int8 cache too, and
-    within a window, whose key tiles start where it does)."""
+    within a window, whose key tiles start where it does, and with capped scores)."""
     torch.manual_seed(block_size)
     seqs = [(n, 1) for n in (1, 15, 16, 17, 40, 99, 300, 5)]
     batch = build_paged_batch(
@@ -108,7 +108,7 @@ def test_a_decode_alone_and_among_many_gets_the_same_bits(
         sliding_window=sliding_window,
     )
     together = cpu_ops.paged_attention(
-        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap
     )
     for i, (seq_len, _) in enumerate(seqs):
         alone = AttentionMetadata(
@@ -122,7 +122,7 @@ def test_a_decode_alone_and_among_many_gets_the_same_bits(
             block_size=block_size,
         )
         out = cpu_ops.paged_attention(
-            batch.query[i : i + 1], batch.kv_cache, alone, batch.scale, sliding_window
+            batch.query[i : i + 1], batch.kv_cache, alone, batch.scale, sliding_window, softcap
         )
         assert torch.equal(out[0], together[i]), f"decode {i} ({seq_len} keys)"
 
@@ -333,6 +333,139 @@ def test_a_window_of_no_keys_is_refused():
     batch = build_paged_batch([(4, 1)], 1, 4, 2, 2, 16, torch.float32)
     with pytest.raises(ValueError, match="at least one key"):
         cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale, 0)
+
+
+# --- soft-capped scores ------------------------------------------------------------------------
+
+#: Gemma 2 caps at 50; a cap of 2 against queries scaled by 8 (scores far past it) makes the
+#: cap change every softmax.
+SOFTCAP = 2.0
+
+
+def soft_cap_in_kernel(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The kernel's softcap * tanh(x / softcap) of a float32 vector."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    cpu_ops.library().headrace_soft_cap(x.data_ptr(), x.numel(), softcap, out.data_ptr())
+    return out
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Float32 values of one sign, counted in ulps apart (their bit patterns are ordered)."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+
+
+def test_the_kernels_tanh_is_within_an_ulp_of_the_rounded_tanh():
+    """Over a sweep of float32 from 1e-30 to 40 (both branches, their border at 0.625 and the
+    saturation to 1 near 9) and its negatives: at most 1 ulp from tanh rounded from float64,
+    at most 2 from torch's float32 tanh (1 measured); odd, and exact at ±0, ±inf and NaN (17
+    of them: the vector tail too)."""
+    low, high = (
+        torch.tensor([v], dtype=torch.float32).view(torch.int32).item() for v in (1e-30, 40.0)
+    )
+    positive = torch.arange(low, high, 997, dtype=torch.int32).view(torch.float32)
+    border = torch.linspace(0.6, 0.65, 4001)
+    x = torch.cat([positive, border, torch.tensor([0.0, 1e-45, 9.0, 100.0, float("inf")])])
+    got = soft_cap_in_kernel(x, 1.0)
+    rounded = torch.tanh(x.double()).float()
+    assert ulps_apart(got, rounded).max().item() <= 1
+    assert ulps_apart(got, torch.tanh(x)).max().item() <= 2
+    assert torch.equal(soft_cap_in_kernel(-x, 1.0), -got)
+    assert soft_cap_in_kernel(torch.tensor([-0.0]), 1.0).signbit().item()
+    assert soft_cap_in_kernel(torch.tensor([float("nan")] * 17), 1.0).isnan().all()
+
+
+@pytest.mark.parametrize("softcap", [1.0, 30.0, 50.0])
+def test_soft_cap_is_the_cap_times_tanh_as_transformers_computes_it(softcap):
+    torch.manual_seed(int(softcap))
+    x = torch.randn(4099) * 3 * softcap
+    want = softcap * torch.tanh(x.double() / softcap)
+    torch.testing.assert_close(soft_cap_in_kernel(x, softcap).double(), want, atol=0, rtol=3e-7)
+
+
+def capped_batch(block_size, num_heads, num_kv_heads, dtype, sliding_window, **kwargs):
+    """WINDOW_SEQS with queries scaled by 8, so that the cap changes every softmax."""
+    batch = build_paged_batch(
+        WINDOW_SEQS,
+        4,
+        block_size,
+        num_heads,
+        num_kv_heads,
+        64,
+        dtype,
+        sliding_window=sliding_window,
+        **kwargs,
+    )
+    batch.query.mul_(8)
+    return batch
+
+
+def assert_equals_capped_scores(batch, out, sliding_window, tol):
+    for i, (_, num_new) in enumerate(batch.seqs):
+        start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+        want = contiguous_attention(
+            batch.queries(i), batch.keys[i], batch.values[i], num_new, sliding_window, SOFTCAP
+        )
+        torch.testing.assert_close(out[start:end].float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_soft_capped_attention_equals_the_capped_scores(
+    block_size, sliding_window, num_heads, num_kv_heads, dtype
+):
+    """Decodes and prefill chunks mixed, scores capped before the mask and the softmax, as
+    transformers' Gemma 2 computes them (within a window too, its freed blocks NaN); the
+    uncapped output is far from it, so the cap is live."""
+    torch.manual_seed(block_size + num_heads)
+    batch = capped_batch(block_size, num_heads, num_kv_heads, dtype, sliding_window)
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window)
+    out = cpu_ops.paged_attention(*args, SOFTCAP)
+    assert out.dtype == dtype
+    assert_equals_capped_scores(batch, out, sliding_window, TOLERANCE[dtype])
+    assert not torch.allclose(out.float(), cpu_ops.paged_attention(*args).float(), atol=0.1)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_soft_capped_attention_over_an_int8_cache_equals_the_reference(
+    block_size, sliding_window, query_dtype
+):
+    torch.manual_seed(block_size)
+    batch = capped_batch(block_size, 6, 2, query_dtype, sliding_window, kv_cache_dtype=torch.int8)
+    if sliding_window is not None:
+        poison_freed_int8_blocks(batch, sliding_window)
+    args = (batch.kv_cache, batch.metadata, batch.scale, sliding_window, SOFTCAP)
+    want = reference.paged_attention(batch.query.float(), *args)
+    got = cpu_ops.paged_attention(batch.query, *args)
+    tol = TOLERANCE[query_dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_soft_cap_in_long_prefill_chunks_mixed_with_kernel_rows(sliding_window):
+    """Chunks longer than LONG_PREFILL go to the reference's `extend`, capped there too."""
+    torch.manual_seed(3)
+    long = cpu_ops.LONG_PREFILL + 9
+    seqs = [(700, 1), (3, 1), (long + 90, long), (50, 7), (long, long)]
+    batch = build_paged_batch(seqs, 2, 16, 6, 2, 64, torch.float32, sliding_window=sliding_window)
+    batch.query.mul_(8)
+    out = cpu_ops.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, SOFTCAP
+    )
+    assert_equals_capped_scores(batch, out, sliding_window, 1e-5)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -50.0, float("nan")])
+def test_a_soft_cap_that_is_not_positive_is_refused(softcap):
+    batch = build_paged_batch([(4, 1)], 1, 4, 2, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="soft cap must be positive"):
+        cpu_ops.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, None, softcap
+        )
 
 
 # --- the skinny linear -----------------------------------------------------------------------
