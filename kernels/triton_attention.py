@@ -22,11 +22,18 @@ decode's splits cut its window ``[seq_len - W, seq_len)`` rather than its whole 
 an extend tile's key loop starts at its first query's window (and masks each row's own). The
 window's bounds and masks are compiled only where WINDOWED (a `tl.constexpr`): a layer
 without a window runs none of them.
+
+Soft caps (Gemma 2's attn_logit_softcapping): each scaled score s = q.k * scale becomes
+``c * tanh(s / c)`` before the masks and the softmax. The kernels score in base 2, and capping
+commutes with that change of base when the cap moves with it: ``(c log2 e) * tanh(s log2 e /
+(c log2 e)) = log2 e * c * tanh(s / c)``, so they cap ``s * log2 e`` at ``c * log2 e``, the
+true score's cap in base 2. Compiled only where SOFTCAP (a `tl.constexpr`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -84,6 +91,22 @@ def _load_rows(
 
 
 @triton.jit
+def _soft_cap(
+    x,  # [M, N] float32: scores
+    cap,  # > 0
+):  # -> [M, N]: cap * tanh(x / cap)
+    """tanh from exp, since neither every Triton nor its interpreter offers one (3.9's
+    libdevice.tanh fails interpreted): tanh|y| = (1 - e) / (1 + e) with e = exp(-2|y|) in
+    (0, 1], which cannot overflow, and the sign put back. In float32 its absolute error is a
+    few ulps of 1 (e's rounding, where 1 - e cancels for small |y|), the score's a few
+    cap * 2^-23: far below what moves a softmax."""
+    y = x * (1.0 / cap)
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(y < 0, -t, t)
+
+
+@triton.jit
 def _attend_tile(
     q,  # [M, BLOCK_D]: the query rows (decode: a KV head's query heads; extend: query tokens)
     acc,  # [M, BLOCK_D] float32: running sum of p @ V
@@ -96,6 +119,7 @@ def _attend_tile(
     visible,  # [M, BLOCK_N]: which row may attend to which position
     dims,  # [BLOCK_D]
     scale_log2e,
+    softcap_log2e,  # the soft cap in base 2 (read only where SOFTCAP)
     cache_stride_block,
     cache_stride_plane,
     cache_stride_token,
@@ -105,6 +129,7 @@ def _attend_tile(
     UPCAST: tl.constexpr,
     MASKED: tl.constexpr,  # false: every position exists and every row sees it (no masks)
     QUANTIZED_KV: tl.constexpr,  # an int8 cache: rows are dequantized to float32
+    SOFTCAP: tl.constexpr,  # scores are soft-capped before the masks
 ):
     """One K/V tile of the online softmax: the tile's rows gathered through the block table,
     scored, and folded into (acc, m, l)."""
@@ -121,6 +146,8 @@ def _attend_tile(
     k = _load_rows(k_rows, row_mask, dims, HEAD_DIM, QUANTIZED_KV)  # [N, D]
     # q in K's dtype: a no-op for a float cache; float32 queries for an int8 one.
     scores = _dot(q.to(k.dtype), tl.trans(k), UPCAST, DOT_PRECISION) * scale_log2e  # [M, N]
+    if SOFTCAP:
+        scores = _soft_cap(scores, softcap_log2e)
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
@@ -143,6 +170,7 @@ def _decode_kernel(
     out_ptr,  # SPLIT: [B, H, num_splits, D] float32 partial outputs; else the [B, H, D] output
     lse_ptr,  # [B, H, num_splits] float32: base-2 log-sum-exp of each split's scores
     scale_log2e,  # softmax scale * log2(e)
+    softcap_log2e,  # soft cap * log2(e) (read only where SOFTCAP)
     query_stride_t,
     query_stride_h,
     out_stride_t,
@@ -165,6 +193,7 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
     WINDOWED: tl.constexpr,  # a sliding window: the splits cut only the window's keys
+    SOFTCAP: tl.constexpr,  # soft-capped scores
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -199,8 +228,9 @@ def _decode_kernel(
         in_range = positions < end
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, in_range, in_range[None, :], dims,
-            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True, QUANTIZED_KV,
+            scale_log2e, softcap_log2e, cache_stride_block, cache_stride_plane,
+            cache_stride_token, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True, QUANTIZED_KV,
+            SOFTCAP,
         )  # fmt: skip
 
     if not SPLIT:
@@ -286,6 +316,7 @@ def _extend_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     out_ptr,  # [T, H, D]
     scale_log2e,
+    softcap_log2e,  # soft cap * log2(e) (read only where SOFTCAP)
     first_seq,  # index of the first prefill sequence (the decodes come before it)
     query_stride_t,
     query_stride_h,
@@ -307,6 +338,7 @@ def _extend_kernel(
     UPCAST: tl.constexpr,
     QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
     WINDOWED: tl.constexpr,  # a sliding window: rows also mask keys their window has left
+    SOFTCAP: tl.constexpr,  # soft-capped scores
 ):
     seq = first_seq + tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -343,8 +375,9 @@ def _extend_kernel(
         positions = tile_start + tl.arange(0, BLOCK_N)
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, positions, positions, dims,
-            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False, QUANTIZED_KV,
+            scale_log2e, softcap_log2e, cache_stride_block, cache_stride_plane,
+            cache_stride_token, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, False, QUANTIZED_KV,
+            SOFTCAP,
         )  # fmt: skip
     # The masked tiles, BLOCK_N apart from kv_start but for the unmasked run they skip: the
     # window's edge before it, the causal diagonal after it. Positions start at kv_start, so
@@ -363,8 +396,9 @@ def _extend_kernel(
             visible &= positions[None, :] > query_positions[:, None] - sliding_window
         acc, m, l = _attend_tile(  # noqa: E741
             q, acc, m, l, kv_base, block_table, positions, in_range, visible, dims,
-            scale_log2e, cache_stride_block, cache_stride_plane, cache_stride_token,
-            HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True, QUANTIZED_KV,
+            scale_log2e, softcap_log2e, cache_stride_block, cache_stride_plane,
+            cache_stride_token, HEAD_DIM, PAGE_SIZE, DOT_PRECISION, UPCAST, True, QUANTIZED_KV,
+            SOFTCAP,
         )  # fmt: skip
 
     out = acc / l[:, None]
@@ -378,12 +412,14 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     *,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each new token over its sequence's cached + new K/V; with a
     sliding window, over the last ``sliding_window`` positions up to and including its own
-    (table entries before a sequence's window are never read).
+    (table entries before a sequence's window are never read); with a soft cap, each scaled
+    score s becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2).
 
     ``num_kv_splits`` forces the decode split count (tests); by default it is chosen from
     the batch size and the most keys a decode sees.
@@ -393,6 +429,8 @@ def paged_attention(
         raise ValueError(f"num_kv_splits must be in [1, {MAX_SPLITS}], got {num_kv_splits}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be positive and finite, got {softcap}")
     out = torch.empty_like(query)
     num_decode_seqs = metadata.num_decode_seqs
     if num_decode_seqs:
@@ -401,9 +439,10 @@ def paged_attention(
             _max_decode_keys(metadata, sliding_window),
             query.device,
         )
-        _decode(query[:num_decode_seqs], kv_cache, metadata, scale, sliding_window, splits, out)
+        decodes = query[:num_decode_seqs]
+        _decode(decodes, kv_cache, metadata, scale, sliding_window, softcap, splits, out)
     if metadata.num_seqs > num_decode_seqs:
-        _extend(query, kv_cache, metadata, scale, sliding_window, out)
+        _extend(query, kv_cache, metadata, scale, sliding_window, softcap, out)
     return out
 
 
@@ -460,6 +499,7 @@ def _decode(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
     num_splits: int,
     out: torch.Tensor,  # [T, H, D]; rows [0, B) are written
 ) -> None:
@@ -484,6 +524,7 @@ def _decode(
         target,
         lse,
         scale * LOG2E,
+        (softcap or 0.0) * LOG2E,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -506,6 +547,7 @@ def _decode(
         UPCAST=_upcast_dot(query.dtype),
         QUANTIZED_KV=is_quantized(kv_cache),
         WINDOWED=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
     )
@@ -538,6 +580,7 @@ def _extend(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
     out: torch.Tensor,  # [T, H, D]; the prefill sequences' rows are written
 ) -> None:
     num_heads, head_dim = query.shape[1:]
@@ -552,6 +595,7 @@ def _extend(
         metadata.query_start_loc,
         out,
         scale * LOG2E,
+        (softcap or 0.0) * LOG2E,
         first,
         query.stride(0),
         query.stride(1),
@@ -573,6 +617,7 @@ def _extend(
         UPCAST=_upcast_dot(query.dtype),
         QUANTIZED_KV=is_quantized(kv_cache),
         WINDOWED=sliding_window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=EXTEND_NUM_WARPS,
         num_stages=EXTEND_NUM_STAGES,
     )

@@ -269,13 +269,15 @@ WINDOW_SEQS = [
 NUM_WINDOW_DECODES = 4
 
 
-def assert_window_attention(batch, out, sliding_window, tol):
-    """Each sequence's rows equal SDPA over its contiguous K/V within the window."""
+def assert_window_attention(batch, out, sliding_window, tol, softcap=None):
+    """Each sequence's rows equal SDPA over its contiguous K/V within the window (with a
+    soft cap, the capped scores' softmax written out)."""
     for i, (_, num_new) in enumerate(batch.seqs):
         start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
         want = contiguous_attention(
-            batch.queries(i).cpu(), batch.keys[i], batch.values[i], num_new, sliding_window
-        )
+            batch.queries(i).cpu(), batch.keys[i], batch.values[i], num_new, sliding_window,
+            softcap,
+        )  # fmt: skip
         torch.testing.assert_close(out[start:end].float().cpu(), want, atol=tol, rtol=tol)
 
 
@@ -349,3 +351,75 @@ def test_sliding_window_must_see_a_key():
     batch = build_paged_batch([(5, 1)], 1, 16, 6, 2, 64, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="sliding_window must be at least 1"):
         triton_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale, 0)
+
+
+#: Gemma 2 caps at 50; a cap of 2 under queries scaled by 8 (scores of a few tens) flattens
+#: nearly every score, so a kernel that skipped or misplaced the cap would be far off.
+SOFTCAP = 2.0
+
+
+def soft_capped_batch(block_size, num_heads, num_kv_heads, dtype, sliding_window, **kwargs):
+    """WINDOW_SEQS with the queries scaled up so the cap matters."""
+    batch = build_paged_batch(
+        WINDOW_SEQS, NUM_WINDOW_DECODES, block_size, num_heads, num_kv_heads, 64, dtype,
+        DEVICE, sliding_window=sliding_window, **kwargs,
+    )  # fmt: skip
+    batch.query.mul_(8)  # a power of two: exact in bf16 too
+    return batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("block_size", "sliding_window", "num_heads", "num_kv_heads"),
+    [(16, None, 6, 2), (4, 5, 8, 1), (1, 200, 4, 4)],
+)
+def test_soft_capped_attention_equals_reference(
+    block_size, sliding_window, num_heads, num_kv_heads, dtype
+):
+    """Capped scores over decodes and prefill chunks, with no window, a narrow one and one
+    wider than a tile (freed blocks poisoned); the forced 5 splits leave the short decodes'
+    later splits empty. The output is far from the uncapped attention's, so the cap acted."""
+    torch.manual_seed(block_size + num_heads)
+    batch = soft_capped_batch(block_size, num_heads, num_kv_heads, dtype, sliding_window)
+    wide = build_like(batch, torch.float32)
+    expected = reference.paged_attention(
+        wide.query, wide.kv_cache, wide.metadata, batch.scale, sliding_window, SOFTCAP
+    )
+    uncapped = reference.paged_attention(
+        wide.query, wide.kv_cache, wide.metadata, batch.scale, sliding_window
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for num_kv_splits in (None, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, SOFTCAP,
+            num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+        assert_window_attention(batch, out, sliding_window, tol, SOFTCAP)
+        assert not torch.allclose(out.float(), uncapped, atol=0.1)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 200])
+def test_soft_capped_attention_int8_cache_equals_reference(sliding_window):
+    """Over an int8 cache both dequantize the same rows and cap the same float32 scores."""
+    torch.manual_seed(8)
+    batch = soft_capped_batch(16, 6, 2, torch.float32, sliding_window, kv_cache_dtype=torch.int8)
+    expected = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, SOFTCAP
+    )
+    for num_kv_splits in (1, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, SOFTCAP,
+            num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -50.0, float("inf"), float("nan")])
+def test_softcap_must_be_positive_and_finite(softcap):
+    batch = build_paged_batch([(5, 1)], 1, 16, 6, 2, 64, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="softcap must be positive and finite"):
+        triton_ops.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, None, softcap
+        )
