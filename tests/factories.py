@@ -25,6 +25,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -32,6 +36,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -43,7 +49,18 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+Family = Literal[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+]
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -77,6 +94,9 @@ _HF_CLASSES: dict[str, tuple[Any, Any]] = {
     "mixtral": (MixtralConfig, MixtralForCausalLM),
     "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
 
 #: Random-weight scale. Larger than a trained init (0.02) so logits are peaked: greedy
@@ -188,22 +208,40 @@ def build_checkpoint(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        rope_parameters=_rope_parameters(rope_scaling),
-        **{**_family_kwargs(family), **_window_kwargs(family, sliding_window)},
+        rope_parameters=_rope_parameters(family, rope_scaling),
+        # (the window's keys override the family's defaults)
+        **{
+            **_family_kwargs(family, num_layers),
+            **_window_kwargs(family, sliding_window),
+            **_original_context(family, rope_scaling),
+        },
     )
     torch.manual_seed(seed)
     model = model_class(config)
-    _randomize(model)
+    _randomize(model, norm_center=0.0 if family.startswith("gemma") else 1.0)
     model.to(dtype)  # save_pretrained records the dtype in config.json
     model.save_pretrained(str(path), max_shard_size=_shard_size(model) if sharded else "50GB")
     _generation_config(tokenizer).save_pretrained(str(path))
     return path
 
 
-def _family_kwargs(family: Family) -> dict[str, Any]:
+def _family_kwargs(family: Family, num_layers: int) -> dict[str, Any]:
     """Each family's own switches; the mixtures' experts are small and several, so routing
     picks different experts per token (Qwen3-MoE with a dense layer, Qwen2-MoE with its
-    shared expert and unnormalised top-k weights)."""
+    shared expert and unnormalised top-k weights). Gemma's layers alternate sliding-window
+    (8, shorter than most test prompts) and full attention, its scores scale by head_dim as
+    in the real checkpoints (query_pre_attn_scalar = head_dim), and Gemma 2's caps are
+    small enough to act on the tiny model's scores and logits."""
+    if family in ("gemma2", "gemma3_text"):
+        kinds = ["sliding_attention", "full_attention"]
+        gemma = {
+            "sliding_window": 8,
+            "layer_types": [kinds[i % 2] for i in range(num_layers)],
+            "query_pre_attn_scalar": 16,
+        }
+        if family == "gemma2":
+            gemma.update(attn_logit_softcapping=1.0, final_logit_softcapping=5.0)
+        return gemma
     if family == "mistral":
         return {"sliding_window": None}  # (the config's default window is 4096)
     if family == "qwen3":
@@ -230,13 +268,25 @@ def _family_kwargs(family: Family) -> dict[str, Any]:
     return {}
 
 
+def _original_context(family: Family, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Phi-3's config keeps its own top-level original_max_position_embeddings (4096 by
+    default), which wins over the rope dict's."""
+    if (
+        family != "phi3"
+        or not rope_scaling
+        or "original_max_position_embeddings" not in rope_scaling
+    ):
+        return {}
+    return {"original_max_position_embeddings": rope_scaling["original_max_position_embeddings"]}
+
+
 def _window_kwargs(family: Family, sliding_window: int | None) -> dict[str, Any]:
     """Mistral, Mixtral and Qwen3-MoE window every layer; the other Qwens window the layers
     their ``max_window_layers`` picks (from it on in Qwen2/3, before it in Qwen2-MoE), so
     with 1 their layers alternate full and windowed attention."""
     if sliding_window is None:
         return {}
-    if family in ("mistral", "mixtral", "qwen3_moe"):
+    if family in ("mistral", "mixtral", "qwen3_moe", "phi3"):
         return {"sliding_window": sliding_window, "use_sliding_window": True}
     if family in ("qwen2", "qwen3", "qwen2_moe"):
         return {
@@ -247,20 +297,25 @@ def _window_kwargs(family: Family, sliding_window: int | None) -> dict[str, Any]
     raise ValueError(f"{family} has no sliding window")
 
 
-def _rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """transformers 5 keeps rope_theta inside rope_parameters with the scaling keys."""
+def _rope_parameters(family: Family, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """transformers 5 keeps rope_theta inside rope_parameters with the scaling keys; Gemma 3
+    keeps one such dict per layer type, the sliding-window layers' unscaled."""
     parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     parameters.update(rope_scaling or {})
+    if family == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": 10000.0}
+        return {"full_attention": {**parameters, "rope_theta": 1e6}, "sliding_attention": local}
     return parameters
 
 
-def _randomize(model: torch.nn.Module) -> None:
+def _randomize(model: torch.nn.Module, norm_center: float) -> None:
     """Overwrite every parameter so each one matters: matrices and biases with noise, norm
-    weights near 1 (so a loader that skipped one would be caught)."""
+    weights near norm_center (1, or 0 where the norm multiplies by 1 + w), not at it (so a
+    loader that skipped one would be caught)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                param.copy_(norm_center + 0.2 * torch.randn_like(param))
             elif param.dim() == 1:
                 param.copy_(0.1 * torch.randn_like(param))
             else:

@@ -17,11 +17,22 @@ from headrace.worker import LLM, Engine, EngineConfig
 from tests.factories import build_checkpoint, hf_greedy
 
 MAX_TOKENS = 10
-# "+sw": a sliding window of 8, shorter than most prompts: on every layer (mistral, whose
-# blocks behind the window are given back as it decodes), and on every layer but the first
-# (qwen2's full/windowed alternation).
-WINDOWED = {"mistral+sw": ("mistral", 8), "qwen2+sw": ("qwen2", 8)}
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", *WINDOWED]
+# "+sw": a sliding window of 8, shorter than most prompts: on every layer (mistral and phi3,
+# whose blocks behind the window are given back as they decode), and on every layer but the
+# first (qwen2's full/windowed alternation).
+WINDOWED = {"mistral+sw": ("mistral", 8), "qwen2+sw": ("qwen2", 8), "phi3+sw": ("phi3", 8)}
+FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    *WINDOWED,
+    "gemma2",
+    "gemma3_text",
+]
 
 # Engine options per batch composition. "preempting" gives the pool 14 blocks of 4 tokens
 # for 6 sequences that need 1 to 13 each (34 in all), so preemption must happen. "overlapped"
@@ -46,17 +57,19 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 # The whole composition matrix runs on llama, qwen3 (qk-norm), qwen3_moe (experts, and a
-# dense layer among them) and mistral+sw (a window on every layer); mistral, qwen2 (qkv
-# bias), mixtral, qwen2_moe (a shared expert) and qwen2+sw run every test except the matrix,
-# plus its hardest case, preemption. All of it on the CPU backend's C kernels (what "auto"
-# picks on a CPU); cases again with every layer on the torch reference kernels and on the
-# Triton kernels (Triton's CPU interpreter here, compiled on a GPU): chunks mixed with
-# decodes, and preemption.
+# dense layer among them), mistral+sw (a window on every layer) and gemma2 (soft caps,
+# windowed and full layers); mistral, qwen2 (qkv bias), mixtral, qwen2_moe (a shared
+# expert), qwen2+sw, phi3+sw (fused checkpoint weights) and gemma3_text (two ropes) run every
+# test except the matrix, plus its hardest case, preemption. All of it on the CPU backend's
+# C kernels (what "auto" picks on a CPU); cases again with every layer on the torch
+# reference kernels and on the Triton kernels (Triton's CPU interpreter here, compiled on a
+# GPU): chunks mixed with decodes, and preemption.
 MATRIX = [
     (family, composition, "cpu")
     for family in FAMILIES
     for composition in sorted(COMPOSITIONS)
-    if family in ("llama", "qwen3", "qwen3_moe", "mistral+sw") or composition == "preempting"
+    if family in ("llama", "qwen3", "qwen3_moe", "mistral+sw", "gemma2")
+    or composition == "preempting"
 ] + [
     (family, composition, backend)
     for backend in ("reference", "triton")
@@ -66,6 +79,8 @@ MATRIX = [
         ("qwen2_moe", "chunked-8"),
         ("mistral+sw", "preempting"),
         ("qwen2+sw", "chunked-8"),
+        ("gemma2", "chunked-8"),
+        ("gemma3_text", "preempting"),
     )
 ]
 

@@ -238,12 +238,15 @@ def test_tensor_parallel_equals_single_rank(case):
         assert [tokens[f"{name}-{i}"] for i in range(len(prompts))] == expected[name]
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "phi3"])
 def test_adapters_on_a_sliding_window_model_equal_peft(tmp_path, family):
-    """Windowed attention (every layer, or alternating with full) under an adapter on
-    every projection: the mixed batch equals PEFT."""
+    """Windowed attention (every layer, or alternating with full; Gemma's layers) under an
+    adapter on every projection: the mixed batch equals PEFT. Phi-3's adapters target its
+    fused qkv_proj and gate_up_proj, cut into headrace's pieces as its weights are."""
     base = build_checkpoint(tmp_path / "base", family, sliding_window=8)
-    adapter = build_adapter(base, tmp_path / "a", seed=1, rank=8, alpha=16)
+    fused = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    targets = {"targets": fused} if family == "phi3" else {}
+    adapter = build_adapter(base, tmp_path / "a", seed=1, rank=8, alpha=16, **targets)
     prompts = make_prompts(256, seed=3)
     expected = {
         None: hf_greedy(base, prompts, MAX_TOKENS),

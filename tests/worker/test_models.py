@@ -17,6 +17,7 @@ import pytest
 import torch
 from headrace.kernels import AttentionMetadata, select_kernels
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker import LLM
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from headrace.worker.layers.linear import (
@@ -49,6 +50,13 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
+# Phi-3's longrope: a factor per frequency (head_dim 16: 8), the model 2x its original context.
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [1.0, 1.5, 2.2, 3.0, 4.0, 5.5, 7.0, 9.0],
+    "original_max_position_embeddings": 256,
+}
 
 
 def variant(family: str, **kwargs: Any) -> Any:
@@ -76,6 +84,15 @@ VARIANTS = [
     variant("mistral", sliding_window=4),
     variant("qwen3", sliding_window=4),
     variant("qwen2_moe", sliding_window=4),
+    # Gemma: sandwich norms, (1 + w) weights, scaled embeddings, GELU; Gemma 2's soft caps,
+    # Gemma 3's q/k norms and two ropes (the full layers' scaled in one case).
+    variant("gemma2"),
+    variant("gemma3_text"),
+    variant("gemma3_text", rope_scaling=LINEAR_ROPE),
+    # Phi-3: fused q/k/v and gate/up in the checkpoint; a window; longrope.
+    variant("phi3"),
+    variant("phi3", sliding_window=4, sharded=True),
+    variant("phi3", rope_scaling=LONGROPE),
 ]
 
 
@@ -359,6 +376,33 @@ def test_sliding_windows_are_read_per_layer_as_transformers_reads_them(family, w
 def test_a_window_no_sequence_can_outgrow_is_no_window():
     config = ModelConfig.from_hf(hf_config_of("mistral", sliding_window=512))
     assert config.sliding_window is None and config.kv_window is None
+
+
+@pytest.mark.parametrize(
+    "disabled", ["attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"]
+)
+def test_gemma2s_caps_and_scale_change_the_oracle(tmp_path, disabled):
+    """The tiny Gemma 2's soft caps and score scale act: without each, transformers' own
+    logits change (so the logits matched above test them)."""
+    path = build_checkpoint(tmp_path, "gemma2")
+    (prompt,) = make_prompts(256, (23,))
+    with torch.inference_mode():
+        expected = load_hf_model(path)(torch.tensor([prompt])).logits
+        config = json.loads((path / "config.json").read_text())
+        value = 256 if disabled == "query_pre_attn_scalar" else None
+        (path / "config.json").write_text(json.dumps({**config, disabled: value}))
+        changed = load_hf_model(path)(torch.tensor([prompt])).logits
+    assert (changed - expected).abs().max() > 0.1
+
+
+def test_a_longrope_model_runs_within_its_original_context(tmp_path):
+    """Past it transformers rotates every token of a forward pass with the long factors, so
+    a token's rotation would depend on its batch: the engine's context stops there."""
+    path = build_checkpoint(tmp_path, "phi3", rope_scaling=LONGROPE)
+    llm = LLM(str(path), dtype="float32")
+    assert llm.engine.spec.max_model_len == 256
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        LLM(str(path), dtype="float32", max_model_len=300)
 
 
 def test_an_unknown_layer_type_is_refused_by_name(tmp_path):

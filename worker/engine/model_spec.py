@@ -15,6 +15,7 @@ import torch
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
 from headrace.worker.models.compressed_tensors import COMPRESSED, CompressedScheme, read_scheme
+from headrace.worker.models.config import context_length
 from headrace.worker.models.gguf import projection_bits
 from headrace.worker.models.registry import model_factory, read_model_type
 from headrace.worker.models.store import GGUF_SUFFIX, gguf_file, resolve_model
@@ -129,7 +130,7 @@ def _checkpoint_dtype(hf_config: Any) -> torch.dtype | None:
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
+    model_max = context_length(hf_config) if hasattr(hf_config, "max_position_embeddings") else 2048
     limit = config.max_model_len or model_max
     if limit > model_max:
         raise InvalidArgumentError(

@@ -21,6 +21,7 @@ class Attention(nn.Module):
         scale: float,
         kernels: KernelSet,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.kernels = kernels
@@ -31,6 +32,8 @@ class Attention(nn.Module):
         self.scale = scale
         #: The keys a token sees, its own included (None: all of its sequence's).
         self.sliding_window = sliding_window
+        #: Scores soft-capped to (-softcap, softcap) before the softmax (Gemma 2), or None.
+        self.softcap = softcap
 
     def forward(
         self,
@@ -42,5 +45,5 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         self.kernels.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return self.kernels.paged_attention(
-            query, kv_cache, metadata, self.scale, self.sliding_window
+            query, kv_cache, metadata, self.scale, self.sliding_window, self.softcap
         )

@@ -1,4 +1,5 @@
-"""The gated SiLU MLP of the Llama family: down(silu(gate(x)) * up(x)).
+"""The gated MLP: down(act(gate(x)) * up(x)), act SiLU (Llama) or tanh-approximated GELU
+(Gemma).
 
 gate and up are one column-parallel matmul (`MergedColumnParallelLinear`), down is
 row-parallel, so the block costs one all-reduce, or none with ``reduce_results=False`` (a
@@ -8,6 +9,7 @@ mixture-of-experts block sums its experts' partials first, `layers/moe.py`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from headrace.kernels import KernelSet
 from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -25,8 +27,10 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         kernels: KernelSet,
         reduce_results: bool = True,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
+        self.activation = activation
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size,
             [intermediate_size, intermediate_size],
@@ -48,4 +52,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 x intermediate per rank]
-        return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        if self.activation == "silu":
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)

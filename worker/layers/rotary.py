@@ -15,8 +15,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-RopeType = Literal["default", "linear", "llama3"]
-SUPPORTED_ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "llama3")
+RopeType = Literal["default", "linear", "llama3", "longrope"]
+SUPPORTED_ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,10 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     #: llama3 only: the pretraining context length.
     original_max_position: int = 8192
+    #: longrope (Phi-3) only: each frequency's divisor (the short factors: headrace runs a
+    #: longrope model within its original context), and the factor cos and sin are scaled by.
+    ext_factors: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 def compute_inv_freq(config: RopeConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -46,6 +50,9 @@ def compute_inv_freq(config: RopeConfig) -> torch.Tensor:  # [head_dim // 2] flo
         return inv_freq / config.factor
     if config.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, config)
+    if config.rope_type == "longrope":  # (transformers' op order: 1 / (ext * base ** e))
+        ext_factors = torch.tensor(config.ext_factors, dtype=torch.float32)
+        return 1.0 / (ext_factors * config.theta**exponents)
     return inv_freq
 
 
@@ -81,8 +88,11 @@ class RotaryEmbedding(nn.Module):
         device = torch.get_default_device()
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", angles.cos().to(device), persistent=False)
-        self.register_buffer("sin_cache", angles.sin().to(device), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        if config.attention_factor != 1.0:
+            cos, sin = cos * config.attention_factor, sin * config.attention_factor
+        self.register_buffer("cos_cache", cos.to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(device), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype

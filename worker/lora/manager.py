@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,6 +61,10 @@ class LoraManager:
         #: What every adapted layer reads during a forward pass; `set_batch_indices` writes it.
         self._batch = LoraBatch()
         self.packed_modules = packed_modules
+        #: A fused checkpoint module -> its pieces and their rows (Phi-3), from the model.
+        self.fused_pieces: Mapping[str, tuple[tuple[str, int], ...]] = getattr(
+            model, "fused_pieces", {}
+        )
         self.layers: dict[str, LinearLora] = {}
         experts = [name + "." for name, m in model.named_modules() if isinstance(m, SparseMoe)]
         for name, module in model.named_modules():
@@ -85,6 +89,7 @@ class LoraManager:
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         """The adapter at ``path``, checked against this model; InvalidArgumentError if not."""
         adapter = read_adapter(name, path, self.max_lora_rank, self.dtype)
+        adapter = replace(adapter, weights=self._unfused(adapter.weights))
         for module, (a, b) in adapter.weights.items():
             layer, shard_id = self._target(module)
             shapes = None if layer is None else layer.full_shapes(shard_id)
@@ -114,6 +119,23 @@ class LoraManager:
         self.registered.pop(name, None)
         self._host.pop(name, None)
         self._slots.pop(name, None)  # the slot is free; its contents are overwritten on reuse
+
+    def _unfused(
+        self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """An adapter of a module the checkpoint fuses (Phi-3's qkv_proj: the model's
+        ``fused_pieces``) as one per piece: A shared, B cut into the pieces' rows."""
+        unfused = {}
+        for module, (a, b) in weights.items():
+            parent, _, leaf = module.rpartition(".")
+            pieces = self.fused_pieces.get(leaf)
+            if pieces is None or b.shape[0] != sum(rows for _, rows in pieces):
+                unfused[module] = (a, b)  # (a misfit is refused by read's shape check)
+                continue
+            cuts = b.split([rows for _, rows in pieces])
+            for (piece, _), b_piece in zip(pieces, cuts, strict=True):
+                unfused[f"{parent}.{piece}"] = (a, b_piece)
+        return unfused
 
     def _target(self, module: str) -> tuple[LinearLora | None, ShardId]:
         layer_name, shard_id = self._fused_name(module)

@@ -1,7 +1,8 @@
 """One typed description of a Llama-family model, read once from its Hugging Face config.
 
 The families differ only in a few switches (which projections carry a bias, per-head q/k
-norms, a mixture of experts in place of the MLP), and transformers versions differ in where
+norms, a mixture of experts in place of the MLP, sliding windows; Gemma's norms, scalings,
+soft caps and second rope), and transformers versions differ in where
 they keep rope parameters (v5: ``config.rope_parameters`` with ``rope_theta`` inside; v4:
 ``rope_scaling`` plus ``config.rope_theta``). Everything model code needs is settled here,
 so the layers never look at an HF config, and anything headrace cannot run exactly fails
@@ -9,8 +10,9 @@ here, at load time."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.layers.moe import MoeConfig
@@ -18,6 +20,10 @@ from headrace.worker.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
 
 #: The families with a mixture of experts in place of (some) MLPs.
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+#: The Gemma families (`worker/models/gemma.py`).
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+#: transformers' activation names -> the gated MLP's (`layers/mlp.py`).
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class UnsupportedModelError(InvalidArgumentError):
@@ -57,6 +63,24 @@ class ModelConfig:
     #: layer has one). Every layer but those in full_attention_layers keeps to it.
     sliding_window: int | None = None
     full_attention_layers: frozenset[int] = frozenset()
+    #: The gated MLP's activation: "silu" (Llama) or "gelu_tanh" (Gemma).
+    activation: str = "silu"
+    #: Gemma: the attention scores' scale is query_pre_attn_scalar ** -0.5, not head_dim's.
+    query_pre_attn_scalar: float | None = None
+    #: Gemma 2: attention scores and final logits soft-capped (s -> cap * tanh(s / cap)).
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    #: Gemma 3: the sliding-window layers' own rope (None: every layer uses ``rope``).
+    local_rope: RopeConfig | None = None
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's decoder: (1 + w) norms, four per layer, embeddings scaled by sqrt(hidden)."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def window_of(self, layer: int) -> int | None:
         """Layer ``layer``'s window, or None where it attends to the whole sequence."""
@@ -71,7 +95,6 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         model_type = str(hf_config.model_type)
-        _check_activation(hf_config)
         sliding_window, full_attention_layers = windows_from_hf(hf_config)
         num_heads = int(hf_config.num_attention_heads)
         head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
@@ -94,13 +117,40 @@ class ModelConfig:
             or attention_bias,
             o_proj_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             rope=rope_config_from_hf(hf_config, head_dim),
             moe=moe_config_from_hf(hf_config) if model_type in MOE_MODEL_TYPES else None,
             sliding_window=sliding_window,
             full_attention_layers=full_attention_layers,
+            activation=activation_from_hf(hf_config),
+            **(gemma_switches(hf_config, head_dim) if model_type in GEMMA_MODEL_TYPES else {}),
         )
+
+
+def gemma_switches(hf_config: Any, head_dim: int) -> dict[str, Any]:
+    """Gemma's scale and caps as transformers applies them: Gemma 3's attention ignores an
+    ``attn_logit_softcapping``; its sliding layers have a rope of their own."""
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("bidirectional attention is not supported")
+    gemma2 = str(hf_config.model_type) == "gemma2"
+    attn_softcap = getattr(hf_config, "attn_logit_softcapping", None) if gemma2 else None
+    final_softcap = getattr(hf_config, "final_logit_softcapping", None)
+    return {
+        "query_pre_attn_scalar": float(hf_config.query_pre_attn_scalar),
+        "attn_softcap": None if attn_softcap is None else float(attn_softcap),
+        "final_softcap": None if final_softcap is None else float(final_softcap),
+        "local_rope": None if gemma2 else rope_config_from_hf(hf_config, head_dim, "sliding"),
+    }
+
+
+def activation_from_hf(hf_config: Any) -> str:
+    """Gemma names it ``hidden_activation``, the others ``hidden_act``."""
+    name = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    if name not in ACTIVATIONS:
+        supported = ", ".join(repr(a) for a in ACTIVATIONS)
+        raise UnsupportedModelError(f"activation {name!r} is not supported ({supported})")
+    return ACTIVATIONS[name]
 
 
 def windows_from_hf(hf_config: Any) -> tuple[int | None, frozenset[int]]:
@@ -112,13 +162,13 @@ def windows_from_hf(hf_config: Any) -> tuple[int | None, frozenset[int]]:
     num_layers = int(hf_config.num_hidden_layers)
     if window is None or window >= int(hf_config.max_position_embeddings):
         return None, frozenset()
-    if int(window) < 1:
-        raise UnsupportedModelError(f"sliding_window {window} is not a positive length")
     layer_types = getattr(hf_config, "layer_types", None) or ["sliding_attention"] * num_layers
     unknown = set(layer_types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
     full = frozenset(i for i, kind in enumerate(layer_types) if kind == "full_attention")
+    if len(full) < num_layers and int(window) < 1:
+        raise UnsupportedModelError(f"sliding_window {window} is not a positive length")
     return (None, frozenset()) if len(full) == num_layers else (int(window), full)
 
 
@@ -146,15 +196,22 @@ def moe_config_from_hf(hf_config: Any) -> MoeConfig | None:
     )
 
 
-def rope_config_from_hf(hf_config: Any, head_dim: int) -> RopeConfig:
-    """Rope parameters from either config layout (see the module docstring)."""
+def rope_config_from_hf(
+    hf_config: Any, head_dim: int, layers: Literal["full", "sliding"] = "full"
+) -> RopeConfig:
+    """Rope parameters from either config layout (see the module docstring); where they are
+    given per layer type (Gemma 3), those of the full or the sliding-window layers."""
     params: dict[str, Any] = dict(
         getattr(hf_config, "rope_parameters", None)
         or getattr(hf_config, "rope_scaling", None)
         or {}
     )
     if any(isinstance(value, dict) for value in params.values()):
-        raise UnsupportedModelError("per-layer-type rope parameters are not supported")
+        if str(hf_config.model_type) != "gemma3_text":  # (the one family with a local rope)
+            raise UnsupportedModelError("per-layer-type rope parameters are not supported")
+        if f"{layers}_attention" not in params:
+            raise UnsupportedModelError(f"rope parameters lack {layers}_attention")
+        params = dict(params[f"{layers}_attention"])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         supported = ", ".join(SUPPORTED_ROPE_TYPES)
@@ -168,13 +225,12 @@ def rope_config_from_hf(hf_config: Any, head_dim: int) -> RopeConfig:
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0))
     if rope_type == "default":
         return RopeConfig(head_dim, max_position, theta)
+    if rope_type == "longrope":
+        return _longrope_config(hf_config, params, head_dim, max_position, theta)
     factor = float(_rope_param(params, "factor"))
     if rope_type == "linear":
         return RopeConfig(head_dim, max_position, theta, "linear", factor)
-    # As transformers does: a top-level original_max_position_embeddings wins over the dict's.
-    original = getattr(hf_config, "original_max_position_embeddings", None) or params.get(
-        "original_max_position_embeddings", max_position
-    )
+    original = _original_max_position(hf_config, params)
     return RopeConfig(
         head_dim,
         max_position,
@@ -187,13 +243,54 @@ def rope_config_from_hf(hf_config: Any, head_dim: int) -> RopeConfig:
     )
 
 
+def _longrope_config(
+    hf_config: Any, params: dict[str, Any], head_dim: int, max_position: int, theta: float
+) -> RopeConfig:
+    """Phi-3's longrope within its original context: the short factors, and cos/sin scaled
+    by the attention factor (transformers' default: sqrt(1 + ln(factor) / ln(original))).
+    Past the original context transformers switches every frequency to the long factors
+    for whole forward passes at once, so a token's rotation would depend on how its
+    sequence was batched; `context_length` keeps headrace inside the original context."""
+    original = int(_original_max_position(hf_config, params))
+    short = tuple(float(f) for f in _rope_param(params, "short_factor"))
+    if len(short) != head_dim // 2:
+        raise UnsupportedModelError(
+            f"longrope short_factor has {len(short)} entries, not {head_dim // 2}"
+        )
+    factor = float(params.get("factor") or max_position / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        )
+    return RopeConfig(
+        head_dim,
+        min(max_position, original),
+        theta,
+        "longrope",
+        ext_factors=short,
+        attention_factor=float(attention_factor),
+    )
+
+
+def context_length(hf_config: Any) -> int:
+    """The positions headrace runs exactly: the model's, or a longrope model's original
+    context (see `_longrope_config`)."""
+    max_position = int(hf_config.max_position_embeddings)
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "longrope":
+        return min(max_position, int(_original_max_position(hf_config, params)))
+    return max_position
+
+
+def _original_max_position(hf_config: Any, params: dict[str, Any]) -> Any:
+    """As transformers reads it: a top-level original_max_position_embeddings wins."""
+    return getattr(hf_config, "original_max_position_embeddings", None) or params.get(
+        "original_max_position_embeddings", hf_config.max_position_embeddings
+    )
+
+
 def _rope_param(params: dict[str, Any], key: str) -> Any:
     if key not in params:
         raise UnsupportedModelError(f"rope parameters lack {key!r}")
     return params[key]
-
-
-def _check_activation(hf_config: Any) -> None:
-    activation = getattr(hf_config, "hidden_act", "silu")
-    if activation != "silu":
-        raise UnsupportedModelError(f"hidden_act {activation!r} is not supported (only 'silu')")

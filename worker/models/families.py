@@ -15,6 +15,9 @@ FAMILIES: dict[str, str] = {
     "mixtral": "Mixtral (mixture of experts, sliding window); no LoRA on the experts",
     "qwen2_moe": "Qwen2-MoE (shared expert); no LoRA on the experts",
     "qwen3_moe": "Qwen3-MoE; no LoRA on the experts",
+    "gemma2": "Gemma 2 (soft-capped scores and logits, local/global layers)",
+    "gemma3_text": "Gemma 3 text (q/k norms, local/global layers with their own ropes)",
+    "phi3": "Phi-3 (fused q/k/v and gate/up, sliding window); longrope within its original context",
 }
 #: Families people ask for that headrace does not run yet.
-NOT_YET = "gemma2, gemma3_text, phi3, gpt_oss"
+NOT_YET = "gpt_oss"

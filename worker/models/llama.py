@@ -33,6 +33,12 @@ from headrace.worker.models.loader import load_weights
 from torch import nn
 
 
+def norm_of(config: ModelConfig, size: int, dtype: torch.dtype, kernels: KernelSet) -> RMSNorm:
+    """An RMSNorm as the family defines it (Gemma's weights are offsets from 1)."""
+    offset = 1.0 if config.is_gemma else 0.0
+    return RMSNorm(size, config.rms_norm_eps, kernels, dtype=dtype, weight_offset=offset)
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -65,8 +71,8 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels, dtype=dtype)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, kernels, dtype=dtype)
+            self.q_norm = norm_of(config, head_dim, dtype, kernels)
+            self.k_norm = norm_of(config, head_dim, dtype, kernels)
         self.num_heads = self.qkv_proj.num_heads_per_rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_rank
         self.head_dim = head_dim
@@ -74,9 +80,10 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             head_dim,
-            head_dim**-0.5,
+            config.attention_scale,
             kernels,
             config.window_of(layer),
+            config.attn_softcap,
         )
         self.kernels = kernels
 
@@ -120,13 +127,10 @@ class LlamaDecoderLayer(nn.Module):
                 parallel=parallel,
                 dtype=dtype,
                 kernels=kernels,
+                activation=config.activation,
             )
-        self.input_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
-        )
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype
-        )
+        self.input_layernorm = norm_of(config, config.hidden_size, dtype, kernels)
+        self.post_attention_layernorm = norm_of(config, config.hidden_size, dtype, kernels)
         # The projections LoRA may adapt (a mixture's experts take none). A tuple, not a
         # ModuleList: read each decode step, without nn.Module's lookup.
         self._projections: tuple[nn.Module, ...] = (self.self_attn.qkv_proj, self.self_attn.o_proj)
@@ -181,6 +185,7 @@ class LlamaModel(nn.Module):
         parallel: ParallelConfig,
         dtype: torch.dtype,
         kernels: KernelSet,
+        decoder_layer: type[nn.Module],
     ) -> None:
         super().__init__()
         self.layer_range = parallel.stage_layers(config.num_layers)
@@ -190,16 +195,21 @@ class LlamaModel(nn.Module):
                 config.vocab_size, config.hidden_size, parallel=parallel, dtype=dtype
             )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, parallel, dtype, kernels)
+            decoder_layer(config, i, parallel, dtype, kernels)
             if i in self.layer_range
             else nn.Identity()
             for i in range(config.num_layers)
         )
         self.norm: RMSNorm | None = None
         if parallel.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels, dtype=dtype)
-        # One cos/sin table for all layers: it is [max_position, head_dim] per copy.
+            self.norm = norm_of(config, config.hidden_size, dtype, kernels)
+        #: Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype.
+        self.embedding_scale = config.hidden_size**0.5 if config.is_gemma else None
+        # One cos/sin table for all layers: it is [max_position, head_dim] per copy. Gemma 3's
+        # sliding-window layers have their own (local_rope).
         self.rotary_emb = RotaryEmbedding(config.rope)
+        self.local_rotary_emb = RotaryEmbedding(config.local_rope) if config.local_rope else None
+        self.is_local = [config.window_of(i) is not None for i in range(config.num_layers)]
         self.decode_shape = _decode_shape(config, parallel, kernels)
         #: Built at the first decode step with `decode_shape` (None: layer by layer).
         self._decode_stack: cpu_decode.DecoderStack | None = None
@@ -216,16 +226,21 @@ class LlamaModel(nn.Module):
         if carry is None:
             assert self.embed_tokens is not None, "a later stage needs the previous one's carry"
             hidden = self.embed_tokens(input_ids)
+            if self.embedding_scale is not None:
+                hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         else:
             hidden, residual = carry[0], carry[1]
         rotary = self.rotary_emb(positions, hidden.dtype)
+        local = self.local_rotary_emb
+        local_rotary = rotary if local is None else local(positions, hidden.dtype)
         layers = self.layers[self.layer_range.start : self.layer_range.stop]
         if carry is None:
             decoded = self._decode_in_one_call(hidden, layers, rotary, kv_caches, metadata)
             if decoded is not None:
                 return decoded
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rotary, kv_cache, metadata)
+        for i, layer, kv_cache in zip(self.layer_range, layers, kv_caches, strict=True):
+            cos_sin = local_rotary if self.is_local[i] else rotary
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, metadata)
         assert residual is not None, "every stage runs at least one layer"
         if self.norm is None:
             return torch.stack((hidden, residual))
@@ -260,11 +275,14 @@ def _decode_shape(
     config: ModelConfig, parallel: ParallelConfig, kernels: KernelSet
 ) -> cpu_decode.DecoderShape | None:
     """The stack's shape for `cpu_decode` where it serves this model: the CPU kernels, one
-    rank and one stage, no biases, no q/k norm, no experts. None otherwise."""
+    rank and one stage, no biases, no q/k norm, no experts, Llama's layers (not Gemma's).
+    None otherwise."""
     whole = parallel.is_first_stage and parallel.is_last_stage
     if kernels.NAME != "cpu" or parallel.tensor_parallel_size > 1 or not whole:
         return None
     if config.qkv_bias or config.o_proj_bias or config.mlp_bias or config.qk_norm or config.moe:
+        return None
+    if config.is_gemma:
         return None
     return cpu_decode.DecoderShape(
         hidden_size=config.hidden_size,
@@ -273,11 +291,13 @@ def _decode_shape(
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         eps=config.rms_norm_eps,
-        scale=config.head_dim**-0.5,
+        scale=config.attention_scale,
     )
 
 
 class LlamaForCausalLM(nn.Module):
+    #: The decoder layer of the family (Gemma's subclass has its own).
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
     #: Checkpoint module name -> (the fused module holding it, its shard id), for the loader.
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ShardId]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -297,7 +317,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.parallel = parallel
-        self.model = LlamaModel(config, parallel, dtype, kernels)
+        self.model = LlamaModel(config, parallel, dtype, kernels, self.decoder_layer)
         self.lm_head: ParallelLMHead | None = None
         if parallel.is_last_stage:
             self.lm_head = ParallelLMHead(
@@ -341,11 +361,19 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits over the true vocabulary (last stage only), into ``out`` where the
         LM head can write there."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
-        return self.lm_head(hidden, out)
+        logits = self.lm_head(hidden, out)
+        cap = self.config.final_softcap
+        if cap is not None:  # (Gemma 2) s -> cap * tanh(s / cap), in place
+            logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
-        """Each row's greedy token: the argmax of `compute_logits` (one rank only)."""
+        """Each row's greedy token: the argmax of `compute_logits` (one rank only). Capped
+        logits are capped first: two raw logits may round to one capped value, and the
+        argmax of the capped ones is transformers' token."""
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
+        if self.config.final_softcap is not None:
+            return self.compute_logits(hidden).argmax(dim=-1)
         return self.lm_head.greedy(hidden)
 
     def load_weights(

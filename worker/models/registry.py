@@ -17,10 +17,12 @@ from headrace.worker.layers.weights import LoadedTensor
 from headrace.worker.models.compressed_tensors import COMPRESSED, read_scheme
 from headrace.worker.models.config import UnsupportedModelError
 from headrace.worker.models.families import FAMILIES
+from headrace.worker.models.gemma import GemmaForCausalLM
 from headrace.worker.models.gguf import iter_gguf_tensors
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.models.llama import LlamaForCausalLM
 from headrace.worker.models.loader import iter_weights
+from headrace.worker.models.phi3 import Phi3ForCausalLM
 from torch import nn
 
 __all__ = ["MODEL_REGISTRY", "LoadedModel", "ModelWeights", "UnsupportedModelError", "load_model"]
@@ -32,6 +34,10 @@ ModelFactory = Callable[[Any, ParallelConfig, torch.dtype, KernelSet], LoadableM
 #: model_type (as in config.json) -> the factory of the model that runs it.
 MODEL_REGISTRY: dict[str, ModelFactory] = {
     model_type: LlamaForCausalLM.from_hf_config for model_type in FAMILIES
+} | {
+    "gemma2": GemmaForCausalLM.from_hf_config,
+    "gemma3_text": GemmaForCausalLM.from_hf_config,
+    "phi3": Phi3ForCausalLM.from_hf_config,
 }
 
 

@@ -418,9 +418,10 @@ class Scheduler:
 
     def update_from_output(self, step: SchedulerOutput, sampled: list[SampledToken]) -> None:
         """Apply a step's results: its chunks' tokens count as computed (full blocks enter the
-        prefix cache, blocks a sliding window has passed are given back), each live sequence's sampled tokens are appended (a speculating one
-        may have several: its accepted proposals and the model's next token), and the
-        sequences the stop checks end are finished, their blocks freed."""
+        prefix cache, blocks a sliding window has passed are given back), each live
+        sequence's sampled tokens are appended (a speculating one may have several: its
+        accepted proposals and the model's next token), and the sequences the stop checks
+        end are finished, their blocks freed."""
         for chunk in step.chunks:
             if not chunk.seq.is_finished and not chunk.draft_token_ids:  # else aborted
                 self._advance_computed(chunk)
