@@ -43,6 +43,7 @@ class KernelSet(Protocol):
         scale: float,
         sliding_window: int | None = None,  # keys a query sees, its own included; None: all
         softcap: float | None = None,  # scores s -> softcap * tanh(s / softcap); None: as is
+        sinks: torch.Tensor | None = None,  # [num_heads] float32: a logit per head, no value
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
 
     def rms_norm(

@@ -109,22 +109,27 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each new token over its sequence's cached + new K/V; with a
     sliding window, over the last ``sliding_window`` positions up to and including its own
     (see `headrace.kernels.attention` for the blocks before a window); with a soft cap, each
-    score s becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2)."""
+    score s becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2); with sinks,
+    each head's softmax has one more logit, ``sinks[h]``, in its denominator and no value
+    (GPT-OSS's attention sinks)."""
     out = torch.empty_like(query)
     query_start_loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     num_decode_seqs = metadata.num_decode_seqs
     if num_decode_seqs:
         rows = query_start_loc[num_decode_seqs]
-        out[:rows] = _decode(query[:rows], kv_cache, metadata, scale, sliding_window, softcap)
+        out[:rows] = _decode(
+            query[:rows], kv_cache, metadata, scale, sliding_window, softcap, sinks
+        )
     for i in range(num_decode_seqs, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         table = metadata.block_tables[i : i + 1]
         out[start:end] = extend(
-            query[start:end], kv_cache, table, seq_lens[i], scale, sliding_window, softcap
+            query[start:end], kv_cache, table, seq_lens[i], scale, sliding_window, softcap, sinks
         )
     return out
 
@@ -163,6 +168,7 @@ def _decode(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """All decode sequences at once: gather K/V padded to the longest, mask the padding.
 
@@ -193,7 +199,7 @@ def _decode(
         hidden = ~visible[:, None, :, None]  # [B, 1, L, 1]
         key, value = key.masked_fill(hidden, 0), value.masked_fill(hidden, 0)
     q = query.unsqueeze(2).to(key.dtype)  # [B, H, 1, D]
-    out = _attend(q, key, value, visible[:, None, None, :], scale, softcap)
+    out = _attend(q, key, value, visible[:, None, None, :], scale, softcap, sinks)
     return out.squeeze(2).to(query.dtype)
 
 
@@ -205,6 +211,7 @@ def extend(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One prefill chunk: new tokens attend to the cached prefix and causally to themselves
     (within the window, where there is one: the gather starts at its first query's window)."""
@@ -215,7 +222,7 @@ def extend(
     table = block_table[:, first_block:]
     key, value = _widen(*gather_kv(kv_cache, table, seq_len - first_pos))  # [1, Hkv, L, D]
     q = query.transpose(0, 1).unsqueeze(0).to(key.dtype)  # [1, H, Q, D]
-    if num_queries == seq_len and sliding_window is None and softcap is None:
+    if num_queries == seq_len and sliding_window is None and softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             q, key, value, is_causal=True, scale=scale, enable_gqa=_is_gqa(q, key)
         )
@@ -227,7 +234,7 @@ def extend(
         mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
         if sliding_window is not None:
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        out = _attend(q, key, value, mask, scale, softcap)
+        out = _attend(q, key, value, mask, scale, softcap, sinks)
     return out[0].transpose(0, 1).to(query.dtype)
 
 
@@ -238,19 +245,27 @@ def _attend(
     mask: torch.Tensor,  # bool, broadcast to [B, H, Q, L]: the keys each query sees
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,  # [H]
 ) -> torch.Tensor:  # [B, H, Q, D]
-    """SDPA, or with a soft cap the same written out as transformers' Gemma 2 eager attention
-    computes it: scaled scores capped, masked, softmax in float32."""
-    if softcap is None:
+    """SDPA, or with a soft cap or sinks the same written out as transformers' eager
+    attention computes it for Gemma 2 and GPT-OSS: scaled scores capped, masked, each head's
+    sink logit beside them, softmax in float32, the sink's probability dropped."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scale, enable_gqa=_is_gqa(query, key)
         )
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale  # [B, H, Q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat((scores, sink), dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     return torch.matmul(probs, value)
 
 

@@ -106,10 +106,11 @@ def build_paged_batch(
     return PagedBatch(query, cache, metadata, keys, values, seqs)
 
 
-def contiguous_attention(q, k, v, num_queries, sliding_window=None, softcap=None):
+def contiguous_attention(q, k, v, num_queries, sliding_window=None, softcap=None, sinks=None):
     """Attention in float32 for one sequence: the last num_queries tokens attend causally to
     all of k/v ([L, Hkv, D], contiguous), or to the last sliding_window positions of it; with
-    a softcap, each scaled score s is softcap * tanh(s / softcap)."""
+    a softcap, each scaled score s is softcap * tanh(s / softcap); with sinks ([H]), each
+    head's softmax denominator also has exp(sinks[h])."""
     q, k, v = q.float(), k.float(), v.float()
     seq_len = k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -120,10 +121,14 @@ def contiguous_attention(q, k, v, num_queries, sliding_window=None, softcap=None
     mask = k_pos <= q_pos[:, None]
     if sliding_window is not None:
         mask &= k_pos > q_pos[:, None] - sliding_window
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
         return out.transpose(0, 1)
     scores = q.transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(q.shape[-1])  # [H, Q, L]
-    scores = softcap * torch.tanh(scores / softcap)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return (probs @ v).transpose(0, 1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    weights = scores.masked_fill(~mask, float("-inf")).exp()  # (scores are small here)
+    denominator = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + sinks.float().exp()[:, None, None]
+    return (weights / denominator @ v).transpose(0, 1)

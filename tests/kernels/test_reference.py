@@ -76,6 +76,30 @@ def test_soft_capped_attention_matches_the_capped_scores(sliding_window, dtype):
         torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (5, None), (5, 2.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks_add_a_logit_to_each_heads_denominator(sliding_window, softcap, dtype):
+    torch.manual_seed(0)
+    batch = build_paged_batch(WINDOW_SEQS, 3, 4, 6, 2, 64, dtype, sliding_window=sliding_window)
+    sinks = torch.tensor([-2.0, 0.0, 1.0, 3.0, 0.5, 6.0])  # (6.0: most of the mass)
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap)
+    out = reference.paged_attention(*args, sinks=sinks)
+    assert not torch.allclose(out.float(), reference.paged_attention(*args).float(), atol=0.05)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (_, num_new) in enumerate(WINDOW_SEQS):
+        expected = contiguous_attention(
+            batch.queries(i),
+            batch.keys[i],
+            batch.values[i],
+            num_new,
+            sliding_window,
+            softcap,
+            sinks,
+        )
+        got = out[batch.metadata.query_start_loc_cpu[i] : batch.metadata.query_start_loc_cpu[i + 1]]
+        torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_transformers(dtype):
     torch.manual_seed(0)
