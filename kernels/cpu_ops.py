@@ -159,12 +159,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each new token over its sequence's cached + new K/V; with a
     sliding window, over the last ``sliding_window`` positions up to and including its own
     (no block before a sequence's window is read: see `headrace.kernels.attention`); with a
     soft cap, each scaled score s becomes ``softcap * tanh(s / softcap)`` before the softmax
-    (Gemma 2).
+    (Gemma 2); with sinks, head h's softmax has one more logit, ``sinks[h]``, in its
+    denominator and no value (GPT-OSS; taken as float32).
 
     Decodes and prefill chunks up to `LONG_PREFILL` tokens run in the C kernel; longer chunks
     are compute-bound, where torch's flash attention over the gathered context is faster (the
@@ -178,6 +180,7 @@ def paged_attention(
     query_dtype = query.dtype
     query = _rows(query.to(_row_dtype(query, kv_cache)))
     num_tokens, num_heads, head_dim = query.shape
+    sinks = _head_sinks(sinks, num_heads)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
     starts_cpu = metadata.query_start_loc_cpu
     in_kernel: list[int] = []
@@ -185,15 +188,28 @@ def paged_attention(
     for i in range(metadata.num_seqs):
         (long if starts_cpu[i + 1] - starts_cpu[i] > LONG_PREFILL else in_kernel).append(i)
     if in_kernel:
-        _attend_in_kernel(query, kv_cache, metadata, scale, sliding_window, softcap, in_kernel, out)
+        _attend_in_kernel(
+            query, kv_cache, metadata, scale, sliding_window, softcap, sinks, in_kernel, out
+        )
     for i in long:
         start, end = starts_cpu[i], starts_cpu[i + 1]
         table = metadata.block_tables[i : i + 1]
         seq_len = metadata.seq_lens_cpu[i]
         out[start:end] = extend(
-            query[start:end], kv_cache, table, seq_len, scale, sliding_window, softcap
+            query[start:end], kv_cache, table, seq_len, scale, sliding_window, softcap, sinks
         )
     return out.to(query_dtype)
+
+
+def _head_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Each head's sink logit as the kernel reads it: [num_heads] float32, contiguous."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_heads,):
+        raise ValueError(
+            f"sinks must hold one logit per query head ({num_heads}), not {tuple(sinks.shape)}"
+        )
+    return sinks.to(torch.float32).contiguous()
 
 
 def attention_arrays(
@@ -213,6 +229,7 @@ def _attend_in_kernel(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,  # [num_heads] float32, contiguous
     seq_ids: list[int],
     out: torch.Tensor,
 ) -> None:
@@ -236,6 +253,7 @@ def _attend_in_kernel(
         scale,
         sliding_window or 0,
         softcap or 0.0,
+        None if sinks is None else _ptr(sinks),
         _DTYPE_CODES[query.dtype],
         _KV_DTYPE_CODES[kv_cache.dtype],
         QUERY_TILE,

@@ -53,7 +53,7 @@ _SIGNATURES = {
     "headrace_paged_attention": (
         [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P]
         + [_INT] * 5
-        + [ctypes.c_float, _INT, ctypes.c_float]
+        + [ctypes.c_float, _INT, ctypes.c_float, _P]
         + [_INT] * 3
         + [_P],
         _INT,

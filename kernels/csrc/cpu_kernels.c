@@ -7,7 +7,8 @@
    - paged_attention: causal attention of every query row of a varlen batch over its
      sequence's K/V, read block by block from the paged cache in place (no gather, no padding),
      within a sliding window where the layer has one, its scores soft-capped where the layer
-     caps them (Gemma 2). Decode rows (one query) and prefill chunks (many) take the same path.
+     caps them (Gemma 2), each head's sink logit in its softmax's denominator where the layer
+     has sinks (GPT-OSS). Decode rows (one query) and prefill chunks (many) take the same path.
    - write_kv_cache: scatter new K/V rows into their cache slots.
    - argmax_update: each row's first maximum over column blocks that arrive in order (the
      greedy LM head's vocabulary slices), kept running.
@@ -246,6 +247,8 @@ typedef struct {
     int sliding_window;
     /* scores s (the scale's included) become softcap * tanh(s / softcap) if > 0; 0: as is */
     float softcap;
+    /* [H]: each head's sink, a logit in its softmax's denominator with no value; NULL: none */
+    const float *sinks;
     void *out; /* [T, H, D] contiguous, dtype */
     /* head_dim rounded up to whole v16s: every float32 row below is padded with zeros. */
     int padded_dim;
@@ -405,7 +408,10 @@ static void score_by_transpose(const Attention *a, Scratch *s, int row0, int row
    row sees those from first_key (its window's first) up to last_key (its own position). Leaves
    the row's probabilities in scores. A row that saw none of them would be left as it was,
    with probabilities zero (selected lanes: whatever exp made of -inf - -inf is dropped), but
-   attend_key_tile passes no such row: a window's rows past the tile are skipped. */
+   attend_key_tile passes no such row: a window's rows past the tile are skipped. The row's
+   max is -inf only before its first key, and only without a sink (load_queries starts a
+   sink's row at max = sink, sum = 1): the correction then zeroes an empty sum. With a sink it
+   is exp(sink - new max) for the sink's term, as for any earlier tile's keys. */
 static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int first_key,
                            int last_key) {
     int visible = last_key - first + 1;
@@ -475,8 +481,10 @@ static void load_queries(const Attention *a, const Tile *t, int kvh, Scratch *s,
         load_row(src, a->dtype, q, D);
         for (int d = 0; d < D; d++) q[d] *= a->scale;
         memset(s->acc + (int64_t)r * Dp, 0, (size_t)Dp * sizeof(float));
-        s->row_max[r] = -INFINITY;
-        s->row_sum[r] = 0.0f;
+        /* A head's sink is a key seen before all others, with no value: max = sink, and its
+           term exp(sink - max) = 1 in the sum (a sink of -inf: the correction zeroes it). */
+        s->row_max[r] = a->sinks != NULL ? a->sinks[head] : -INFINITY;
+        s->row_sum[r] = a->sinks != NULL ? 1.0f : 0.0f;
     }
 }
 
@@ -628,14 +636,14 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
                         int64_t block_table_stride, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const int32_t *seq_ids, int num_selected,
                         int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int sliding_window, float softcap, int dtype,
-                        int kv_dtype, int query_tile, void *out, int *failed) {
+                        float scale, int sliding_window, float softcap, const float *sinks,
+                        int dtype, int kv_dtype, int query_tile, void *out, int *failed) {
     const int padded_dim = (head_dim + LANES - 1) / LANES * LANES;
     Attention a = {query,        query_stride_token, query_stride_head, kv_cache,
                    block_tables, block_table_stride, query_start_loc,   seq_lens,
                    num_heads,    num_kv_heads,       head_dim,          block_size,
                    dtype,        kv_dtype,           scale,             sliding_window,
-                   softcap,      out,                padded_dim,
+                   softcap,      sinks,              out,               padded_dim,
                    kv_dtype == F32 && head_dim == padded_dim};
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     /* each thread's own list (a few entries per sequence): no thread waits for another's */
@@ -695,22 +703,24 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
    tile); decode sequences have one. `sliding_window`: keys a query sees, its own included (0:
    all); the block-table entries before the block holding the first key a sequence's first
    query sees are never read. `softcap`: each scaled score s becomes softcap * tanh(s /
-   softcap) before the softmax (0: none; Gemma 2's attn_logit_softcapping). */
+   softcap) before the softmax (0: none; Gemma 2's attn_logit_softcapping). `sinks`: [H]
+   float32, head h's softmax has exp(sinks[h]) in its denominator, beside its keys', and no
+   value (NULL: none; GPT-OSS's attention sinks). */
 int headrace_paged_attention(const void *query, int64_t query_stride_token,
                              int64_t query_stride_head, const void *kv_cache,
                              const int32_t *block_tables, int64_t block_table_stride,
                              const int32_t *query_start_loc, const int32_t *seq_lens,
                              const int32_t *seq_ids, int num_selected, int num_heads,
                              int num_kv_heads, int head_dim, int block_size, float scale,
-                             int sliding_window, float softcap, int dtype, int kv_dtype,
-                             int query_tile, void *out) {
+                             int sliding_window, float softcap, const float *sinks,
+                             int dtype, int kv_dtype, int query_tile, void *out) {
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     int failed = 0;
 #pragma omp parallel if ((int64_t)num_tiles * num_kv_heads > 1)
     hr_paged_attention(query, query_stride_token, query_stride_head, kv_cache, block_tables,
                        block_table_stride, query_start_loc, seq_lens, seq_ids, num_selected,
                        num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
-                       softcap, dtype, kv_dtype, query_tile, out, &failed);
+                       softcap, sinks, dtype, kv_dtype, query_tile, out, &failed);
     return failed ? -1 : 0;
 }
 

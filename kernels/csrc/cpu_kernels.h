@@ -60,14 +60,15 @@ void hr_write_kv_cache(const void *key, int64_t key_stride_token, int64_t key_st
 
 /* sliding_window: keys a query sees, its own included (0: all); block-table entries before a
    sequence's window are never read (they may name freed blocks). softcap: scaled scores s
-   become softcap * tanh(s / softcap) before the softmax (0: none). */
+   become softcap * tanh(s / softcap) before the softmax (0: none). sinks: [H] float32, each
+   head's logit in its softmax's denominator, with no value (NULL: none). */
 void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t query_stride_head,
                         const void *kv_cache, const int32_t *block_tables,
                         int64_t block_table_stride, const int32_t *query_start_loc,
                         const int32_t *seq_lens, const int32_t *seq_ids, int num_selected,
                         int num_heads, int num_kv_heads, int head_dim, int block_size,
-                        float scale, int sliding_window, float softcap, int dtype,
-                        int kv_dtype, int query_tile, void *out, int *failed);
+                        float scale, int sliding_window, float softcap, const float *sinks,
+                        int dtype, int kv_dtype, int query_tile, void *out, int *failed);
 
 void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
                      int64_t cols, int dtype);

@@ -139,8 +139,8 @@ int headrace_decode_layers(
         hr_paged_attention(b.query, H * D, D, kv_cache, block_tables, block_table_stride,
                            query_start_loc, seq_lens, seq_ids, num_seqs, num_heads,
                            num_kv_heads, head_dim, block_size, scale, sliding_windows[l],
-                           0.0f /* no soft cap */, dtype, kv_dtype, query_tile, b.attention,
-                           &failed);
+                           0.0f /* no soft cap */, NULL /* no sinks */, dtype, kv_dtype,
+                           query_tile, b.attention, &failed);
         matmul(b.attention, T, t + O_PROJ, w, hidden_size, H * D, b.hidden, dtype, b.wide);
         hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, (const void *)t[POST_NORM],
                     eps, b.normed, b.residual, T, hidden_size, dtype);

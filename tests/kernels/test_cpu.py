@@ -1,7 +1,8 @@
 """The C kernels of the CPU backend equal the torch references: attention read from the paged
 cache in place (decodes, prefills, mixed; GQA; block sizes that do and do not divide the key
 tile; fp32 / bf16 / fp16; strided queries; sliding windows, never reading the freed blocks
-before one; soft-capped scores, whose tanh is within an ulp or two of torch's), the KV-cache
+before one; soft-capped scores, whose tanh is within an ulp or two of torch's; attention
+sinks, a logit per head in each softmax's denominator), the KV-cache
 write bit for bit, and argmax with ties and NaN as numpy breaks them, and the skinny linear
 against a float64 matmul (float32 weights) or a float32 matmul of the same values (bf16 /
 fp16 weights), bit for bit the same for a row alone as in a batch. Also: the build is cached,
@@ -86,15 +87,20 @@ def test_decode_only_and_prefill_only_against_contiguous_sdpa(seqs, num_decode):
     ids=str,
 )
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (7, None), (7, 2.0)])
+@pytest.mark.parametrize(
+    ("sliding_window", "softcap", "with_sinks"),
+    [(None, None, False), (7, None, False), (7, 2.0, False), (None, None, True), (7, 2.0, True)],
+)
 def test_a_decode_alone_and_among_many_gets_the_same_bits(
-    sliding_window, softcap, block_size, dtype, kv_cache_dtype
+    sliding_window, softcap, with_sinks, block_size, dtype, kv_cache_dtype
 ):
     """Many decodes run every KV head of one decode in one work item, key tile by key tile
     (the kernel's `run_tile_heads`); a decode alone runs a head per item. Each row's sums are
     the same either way, so the outputs are equal bit for bit (over an int8 cache too, and
-    within a window, whose key tiles start where it does, and with capped scores)."""
+    within a window, whose key tiles start where it does, with capped scores, and with each
+    head's sink in its softmax)."""
     torch.manual_seed(block_size)
+    sinks = torch.linspace(-3.0, 6.0, 9) if with_sinks else None
     seqs = [(n, 1) for n in (1, 15, 16, 17, 40, 99, 300, 5)]
     batch = build_paged_batch(
         seqs,
@@ -108,7 +114,7 @@ def test_a_decode_alone_and_among_many_gets_the_same_bits(
         sliding_window=sliding_window,
     )
     together = cpu_ops.paged_attention(
-        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap, sinks
     )
     for i, (seq_len, _) in enumerate(seqs):
         alone = AttentionMetadata(
@@ -122,7 +128,13 @@ def test_a_decode_alone_and_among_many_gets_the_same_bits(
             block_size=block_size,
         )
         out = cpu_ops.paged_attention(
-            batch.query[i : i + 1], batch.kv_cache, alone, batch.scale, sliding_window, softcap
+            batch.query[i : i + 1],
+            batch.kv_cache,
+            alone,
+            batch.scale,
+            sliding_window,
+            softcap,
+            sinks,
         )
         assert torch.equal(out[0], together[i]), f"decode {i} ({seq_len} keys)"
 
@@ -465,6 +477,130 @@ def test_a_soft_cap_that_is_not_positive_is_refused(softcap):
     with pytest.raises(ValueError, match="soft cap must be positive"):
         cpu_ops.paged_attention(
             batch.query, batch.kv_cache, batch.metadata, batch.scale, None, softcap
+        )
+
+
+# --- attention sinks ---------------------------------------------------------------------------
+
+
+def head_sinks(num_heads: int) -> torch.Tensor:
+    """A sink per head from -3 to 6: one far below the scores, one taking most of the mass."""
+    return torch.linspace(-3.0, 6.0, num_heads)
+
+
+def assert_equals_sink_softmax(batch, out, sliding_window, softcap, sinks, tol):
+    for i, (_, num_new) in enumerate(batch.seqs):
+        start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+        want = contiguous_attention(
+            batch.queries(i),
+            batch.keys[i],
+            batch.values[i],
+            num_new,
+            sliding_window,
+            softcap,
+            sinks,
+        )
+        torch.testing.assert_close(out[start:end].float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (8, 1)])
+@pytest.mark.parametrize("softcap", [None, SOFTCAP])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_attention_sinks_add_a_logit_to_each_heads_denominator(
+    block_size, sliding_window, softcap, num_heads, num_kv_heads, dtype
+):
+    """Decodes and prefill chunks mixed, each head's softmax with exp(sinks[h]) beside its
+    keys' in the denominator and no value, as GPT-OSS computes it: equal to the softmax written
+    out and to the reference (within a window too, its freed blocks NaN; and capped scores,
+    queries scaled by 8). The sinks are live: the output is far from the sink-free one."""
+    torch.manual_seed(block_size + num_heads)
+    batch = capped_batch(block_size, num_heads, num_kv_heads, dtype, sliding_window)
+    if softcap is None:
+        batch.query.div_(8)  # scores of the unscaled queries, the sink of 6 the most of them
+    sinks = head_sinks(num_heads)
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap)
+    out = cpu_ops.paged_attention(*args, sinks)
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    assert_equals_sink_softmax(batch, out, sliding_window, softcap, sinks, tol)
+    wide_batch = wide(batch)
+    want = reference.paged_attention(wide_batch.query, wide_batch.kv_cache, *args[2:], sinks)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    assert not torch.allclose(out.float(), cpu_ops.paged_attention(*args).float(), atol=0.1)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_attention_sinks_over_an_int8_cache_equal_the_reference(
+    block_size, sliding_window, query_dtype
+):
+    torch.manual_seed(block_size)
+    batch = build_paged_batch(
+        WINDOW_SEQS,
+        4,
+        block_size,
+        6,
+        2,
+        64,
+        query_dtype,
+        kv_cache_dtype=torch.int8,
+        sliding_window=sliding_window,
+    )
+    if sliding_window is not None:
+        poison_freed_int8_blocks(batch, sliding_window)
+    args = (batch.kv_cache, batch.metadata, batch.scale, sliding_window, None, head_sinks(6))
+    want = reference.paged_attention(batch.query.float(), *args)
+    got = cpu_ops.paged_attention(batch.query, *args)
+    tol = TOLERANCE[query_dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), [(None, None), (100, SOFTCAP)])
+def test_attention_sinks_in_long_prefill_chunks_mixed_with_kernel_rows(sliding_window, softcap):
+    """Chunks longer than LONG_PREFILL go to the reference's `extend`, with the sinks there too."""
+    torch.manual_seed(5)
+    long = cpu_ops.LONG_PREFILL + 9
+    seqs = [(700, 1), (3, 1), (long + 90, long), (50, 7), (long, long)]
+    batch = build_paged_batch(seqs, 2, 16, 6, 2, 64, torch.float32, sliding_window=sliding_window)
+    sinks = head_sinks(6)
+    out = cpu_ops.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap, sinks
+    )
+    assert_equals_sink_softmax(batch, out, sliding_window, softcap, sinks, 1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_a_sink_of_minus_infinity_gives_the_bits_of_none(sliding_window):
+    """exp(-inf) weighs nothing: the first key tile's correction zeroes the sink's term as it
+    does the empty sum of a row without one, and every sum after is the same."""
+    torch.manual_seed(7)
+    batch = build_paged_batch(
+        WINDOW_SEQS, 4, 4, 6, 2, 64, torch.float32, sliding_window=sliding_window
+    )
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window)
+    sinks = torch.full((6,), float("-inf"))
+    assert torch.equal(cpu_ops.paged_attention(*args, None, sinks), cpu_ops.paged_attention(*args))
+
+
+def test_sinks_are_taken_as_contiguous_float32():
+    torch.manual_seed(8)
+    batch = build_paged_batch(WINDOW_SEQS, 4, 4, 6, 2, 64, torch.float32)
+    args = (batch.query, batch.kv_cache, batch.metadata, batch.scale, None, None)
+    strided = torch.randn(6, 2, dtype=torch.float64)[:, 0]
+    assert not strided.is_contiguous()
+    want = cpu_ops.paged_attention(*args, strided.float().contiguous())
+    assert torch.equal(cpu_ops.paged_attention(*args, strided), want)
+
+
+@pytest.mark.parametrize("shape", [(5,), (7,), (6, 1), ()])
+def test_sinks_not_one_per_head_are_refused(shape):
+    batch = build_paged_batch([(4, 1)], 1, 4, 6, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        cpu_ops.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, None, None, torch.zeros(shape)
         )
 
 
