@@ -28,6 +28,13 @@ Soft caps (Gemma 2's attn_logit_softcapping): each scaled score s = q.k * scale 
 commutes with that change of base when the cap moves with it: ``(c log2 e) * tanh(s log2 e /
 (c log2 e)) = log2 e * c * tanh(s / c)``, so they cap ``s * log2 e`` at ``c * log2 e``, the
 true score's cap in base 2. Compiled only where SOFTCAP (a `tl.constexpr`).
+
+Attention sinks (GPT-OSS): each head's softmax has one more logit, ``sinks[h]``, in its
+denominator and no value. An online softmax takes it as a key seen before any other: its
+state starts at ``m = sinks[h] * log2 e`` (the logit in base 2, uncapped) and ``l = 1``
+(``exp2(m - m)``), acc 0. A decode's splits are merged by their log-sum-exps, so the sink
+must enter exactly one of them: split 0, which always holds keys (a context has at least
+one, and a window's splits start at its first). Compiled only where SINKS (a `tl.constexpr`).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from headrace.kernels.kv_layout import head_dim_of, is_quantized
 from headrace.kernels.triton_cache import check_scale_alignment, scale_pointers
 
 LOG2E = 1.4426950408889634
+LOG2E_CONST: tl.constexpr = tl.constexpr(LOG2E)  # the same, for use inside the kernels
 #: Read once, at import, when triton.jit also decides whether these kernels are interpreted.
 INTERPRETED = triton_interpreted()
 #: Decode: K/V tokens per inner-loop tile, and the fewest tokens a split is given.
@@ -107,6 +115,25 @@ def _soft_cap(
 
 
 @triton.jit
+def _softmax_start(
+    sink_ptrs,  # [M]: each row's head's sink logit, float32 (read only where SINKS)
+    with_sink,  # [M]: rows whose softmax holds the sink (a decode: split 0's real heads)
+    M: tl.constexpr,
+    SINKS: tl.constexpr,
+):  # -> (m, l), each [M] float32
+    """The online softmax's running max and sum before any key: nothing seen, or the sink's
+    logit seen (in base 2, as the scores are), weighing exp2(m - m) = 1 with no value."""
+    if SINKS:
+        sink = tl.load(sink_ptrs, mask=with_sink, other=float("-inf"))
+        m = sink * LOG2E_CONST
+        l = tl.where(m > float("-inf"), 1.0, 0.0)  # rows without it: nothing seen  # noqa: E741
+    else:
+        m = tl.full([M], float("-inf"), tl.float32)
+        l = tl.zeros([M], tl.float32)  # noqa: E741
+    return m, l
+
+
+@triton.jit
 def _attend_tile(
     q,  # [M, BLOCK_D]: the query rows (decode: a KV head's query heads; extend: query tokens)
     acc,  # [M, BLOCK_D] float32: running sum of p @ V
@@ -167,6 +194,7 @@ def _decode_kernel(
     cache_ptr,  # [num_blocks, 2, PAGE_SIZE, Hkv, row]: row D values (int8: D + 4, kv_layout)
     block_tables_ptr,  # [B, max_num_blocks] int32
     seq_lens_ptr,  # [B] int32: context length of each sequence, this token included
+    sinks_ptr,  # [H] float32: each head's sink logit (read only where SINKS)
     out_ptr,  # SPLIT: [B, H, num_splits, D] float32 partial outputs; else the [B, H, D] output
     lse_ptr,  # [B, H, num_splits] float32: base-2 log-sum-exp of each split's scores
     scale_log2e,  # softmax scale * log2(e)
@@ -194,6 +222,7 @@ def _decode_kernel(
     QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
     WINDOWED: tl.constexpr,  # a sliding window: the splits cut only the window's keys
     SOFTCAP: tl.constexpr,  # soft-capped scores
+    SINKS: tl.constexpr,  # a sink logit per head, in split 0's softmax
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -220,8 +249,10 @@ def _decode_kernel(
     kv_base = cache_ptr + kv_head * cache_stride_head
     block_table = block_tables_ptr + seq * block_tables_stride
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of the scores
-    l = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m)  # noqa: E741
+    # Running max of the scores and sum of exp2(score - m), the sink's in split 0's real heads
+    # only (written as one comparison: (groups < GROUP) & (split == 0) fails interpreted).
+    with_sink = groups < tl.where(split == 0, GROUP, 0)
+    m, l = _softmax_start(sinks_ptr + heads, with_sink, BLOCK_G, SINKS)  # noqa: E741
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
@@ -314,6 +345,7 @@ def _extend_kernel(
     block_tables_ptr,  # [B, max_num_blocks] int32
     seq_lens_ptr,  # [B] int32: context length after this step
     query_start_loc_ptr,  # [B + 1] int32
+    sinks_ptr,  # [H] float32: each head's sink logit (read only where SINKS)
     out_ptr,  # [T, H, D]
     scale_log2e,
     softcap_log2e,  # soft cap * log2(e) (read only where SOFTCAP)
@@ -339,6 +371,7 @@ def _extend_kernel(
     QUANTIZED_KV: tl.constexpr,  # an int8 cache (kv_layout)
     WINDOWED: tl.constexpr,  # a sliding window: rows also mask keys their window has left
     SOFTCAP: tl.constexpr,  # soft-capped scores
+    SINKS: tl.constexpr,  # a sink logit per head in each row's softmax
 ):
     seq = first_seq + tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -365,8 +398,8 @@ def _extend_kernel(
     kv_base = cache_ptr + kv_head * cache_stride_head
     block_table = block_tables_ptr + seq * block_tables_stride
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
+    sink_ptrs = sinks_ptr + tl.full([BLOCK_M], head, tl.int32)  # every row: this head's
+    m, l = _softmax_start(sink_ptrs, rows >= 0, BLOCK_M, SINKS)  # noqa: E741
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_start, unmasked_start, unmasked_end, kv_end = _extend_key_runs(
         seq_len - num_queries + tile * BLOCK_M, seq_len, sliding_window, BLOCK_M, BLOCK_N, WINDOWED
@@ -413,13 +446,16 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
     *,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """Causal attention of each new token over its sequence's cached + new K/V; with a
     sliding window, over the last ``sliding_window`` positions up to and including its own
     (table entries before a sequence's window are never read); with a soft cap, each scaled
-    score s becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2).
+    score s becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2); with sinks,
+    each head's softmax has one more logit, ``sinks[h]``, in its denominator and no value
+    (GPT-OSS).
 
     ``num_kv_splits`` forces the decode split count (tests); by default it is chosen from
     the batch size and the most keys a decode sees.
@@ -431,6 +467,7 @@ def paged_attention(
         raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
     if softcap is not None and not 0 < softcap < math.inf:
         raise ValueError(f"softcap must be positive and finite, got {softcap}")
+    _check_sinks(sinks, query)
     out = torch.empty_like(query)
     num_decode_seqs = metadata.num_decode_seqs
     if num_decode_seqs:
@@ -440,10 +477,23 @@ def paged_attention(
             query.device,
         )
         decodes = query[:num_decode_seqs]
-        _decode(decodes, kv_cache, metadata, scale, sliding_window, softcap, splits, out)
+        _decode(decodes, kv_cache, metadata, scale, sliding_window, softcap, sinks, splits, out)
     if metadata.num_seqs > num_decode_seqs:
-        _extend(query, kv_cache, metadata, scale, sliding_window, softcap, out)
+        _extend(query, kv_cache, metadata, scale, sliding_window, softcap, sinks, out)
     return out
+
+
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    num_heads = query.shape[1]
+    if sinks.shape != (num_heads,) or sinks.dtype != torch.float32 or sinks.stride(0) != 1:
+        raise ValueError(
+            f"sinks must be a contiguous float32 tensor of the {num_heads} query heads, got "
+            f"{sinks.dtype} {tuple(sinks.shape)} strides {sinks.stride()}"
+        )
+    if sinks.device != query.device:
+        raise ValueError(f"sinks are on {sinks.device}, the query on {query.device}")
 
 
 def _check_shapes(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
@@ -500,6 +550,7 @@ def _decode(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,  # [H] float32
     num_splits: int,
     out: torch.Tensor,  # [T, H, D]; rows [0, B) are written
 ) -> None:
@@ -521,6 +572,7 @@ def _decode(
         kv_cache,
         metadata.block_tables,
         metadata.seq_lens,
+        query if sinks is None else sinks,  # (unread without sinks)
         target,
         lse,
         scale * LOG2E,
@@ -548,6 +600,7 @@ def _decode(
         QUANTIZED_KV=is_quantized(kv_cache),
         WINDOWED=sliding_window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
     )
@@ -581,6 +634,7 @@ def _extend(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,  # [H] float32
     out: torch.Tensor,  # [T, H, D]; the prefill sequences' rows are written
 ) -> None:
     num_heads, head_dim = query.shape[1:]
@@ -593,6 +647,7 @@ def _extend(
         metadata.block_tables,
         metadata.seq_lens,
         metadata.query_start_loc,
+        query if sinks is None else sinks,  # (unread without sinks)
         out,
         scale * LOG2E,
         (softcap or 0.0) * LOG2E,
@@ -618,6 +673,7 @@ def _extend(
         QUANTIZED_KV=is_quantized(kv_cache),
         WINDOWED=sliding_window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=EXTEND_NUM_WARPS,
         num_stages=EXTEND_NUM_STAGES,
     )

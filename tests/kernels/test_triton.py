@@ -423,3 +423,86 @@ def test_softcap_must_be_positive_and_finite(softcap):
         triton_ops.paged_attention(
             batch.query, batch.kv_cache, batch.metadata, batch.scale, None, softcap
         )
+
+
+def sinks_for(num_heads):
+    """GPT-OSS-like sink logits, one per head, from a negligible -3 to a dominant 6."""
+    return torch.linspace(-3.0, 6.0, num_heads, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("block_size", "sliding_window", "softcap", "num_heads", "num_kv_heads"),
+    [(16, None, None, 6, 2), (4, 5, SOFTCAP, 8, 1), (1, 200, None, 4, 4)],
+)
+def test_attention_sinks_equal_reference(
+    block_size, sliding_window, softcap, num_heads, num_kv_heads, dtype
+):
+    """Each head's sink in its softmax's denominator, over decodes and prefill chunks, with
+    no window, a narrow one under a cap, and one wider than a tile (freed blocks poisoned).
+    The forced 5 splits leave the short decodes' later splits empty and cut the 700-token
+    decode's keys: a sink counted in each split, or in none, would be off. The output is far
+    from the sink-free attention's, so the sinks acted."""
+    torch.manual_seed(block_size + num_heads)
+    if softcap is None:
+        batch = build_paged_batch(
+            WINDOW_SEQS, NUM_WINDOW_DECODES, block_size, num_heads, num_kv_heads, 64, dtype,
+            DEVICE, sliding_window=sliding_window,
+        )  # fmt: skip
+    else:
+        batch = soft_capped_batch(block_size, num_heads, num_kv_heads, dtype, sliding_window)
+    sinks = sinks_for(num_heads)
+    wide = build_like(batch, torch.float32)
+    args = (wide.query, wide.kv_cache, wide.metadata, batch.scale, sliding_window, softcap)
+    expected = reference.paged_attention(*args, sinks)
+    sink_free = reference.paged_attention(*args)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for num_kv_splits in (None, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, sliding_window, softcap,
+            sinks, num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+        for i, (_, num_new) in enumerate(batch.seqs):
+            start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+            want = contiguous_attention(
+                batch.queries(i).cpu(), batch.keys[i], batch.values[i], num_new,
+                sliding_window, softcap, sinks.cpu(),
+            )  # fmt: skip
+            torch.testing.assert_close(out[start:end].float().cpu(), want, atol=tol, rtol=tol)
+        assert not torch.allclose(out.float(), sink_free, atol=0.1)
+
+
+def test_attention_sinks_int8_cache_equal_reference():
+    """Over an int8 cache both dequantize the same rows; the sinks enter both softmaxes in
+    float32, so they agree to float rounding, unsplit and over splits some leave empty."""
+    torch.manual_seed(9)
+    batch = build_paged_batch(
+        WINDOW_SEQS, NUM_WINDOW_DECODES, 16, 6, 2, 64, torch.float32, DEVICE,
+        kv_cache_dtype=torch.int8, sliding_window=200,
+    )  # fmt: skip
+    sinks = sinks_for(6)
+    expected = reference.paged_attention(
+        batch.query, batch.kv_cache, batch.metadata, batch.scale, 200, None, sinks
+    )
+    for num_kv_splits in (1, 5):
+        out = triton_attention.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, 200, None, sinks,
+            num_kv_splits=num_kv_splits,
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "sinks",
+    [torch.zeros(5), torch.zeros(6, dtype=torch.bfloat16), torch.zeros(12)[::2], torch.zeros(1, 6)],
+    ids=["length", "dtype", "strided", "shape"],
+)
+def test_sinks_must_be_one_float32_logit_per_head(sinks):
+    batch = build_paged_batch([(5, 1)], 1, 16, 6, 2, 64, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="sinks must be a contiguous float32 tensor of the 6"):
+        triton_ops.paged_attention(
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, None, None,
+            sinks.to(DEVICE),
+        )  # fmt: skip
