@@ -30,6 +30,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -60,6 +62,7 @@ Family = Literal[
     "gemma2",
     "gemma3_text",
     "phi3",
+    "gpt_oss",
 ]
 
 EOS_TOKEN = "<|endoftext|>"
@@ -97,6 +100,7 @@ _HF_CLASSES: dict[str, tuple[Any, Any]] = {
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     "phi3": (Phi3Config, Phi3ForCausalLM),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM),
 }
 
 #: Random-weight scale. Larger than a trained init (0.02) so logits are peaked: greedy
@@ -232,6 +236,15 @@ def _family_kwargs(family: Family, num_layers: int) -> dict[str, Any]:
     (8, shorter than most test prompts) and full attention, its scores scale by head_dim as
     in the real checkpoints (query_pre_attn_scalar = head_dim), and Gemma 2's caps are
     small enough to act on the tiny model's scores and logits."""
+    if family == "gpt_oss":
+        kinds = ["sliding_attention", "full_attention"]
+        return {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "swiglu_limit": 1.0,  # (low enough that the clamps act)
+            "sliding_window": 8,
+            "layer_types": [kinds[i % 2] for i in range(num_layers)],
+        }
     if family in ("gemma2", "gemma3_text"):
         kinds = ["sliding_attention", "full_attention"]
         gemma = {
@@ -281,9 +294,10 @@ def _original_context(family: Family, rope_scaling: dict[str, Any] | None) -> di
 
 
 def _window_kwargs(family: Family, sliding_window: int | None) -> dict[str, Any]:
-    """Mistral, Mixtral and Qwen3-MoE window every layer; the other Qwens window the layers
-    their ``max_window_layers`` picks (from it on in Qwen2/3, before it in Qwen2-MoE), so
-    with 1 their layers alternate full and windowed attention."""
+    """Mistral, Mixtral, Qwen3-MoE and Phi-3 window every layer; the other Qwens window the
+    layers their ``max_window_layers`` picks (from it on in Qwen2/3, before it in Qwen2-MoE),
+    so with 1 their layers alternate full and windowed attention; Gemma's and GPT-OSS's
+    ``layer_types`` (`_family_kwargs`) alternate already."""
     if sliding_window is None:
         return {}
     if family in ("mistral", "mixtral", "qwen3_moe", "phi3"):
@@ -294,6 +308,8 @@ def _window_kwargs(family: Family, sliding_window: int | None) -> dict[str, Any]
             "use_sliding_window": True,
             "max_window_layers": 1,
         }
+    if family in ("gemma2", "gemma3_text", "gpt_oss"):
+        return {"sliding_window": sliding_window}
     raise ValueError(f"{family} has no sliding window")
 
 
@@ -302,6 +318,14 @@ def _rope_parameters(family: Family, rope_scaling: dict[str, Any] | None) -> dic
     keeps one such dict per layer type, the sliding-window layers' unscaled."""
     parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     parameters.update(rope_scaling or {})
+    if family == "gpt_oss" and not rope_scaling:  # YaRN over a 128-token original context
+        yarn = {"factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        return {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "original_max_position_embeddings": 128,
+            **yarn,
+        }
     if family == "gemma3_text":
         local = {"rope_type": "default", "rope_theta": 10000.0}
         return {"full_attention": {**parameters, "rope_theta": 1e6}, "sliding_attention": local}

@@ -32,6 +32,7 @@ FAMILIES = [
     *WINDOWED,
     "gemma2",
     "gemma3_text",
+    "gpt_oss",
 ]
 
 # Engine options per batch composition. "preempting" gives the pool 14 blocks of 4 tokens
@@ -59,11 +60,11 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 # The whole composition matrix runs on llama, qwen3 (qk-norm), qwen3_moe (experts, and a
 # dense layer among them), mistral+sw (a window on every layer) and gemma2 (soft caps,
 # windowed and full layers); mistral, qwen2 (qkv bias), mixtral, qwen2_moe (a shared
-# expert), qwen2+sw, phi3+sw (fused checkpoint weights) and gemma3_text (two ropes) run every
-# test except the matrix, plus its hardest case, preemption. All of it on the CPU backend's
-# C kernels (what "auto" picks on a CPU); cases again with every layer on the torch
-# reference kernels and on the Triton kernels (Triton's CPU interpreter here, compiled on a
-# GPU): chunks mixed with decodes, and preemption.
+# expert), qwen2+sw, phi3+sw (fused checkpoint weights), gemma3_text (two ropes) and gpt_oss
+# (sinks, biased experts) run every test except the matrix, plus its hardest case,
+# preemption. All of it on the CPU backend's C kernels (what "auto" picks on a CPU); cases
+# again with every layer on the torch reference kernels and on the Triton kernels (Triton's
+# CPU interpreter here, compiled on a GPU): chunks mixed with decodes, and preemption.
 MATRIX = [
     (family, composition, "cpu")
     for family in FAMILIES
@@ -81,6 +82,7 @@ MATRIX = [
         ("qwen2+sw", "chunked-8"),
         ("gemma2", "chunked-8"),
         ("gemma3_text", "preempting"),
+        ("gpt_oss", "chunked-8"),
     )
 ]
 

@@ -50,6 +50,15 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
+YARN_ROPE_TRUNCATED = {**YARN_ROPE, "factor": 8.0, "truncate": True}
 # Phi-3's longrope: a factor per frequency (head_dim 16: 8), the model 2x its original context.
 LONGROPE = {
     "rope_type": "longrope",
@@ -93,6 +102,9 @@ VARIANTS = [
     variant("phi3"),
     variant("phi3", sliding_window=4, sharded=True),
     variant("phi3", rope_scaling=LONGROPE),
+    # GPT-OSS: sinks, biases, clamped SwiGLU experts, YaRN, alternating windows.
+    variant("gpt_oss"),
+    variant("gpt_oss", tie_word_embeddings=True, sharded=True),
 ]
 
 
@@ -325,7 +337,9 @@ def test_greedy_head_picks_the_argmax_of_the_logits(dtype, num_rows, backend):
 # --- rope ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rope_scaling", [None, LLAMA3_ROPE, LINEAR_ROPE], ids=str)
+@pytest.mark.parametrize(
+    "rope_scaling", [None, LLAMA3_ROPE, LINEAR_ROPE, YARN_ROPE, YARN_ROPE_TRUNCATED], ids=str
+)
 def test_inv_freq_equals_transformers_exactly(rope_scaling):
     hf_config = AutoConfig.from_pretrained(cached_checkpoint("llama", rope_scaling=rope_scaling))
     ours = compute_inv_freq(ModelConfig.from_hf(hf_config).rope)
@@ -403,6 +417,15 @@ def test_a_longrope_model_runs_within_its_original_context(tmp_path):
     assert llm.engine.spec.max_model_len == 256
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
         LLM(str(path), dtype="float32", max_model_len=300)
+
+
+def test_gpt_oss_as_released_in_mxfp4_is_refused_by_name(tmp_path):
+    path = build_checkpoint(tmp_path, "gpt_oss")
+    config = json.loads((path / "config.json").read_text())
+    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(UnsupportedModelError, match="mxfp4"):
+        load(path)
 
 
 def test_an_unknown_layer_type_is_refused_by_name(tmp_path):

@@ -134,11 +134,12 @@ def mixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return path, reference
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2", "gemma2", "gemma3_text"])
+@pytest.fixture(scope="module", params=["mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss"])
 def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """A sliding window of 8 on every layer (Mistral: blocks behind it given back as it
     decodes), every layer but the first (Qwen2), or every other one (Gemma, with its own
-    norms, scalings, caps and ropes), 3 layers; checked against transformers."""
+    norms, scalings, caps and ropes; GPT-OSS, with sinks split by head over the ranks and
+    biased experts), 3 layers; checked against transformers."""
     path = build_checkpoint(
         tmp_path_factory.mktemp(request.param), request.param, num_layers=3, sliding_window=8
     )

@@ -1,9 +1,11 @@
-"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router sends each token
-to its top-k experts, and the experts run grouped by expert.
+"""A mixture-of-experts MLP block (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): a router sends
+each token to its top-k experts, and the experts run grouped by expert.
 
 Routing is transformers' exactly: router logits in the model's dtype, softmax in float32,
 top-k, rescaled to sum to 1 where the family says so (Mixtral always, Qwen's
-``norm_topk_prob``), cast back to the model's dtype. The experts then run grouped: the
+``norm_topk_prob``), cast back to the model's dtype. GPT-OSS's router has a bias and takes
+the top-k logits first, then a softmax over those k in the logits' dtype; its experts have
+biases and a clamped SwiGLU (`layers/mlp.py`). The experts then run grouped: the
 (token, expert) pairs are sorted by expert, and each expert some token chose runs once over
 all of its tokens (one gate/up and one down matmul, through the kernel set's linear layers
 like any MLP), never a loop over tokens. Each expert's output, times its routing weight, is
@@ -43,21 +45,32 @@ class MoeConfig:
     shared_intermediate_size: int = 0
     #: Layers that keep a dense MLP (Qwen's ``mlp_only_layers`` and ``decoder_sparse_step``).
     dense_layers: frozenset[int] = field(default_factory=frozenset)
+    #: GPT-OSS: the router has a bias and softmaxes the top-k logits alone (see the module
+    #: note); the experts have biases and the activation `GatedMLP` names (clamped SwiGLU).
+    softmax_after_top_k: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
 
 class Gate(nn.Module):
-    """A bias-free projection to a few logits, whole on every rank (the router's, one per
-    expert; the shared expert's, one)."""
+    """A projection to a few logits, whole on every rank (the router's, one per expert; the
+    shared expert's, one); biased only in GPT-OSS's router."""
 
-    def __init__(self, num_outputs: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, num_outputs: int, hidden_size: int, dtype: torch.dtype, bias: bool = False
+    ) -> None:
         super().__init__()
         self.weight = new_parameter((num_outputs, hidden_size), dtype)
+        self.bias = new_parameter((num_outputs,), dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, num_outputs]
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoe(nn.Module):
@@ -72,7 +85,7 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.moe = moe
         self.parallel = parallel
-        self.gate = Gate(moe.num_experts, hidden_size, dtype)
+        self.gate = Gate(moe.num_experts, hidden_size, dtype, moe.router_bias)
         self.experts = nn.ModuleList(
             self._mlp(hidden_size, moe.intermediate_size, parallel, dtype, kernels)
             for _ in range(moe.num_experts)
@@ -84,8 +97,8 @@ class SparseMoe(nn.Module):
             self.shared_expert = self._mlp(hidden_size, size, parallel, dtype, kernels)
             self.shared_expert_gate = Gate(1, hidden_size, dtype)
 
-    @staticmethod
     def _mlp(
+        self,
         hidden_size: int,
         intermediate_size: int,
         parallel: ParallelConfig,
@@ -95,11 +108,14 @@ class SparseMoe(nn.Module):
         return GatedMLP(
             hidden_size,
             intermediate_size,
-            bias=False,
+            bias=self.moe.expert_bias,
             parallel=parallel,
             dtype=dtype,
             kernels=kernels,
             reduce_results=False,  # the block all-reduces once, after every expert
+            activation=self.moe.activation,
+            swiglu_alpha=self.moe.swiglu_alpha,
+            swiglu_limit=self.moe.swiglu_limit,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
@@ -111,6 +127,9 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (in x's dtype)."""
+        if self.moe.softmax_after_top_k:
+            top_logits, experts = torch.topk(self.gate(x), self.moe.top_k, dim=-1)
+            return torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype), experts
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.renormalize:

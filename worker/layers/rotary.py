@@ -15,8 +15,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-RopeType = Literal["default", "linear", "llama3", "longrope"]
-SUPPORTED_ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "llama3", "longrope")
+RopeType = Literal["default", "linear", "llama3", "longrope", "yarn"]
+SUPPORTED_ROPE_TYPES: tuple[RopeType, ...] = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,16 +29,22 @@ class RopeConfig:
     #: The base wavelength (rope_theta).
     theta: float
     rope_type: RopeType = "default"
-    #: linear and llama3: how much the context was stretched.
+    #: linear, llama3 and yarn: how much the context was stretched.
     factor: float = 1.0
     #: llama3 only: the wavelength band that is smoothly interpolated.
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    #: llama3 only: the pretraining context length.
+    #: llama3 and yarn: the pretraining context length.
     original_max_position: int = 8192
+    #: yarn only: the rotation counts bounding the blend of scaled and unscaled frequencies,
+    #: and whether the blend's dimension bounds are rounded out to whole dimensions.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
     #: longrope (Phi-3) only: each frequency's divisor (the short factors: headrace runs a
-    #: longrope model within its original context), and the factor cos and sin are scaled by.
+    #: longrope model within its original context).
     ext_factors: tuple[float, ...] = ()
+    #: longrope and yarn: the factor cos and sin are scaled by.
     attention_factor: float = 1.0
 
 
@@ -53,7 +59,33 @@ def compute_inv_freq(config: RopeConfig) -> torch.Tensor:  # [head_dim // 2] flo
     if config.rope_type == "longrope":  # (transformers' op order: 1 / (ext * base ** e))
         ext_factors = torch.tensor(config.ext_factors, dtype=torch.float32)
         return 1.0 / (ext_factors * config.theta**exponents)
+    if config.rope_type == "yarn":
+        return _yarn_inv_freq(config)
     return inv_freq
+
+
+def _yarn_inv_freq(config: RopeConfig) -> torch.Tensor:
+    """YaRN: fast-rotating dimensions keep their frequency, slow ones are divided by
+    ``factor``, with a linear ramp between (transformers' _compute_yarn_parameters, op for
+    op)."""
+    dim, base = config.head_dim, config.theta
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (config.factor * pos_freqs)
+
+    def correction_dim(num_rotations: float) -> float:
+        rotations = config.original_max_position / (num_rotations * 2 * math.pi)
+        return (dim * math.log(rotations)) / (2 * math.log(base))
+
+    low, high = correction_dim(config.beta_fast), correction_dim(config.beta_slow)
+    if config.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, config: RopeConfig) -> torch.Tensor:

@@ -19,7 +19,7 @@ from headrace.worker.layers.moe import MoeConfig
 from headrace.worker.layers.rotary import SUPPORTED_ROPE_TYPES, RopeConfig
 
 #: The families with a mixture of experts in place of (some) MLPs.
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 #: The Gemma families (`worker/models/gemma.py`).
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 #: transformers' activation names -> the gated MLP's (`layers/mlp.py`).
@@ -72,6 +72,8 @@ class ModelConfig:
     final_softcap: float | None = None
     #: Gemma 3: the sliding-window layers' own rope (None: every layer uses ``rope``).
     local_rope: RopeConfig | None = None
+    #: GPT-OSS: a learned logit per attention head in its softmax's denominator.
+    attention_sinks: bool = False
 
     @property
     def is_gemma(self) -> bool:
@@ -124,6 +126,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             full_attention_layers=full_attention_layers,
             activation=activation_from_hf(hf_config),
+            attention_sinks=model_type == "gpt_oss",
             **(gemma_switches(hf_config, head_dim) if model_type in GEMMA_MODEL_TYPES else {}),
         )
 
@@ -174,7 +177,8 @@ def windows_from_hf(hf_config: Any) -> tuple[int | None, frozenset[int]]:
 
 def moe_config_from_hf(hf_config: Any) -> MoeConfig | None:
     """Mixtral: every layer sparse, experts of ``intermediate_size``, always renormalised.
-    Qwen2/3-MoE: ``moe_intermediate_size`` experts, ``norm_topk_prob``, dense layers where
+    GPT-OSS: the same sizes, its biased router and experts (`layers/moe.py`). Qwen2/3-MoE:
+    ``moe_intermediate_size`` experts, ``norm_topk_prob``, dense layers where
     ``mlp_only_layers`` or ``decoder_sparse_step`` say, and Qwen2-MoE's shared expert."""
     num_layers = int(hf_config.num_hidden_layers)
     num_experts = int(getattr(hf_config, "num_local_experts", None) or hf_config.num_experts)
@@ -183,6 +187,23 @@ def moe_config_from_hf(hf_config: Any) -> MoeConfig | None:
         return None  # Qwen's switch for a dense model
     if str(hf_config.model_type) == "mixtral":
         return MoeConfig(num_experts, top_k, int(hf_config.intermediate_size), renormalize=True)
+    if str(hf_config.model_type) == "gpt_oss":
+        quantization = getattr(hf_config, "quantization_config", None) or {}
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        if method is not None:
+            raise UnsupportedModelError(f"GPT-OSS quantized as {method!r} is not supported")
+        return MoeConfig(
+            num_experts,
+            top_k,
+            int(hf_config.intermediate_size),
+            renormalize=False,  # (the softmax over the top k sums to 1 already)
+            softmax_after_top_k=True,
+            router_bias=True,
+            expert_bias=True,
+            activation="swiglu_oai",
+            swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+            swiglu_limit=float(hf_config.swiglu_limit),
+        )
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     only_mlp = set(getattr(hf_config, "mlp_only_layers", None) or ())
     dense = {i for i in range(num_layers) if i in only_mlp or (i + 1) % step}
@@ -227,6 +248,8 @@ def rope_config_from_hf(
         return RopeConfig(head_dim, max_position, theta)
     if rope_type == "longrope":
         return _longrope_config(hf_config, params, head_dim, max_position, theta)
+    if rope_type == "yarn":
+        return _yarn_config(hf_config, params, head_dim, max_position, theta)
     factor = float(_rope_param(params, "factor"))
     if rope_type == "linear":
         return RopeConfig(head_dim, max_position, theta, "linear", factor)
@@ -269,6 +292,32 @@ def _longrope_config(
         theta,
         "longrope",
         ext_factors=short,
+        attention_factor=float(attention_factor),
+    )
+
+
+def _yarn_config(
+    hf_config: Any, params: dict[str, Any], head_dim: int, max_position: int, theta: float
+) -> RopeConfig:
+    """YaRN as transformers reads it (GPT-OSS): the attention factor 0.1 ln(factor) + 1
+    unless given; DeepSeek's mscale pair is not supported."""
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        raise UnsupportedModelError("yarn with mscale / mscale_all_dim is not supported")
+    original = int(_rope_param(params, "original_max_position_embeddings"))
+    factor = float(params.get("factor") or max_position / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return RopeConfig(
+        head_dim,
+        max_position,
+        theta,
+        "yarn",
+        factor,
+        original_max_position=original,
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        truncate=bool(params.get("truncate", True)),
         attention_factor=float(attention_factor),
     )
 

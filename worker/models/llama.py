@@ -84,6 +84,9 @@ class LlamaAttention(nn.Module):
             kernels,
             config.window_of(layer),
             config.attn_softcap,
+            sinks_from_head=parallel.tensor_parallel_rank * self.num_heads
+            if config.attention_sinks
+            else None,
         )
         self.kernels = kernels
 

@@ -19,6 +19,7 @@ from headrace.worker.models.config import UnsupportedModelError
 from headrace.worker.models.families import FAMILIES
 from headrace.worker.models.gemma import GemmaForCausalLM
 from headrace.worker.models.gguf import iter_gguf_tensors
+from headrace.worker.models.gpt_oss import GptOssForCausalLM
 from headrace.worker.models.interface import LoadableModel
 from headrace.worker.models.llama import LlamaForCausalLM
 from headrace.worker.models.loader import iter_weights
@@ -38,6 +39,7 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
     "gemma2": GemmaForCausalLM.from_hf_config,
     "gemma3_text": GemmaForCausalLM.from_hf_config,
     "phi3": Phi3ForCausalLM.from_hf_config,
+    "gpt_oss": GptOssForCausalLM.from_hf_config,
 }
 
 
