@@ -18,7 +18,7 @@ FAMILIES: dict[str, str] = {
     "gemma2": "Gemma 2 (soft-capped scores and logits, local/global layers)",
     "gemma3_text": "Gemma 3 text (q/k norms, local/global layers with their own ropes)",
     "phi3": "Phi-3 (fused q/k/v and gate/up, sliding window); longrope within its original context",
-    "gpt_oss": "GPT-OSS (attention sinks, biased experts); float weights only, no MXFP4",
+    "gpt_oss": "GPT-OSS (attention sinks, biased experts); no MXFP4, no LoRA on the experts",
 }
 #: Families people ask for that headrace does not run yet.
 NOT_YET = "deepseek_v3, llama4, gemma3 (vision), gpt_oss as MXFP4"
