@@ -190,6 +190,7 @@ def _worker(args: argparse.Namespace) -> int:
         kernel_backend=args.kernel_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         nodes=nodes,
         pipeline_micro_batches=args.pipeline_micro_batches,
         overlap_steps=args.overlap_steps,
@@ -316,6 +317,11 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="stages splitting the layers (tensor-parallel-size ranks each)",
+    )
+    add(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture-of-experts layers give each tensor-parallel rank whole experts",
     )
     _add_node_arguments(worker)
     add(

@@ -91,6 +91,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     #: Stages that split the layers into contiguous ranges (tensor_parallel_size ranks each).
     pipeline_parallel_size: int = 1
+    #: Mixture-of-experts layers spread their experts over the tensor-parallel ranks (each
+    #: holds num_experts / tensor_parallel_size whole experts) instead of a slice of every
+    #: expert's intermediate dimension; attention stays split by heads (`layers/moe.py`).
+    enable_expert_parallel: bool = False
     #: The nodes the ranks run on (one by default; `distributed/nodes.py`).
     nodes: NodeConfig = field(default_factory=NodeConfig)
     #: Micro-batches each step is cut into, so stages also overlap within a step. 1 by

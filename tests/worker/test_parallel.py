@@ -193,14 +193,32 @@ def test_replicated_kv_head_and_tied_head_equal_single_rank(qwen3_one_kv_head, t
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
-def test_mixture_of_experts_split_over_ranks_equals_single_rank(mixture, tp, pp):
-    """Each rank holds every expert's slice of the intermediate dimension; one all-reduce
-    per block adds the experts' (and the shared expert's) partials."""
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced", "ep"])
+def test_mixture_of_experts_split_over_ranks_equals_single_rank(mixture, tp, pp, expert_parallel):
+    """Each rank holds every expert's slice of the intermediate dimension, or (expert
+    parallel) half the experts whole; one all-reduce per block adds the ranks' partials (and
+    the shared expert's)."""
     path, reference = mixture
     parallel = run(
-        path, max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp
+        path,
+        max_num_batched_tokens=16,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        enable_expert_parallel=expert_parallel,
     )
     assert_same(parallel, reference)
+
+
+@pytest.mark.parametrize(("family", "fragment"), [("qwen3_moe", "8 experts"), ("llama", "no ")])
+def test_experts_that_do_not_share_out_are_refused(tmp_path: Path, no_spawn, family, fragment):
+    """8 experts over 3 ranks (6 heads, a 96-wide MLP: the rest splits), or none at all."""
+    shape = dict(hidden_size=96, num_heads=6, num_kv_heads=3, intermediate_size=96)
+    path = build_checkpoint(tmp_path, family, **shape)  # type: ignore[arg-type]
+    config = EngineConfig(
+        str(path), tensor_parallel_size=3, enable_expert_parallel=True, kernel_backend="reference"
+    )
+    with pytest.raises(InvalidArgumentError, match=f"enable_expert_parallel.*{fragment}"):
+        Engine(config)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])

@@ -33,19 +33,23 @@ class ParallelShape:
     steps_in_flight: int | None = None
     #: Nodes the ranks run on (each other node a process tree of its own, on loopback).
     nnodes: int = 1
+    #: Mixture-of-experts layers spread whole experts over the TP ranks ("+ep").
+    expert_parallel: bool = False
 
     @property
     def label(self) -> str:
         label = f"{self.tensor_parallel_size}x{self.pipeline_parallel_size}"
         label += "" if self.micro_batches is None else f":{self.micro_batches}"
         label += "" if self.steps_in_flight is None else f"/{self.steps_in_flight}"
-        return label + ("" if self.nnodes == 1 else f"@{self.nnodes}")
+        label += "" if self.nnodes == 1 else f"@{self.nnodes}"
+        return label + ("+ep" if self.expert_parallel else "")
 
 
 def parse_shape(text: str) -> ParallelShape:
-    """``"2x1"``, ``"1x2:2"``, ``"1x2/1"``, ``"1x2:2/1"`` or ``"2x2@2"``
-    (TPxPP[:M][/S][@N]) as a shape."""
-    rest, _, nodes = text.strip().partition("@")
+    """``"2x1"``, ``"1x2:2"``, ``"1x2/1"``, ``"1x2:2/1"``, ``"2x2@2"`` or ``"2x1+ep"``
+    (TPxPP[:M][/S][@N][+ep]) as a shape."""
+    text, expert_parallel = text.strip().removesuffix("+ep"), text.strip().endswith("+ep")
+    rest, _, nodes = text.partition("@")
     rest, _, in_flight = rest.partition("/")
     sizes, _, micro = rest.partition(":")
     tp, _, pp = sizes.partition("x")
@@ -56,10 +60,12 @@ def parse_shape(text: str) -> ParallelShape:
             int(micro) if micro else None,
             int(in_flight) if in_flight else None,
             int(nodes) if nodes else 1,
+            expert_parallel,
         )
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"config {text!r} is not TPxPP[:M][/S][@N], e.g. 2x1, 1x2:2, 1x2:2/1 or 2x2@2"
+            f"config {text!r} is not TPxPP[:M][/S][@N][+ep], "
+            "e.g. 2x1, 1x2:2, 1x2:2/1, 2x2@2 or 2x1+ep"
         ) from None
 
 
@@ -259,7 +265,8 @@ def parallel_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prompt-len", type=int, default=64, help="tokens per prompt")
     add("--warmup-steps", type=int, default=3, help="decode steps not timed")
     add("--decode-steps", type=int, default=32, help="timed decode steps")
-    add("--configs", type=parse_shapes, default="1x1,2x1", help="TPxPP[:M][/S][@N],... first: base")
+    configs_help = "TPxPP[:M][/S][@N][+ep],... first: base"
+    add("--configs", type=parse_shapes, default="1x1,2x1", help=configs_help)
     add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
     add("--tiny", action="store_true", help="a 2-layer hidden-64 random model (overhead)")
     add(

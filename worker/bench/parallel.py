@@ -7,13 +7,15 @@ every config in one run.
     headrace bench parallel --tiny                               # overhead only
     headrace bench parallel --heads 8,4 --configs 2x2,2x2@2      # one node vs two
     headrace bench parallel --model-shape qwen3-moe --configs 1x1 --batch-size 24
+    headrace bench parallel --model-shape qwen3-moe --configs 2x1,2x1+ep  # expert parallel
 
 SmolLM2-135M (the default model) has 9 query / 3 KV heads, which TP=2 cannot split:
 ``--heads 8,4`` times a random-weight model of its exact shape with 8 / 4 heads instead.
 
 A config is TPxPP, optionally :M pipeline micro-batches (default 1), /S steps in flight
-(default one per stage) and @N nodes (default 1; node 0 is this process, each other node a
-``headrace worker --node-rank`` process tree of its own on loopback). Each config builds its
+(default one per stage), @N nodes (default 1; node 0 is this process, each other node a
+``headrace worker --node-rank`` process tree of its own on loopback) and +ep (a mixture's
+experts spread whole over the TP ranks). Each config builds its
 own engine, prefills the same batch of prompts, runs a few warm-up decode steps, then times
 pure decode steps (every scheduled sequence decodes one token). With S steps in flight each
 step holds about batch/S sequences, so compare tok/s across such configs, not step time. The
@@ -119,6 +121,7 @@ def engine_config(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         tensor_parallel_size=shape.tensor_parallel_size,
         pipeline_parallel_size=shape.pipeline_parallel_size,
+        enable_expert_parallel=shape.expert_parallel,
         pipeline_micro_batches=shape.micro_batches or 1,
         pipeline_steps_in_flight=shape.steps_in_flight,
         nodes=nodes,
@@ -164,6 +167,7 @@ def _start_node(
     command = [sys.executable, "-m", "headrace.sdk.cli", "worker"]
     command += ["--model", str(settings.model_path), "--dtype", settings.dtype]
     command += ["-tp", str(shape.tensor_parallel_size), "-pp", str(shape.pipeline_parallel_size)]
+    command += ["--enable-expert-parallel"] if shape.expert_parallel else []
     command += ["--nnodes", str(shape.nnodes), "--node-rank", str(node_rank)]
     command += ["--dist-init-addr", f"127.0.0.1:{port}", "--log-level", "warning"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL)

@@ -96,6 +96,12 @@ def check_model_splits(config: EngineConfig, hf_config: Any, device: torch.devic
         problems.append(f"intermediate_size ({model.intermediate_size}) is not divisible by it")
     if problems:
         raise InvalidArgumentError("tensor_parallel_size", f"{tp}: " + "; ".join(problems))
+    if config.enable_expert_parallel and (model.moe is None or model.moe.num_experts % tp):
+        experts = "no experts" if model.moe is None else f"{model.moe.num_experts} experts"
+        raise InvalidArgumentError(
+            "enable_expert_parallel",
+            f"the model has {experts}, which tensor_parallel_size {tp} cannot share out evenly",
+        )
     if pp > model.num_layers:
         raise InvalidArgumentError(
             "pipeline_parallel_size",

@@ -13,7 +13,7 @@ through the stage's `torch.distributed` group.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -50,6 +50,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     #: This process's stage, in [0, pipeline_parallel_size).
     pipeline_parallel_rank: int = 0
+    #: Mixture-of-experts layers give each tensor-parallel rank whole experts (a contiguous
+    #: block of them) instead of a slice of every one (`EngineConfig.enable_expert_parallel`).
+    expert_parallel: bool = False
     #: The stage's tensor-parallel process group; None means the default (whole world) group,
     #: which is right only when there is a single stage.
     group: Any = field(default=None, compare=False, repr=False)
@@ -70,9 +73,21 @@ class ParallelConfig:
             )
 
     @classmethod
-    def for_rank(cls, rank: int, tp_size: int, pp_size: int, group: Any = None) -> ParallelConfig:
+    def for_rank(
+        cls,
+        rank: int,
+        tp_size: int,
+        pp_size: int,
+        group: Any = None,
+        expert_parallel: bool = False,
+    ) -> ParallelConfig:
         """The config of global rank ``rank`` in the stage-major layout."""
-        return cls(tp_size, rank % tp_size, pp_size, rank // tp_size, group)
+        return cls(tp_size, rank % tp_size, pp_size, rank // tp_size, expert_parallel, group)
+
+    def whole(self) -> ParallelConfig:
+        """This rank's config for a layer it holds whole (an expert under expert
+        parallelism): no tensor split, the same stage, no collective."""
+        return replace(self, tensor_parallel_size=1, tensor_parallel_rank=0)
 
     @property
     def is_single(self) -> bool:

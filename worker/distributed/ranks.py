@@ -195,7 +195,9 @@ def _init_process_groups(
     ]
     plan_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     group = stage_groups[rank // tp_size] if pp_size > 1 else None
-    return ParallelConfig.for_rank(rank, tp_size, pp_size, group), plan_group
+    expert_parallel = config.enable_expert_parallel
+    parallel = ParallelConfig.for_rank(rank, tp_size, pp_size, group, expert_parallel)
+    return parallel, plan_group
 
 
 class RankGroup:

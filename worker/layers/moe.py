@@ -15,7 +15,13 @@ shared expert over every token, scaled by sigmoid(shared_expert_gate(x)).
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
 (gate/up rows, down columns), as for a dense MLP; the router and the shared gate are whole on
 every rank. A rank's block output is then a partial sum, linear in its experts' partials, so
-the block costs one all-reduce, like the dense MLP. Experts take no LoRA adapters (the LoRA
+the block costs one all-reduce, like the dense MLP. With expert parallelism
+(`ParallelConfig.expert_parallel`) rank r instead holds experts [r E / T, (r + 1) E / T)
+whole and runs only the (token, expert) pairs routed to them: every rank already has every
+token (attention's all-reduce leaves them replicated), so no token moves, and the block's
+one all-reduce sums the ranks' experts as it summed their slices. Each expert's matmuls are
+then whole rather than 1 / T wide; a rank's share of the work is the share of the pairs its
+experts drew. Experts take no LoRA adapters (the LoRA
 manager skips them; an adapter naming one is refused as a module the model lacks).
 """
 
@@ -69,6 +75,10 @@ class Gate(nn.Module):
         self.weight = new_parameter((num_outputs, hidden_size), dtype)
         self.bias = new_parameter((num_outputs,), dtype) if bias else None
 
+    def holds_expert(self, expert: int) -> bool:
+        """Whether this rank holds (and so loads) expert ``expert``'s weights."""
+        return expert in self.local_experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, num_outputs]
         return F.linear(x, self.weight, self.bias)
 
@@ -86,9 +96,19 @@ class SparseMoe(nn.Module):
         self.moe = moe
         self.parallel = parallel
         self.gate = Gate(moe.num_experts, hidden_size, dtype, moe.router_bias)
+        #: The experts this rank runs: all of them, or its block under expert parallelism.
+        self.local_experts = range(moe.num_experts)
+        expert_parallel = parallel.whole() if parallel.expert_parallel else parallel
+        if parallel.expert_parallel:
+            per_rank = moe.num_experts // parallel.tensor_parallel_size
+            first = parallel.tensor_parallel_rank * per_rank
+            self.local_experts = range(first, first + per_rank)
+        # Another rank's expert is a placeholder: the list keeps the checkpoint's numbering.
         self.experts = nn.ModuleList(
-            self._mlp(hidden_size, moe.intermediate_size, parallel, dtype, kernels)
-            for _ in range(moe.num_experts)
+            self._mlp(hidden_size, moe.intermediate_size, expert_parallel, dtype, kernels)
+            if expert in self.local_experts
+            else nn.Identity()
+            for expert in range(moe.num_experts)
         )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Gate | None = None
@@ -118,6 +138,10 @@ class SparseMoe(nn.Module):
             swiglu_limit=self.moe.swiglu_limit,
         )
 
+    def holds_expert(self, expert: int) -> bool:
+        """Whether this rank holds (and so loads) expert ``expert``'s weights."""
+        return expert in self.local_experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         weights, experts = self.route(x)
         out = self.run_experts(x, weights, experts)
@@ -144,11 +168,13 @@ class SparseMoe(nn.Module):
         order = torch.argsort(flat, stable=True)  # the pairs grouped by expert, ascending
         tokens = order // top_k
         grouped = x[tokens]  # [T x k, hidden]: each expert's tokens contiguous, in order
-        outputs = torch.empty_like(grouped)
+        # (another rank's pairs stay zero: they add nothing here, their rank adds them)
+        local = len(self.local_experts) == self.moe.num_experts
+        outputs = torch.empty_like(grouped) if local else torch.zeros_like(grouped)
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
         start = 0
         for expert, count in enumerate(counts):
-            if count:
+            if count and expert in self.local_experts:
                 outputs[start : start + count] = self.experts[expert](
                     grouped[start : start + count]
                 )

@@ -392,7 +392,8 @@ class LlamaForCausalLM(nn.Module):
     def _stage_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor fills on this pipeline stage, or None.
 
-        Tensors of other stages' layers are skipped before they are read. A tied LM head on a
+        Tensors of other stages' layers (and, under expert parallelism, of other ranks'
+        experts) are skipped before they are read. A tied LM head on a
         last stage without the embedding is filled from the embedding's tensor; a tied
         checkpoint's own lm_head.weight (a copy of the embedding) is skipped.
         """
@@ -404,6 +405,9 @@ class LlamaForCausalLM(nn.Module):
         if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
             layer = int(parts[2])  # one beyond the model's layers is kept, so it is refused
             ours = layer in self.model.layer_range
+            if ours and parts[3:5] == ["mlp", "experts"] and len(parts) > 5 and parts[5].isdigit():
+                mlp = self.model.layers[layer].mlp
+                ours = not isinstance(mlp, SparseMoe) or mlp.holds_expert(int(parts[5]))
             return name if ours or layer >= self.config.num_layers else None
         if name.startswith("model.embed_tokens."):
             if self.model.embed_tokens is not None:
