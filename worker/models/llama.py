@@ -278,14 +278,14 @@ def _decode_shape(
     config: ModelConfig, parallel: ParallelConfig, kernels: KernelSet
 ) -> cpu_decode.DecoderShape | None:
     """The stack's shape for `cpu_decode` where it serves this model: the CPU kernels, one
-    rank and one stage, no biases, no q/k norm, no experts, Llama's layers (not Gemma's).
-    None otherwise."""
+    rank and one stage, no biases, no q/k norm, no experts, no sinks, Llama's layers (not
+    Gemma's). None otherwise."""
     whole = parallel.is_first_stage and parallel.is_last_stage
     if kernels.NAME != "cpu" or parallel.tensor_parallel_size > 1 or not whole:
         return None
     if config.qkv_bias or config.o_proj_bias or config.mlp_bias or config.qk_norm or config.moe:
         return None
-    if config.is_gemma:
+    if config.is_gemma or config.attention_sinks:  # (the stack has no caps, sinks, ...)
         return None
     return cpu_decode.DecoderShape(
         hidden_size=config.hidden_size,
