@@ -272,8 +272,8 @@ def parallel_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--heads",
         type=parse_heads,
-        help="H,KV: --model's shape with these head counts and random weights (e.g. 8,4 so "
-        "SmolLM2-135M's 9/3 heads split over TP=2)",
+        help="H,KV: --model's (or --model-shape's) shape with these head counts and random "
+        "weights (e.g. 8,4 so SmolLM2-135M's 9/3 heads split over TP=2)",
     )
     add(
         "--model-shape",

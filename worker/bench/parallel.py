@@ -7,7 +7,7 @@ every config in one run.
     headrace bench parallel --tiny                               # overhead only
     headrace bench parallel --heads 8,4 --configs 2x2,2x2@2      # one node vs two
     headrace bench parallel --model-shape qwen3-moe --configs 1x1 --batch-size 24
-    headrace bench parallel --model-shape qwen3-moe --configs 2x1,2x1+ep  # expert parallel
+    headrace bench parallel --model-shape qwen3-moe --heads 8,4 --configs 2x1,2x1+ep
 
 SmolLM2-135M (the default model) has 9 query / 3 KV heads, which TP=2 cannot split:
 ``--heads 8,4`` times a random-weight model of its exact shape with 8 / 4 heads instead.
@@ -353,6 +353,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> Summary:
         model_path = build_tiny_checkpoint(tmp, resolve_model(DEFAULT_MODEL))
     elif args.model_shape:
         shape = {**_SHAPE_COMMON, **MODEL_SHAPES[args.model_shape]}
+        if args.heads:  # (so TP = 2 can split the shape's 9 / 3 heads)
+            shape["num_attention_heads"], shape["num_key_value_heads"] = args.heads
         model_path = build_random_checkpoint(tmp, resolve_model(DEFAULT_MODEL), **shape)
     elif args.heads:
         model_path = smollm2_shaped(tmp, args.heads, Path(resolve_model(args.model)))
