@@ -238,14 +238,22 @@ def test_tensor_parallel_equals_single_rank(case):
         assert [tokens[f"{name}-{i}"] for i in range(len(prompts))] == expected[name]
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "phi3"])
+#: The projections an adapter targets where not all of ALL_TARGETS: Phi-3's fused ones,
+#: GPT-OSS's attention (its MLP is experts, which take no adapters).
+FAMILY_TARGETS = {
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "gpt_oss": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3_text", "phi3", "gpt_oss"])
 def test_adapters_on_a_sliding_window_model_equal_peft(tmp_path, family):
-    """Windowed attention (every layer, or alternating with full; Gemma's layers) under an
-    adapter on every projection: the mixed batch equals PEFT. Phi-3's adapters target its
-    fused qkv_proj and gate_up_proj, cut into headrace's pieces as its weights are."""
+    """Windowed attention (every layer, or alternating with full; Gemma's and GPT-OSS's
+    layers) under an adapter on every projection: the mixed batch equals PEFT. Phi-3's
+    adapters target its fused qkv_proj and gate_up_proj, cut into headrace's pieces as its
+    weights are."""
     base = build_checkpoint(tmp_path / "base", family, sliding_window=8)
-    fused = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    targets = {"targets": fused} if family == "phi3" else {}
+    targets = {"targets": FAMILY_TARGETS[family]} if family in FAMILY_TARGETS else {}
     adapter = build_adapter(base, tmp_path / "a", seed=1, rank=8, alpha=16, **targets)
     prompts = make_prompts(256, seed=3)
     expected = {

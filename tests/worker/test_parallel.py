@@ -122,10 +122,11 @@ def qwen3_one_kv_head(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, R
     return path, run(path, max_num_batched_tokens=16)
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe", "mixtral"])
 def mixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """A mixture of experts: Qwen2-MoE (a shared expert) or Qwen3-MoE (a dense layer among
-    the sparse ones), 3 layers; the single-rank tokens checked against transformers."""
+    """A mixture of experts: Qwen2-MoE (a shared expert), Qwen3-MoE (a dense layer among
+    the sparse ones) or Mixtral (its own checkpoint names), 3 layers; the single-rank tokens
+    checked against transformers."""
     path = build_checkpoint(tmp_path_factory.mktemp(request.param), request.param, num_layers=3)
     reference = run(path, max_num_batched_tokens=16)
     greedy = {rid: p for rid, p, c in workload(512) if c.temperature == 0}
@@ -134,12 +135,15 @@ def mixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return path, reference
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss"])
+@pytest.fixture(
+    scope="module", params=["mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss", "phi3"]
+)
 def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """A sliding window of 8 on every layer (Mistral: blocks behind it given back as it
-    decodes), every layer but the first (Qwen2), or every other one (Gemma, with its own
-    norms, scalings, caps and ropes; GPT-OSS, with sinks split by head over the ranks and
-    biased experts), 3 layers; checked against transformers."""
+    decodes; Phi-3, its fused checkpoint tensors cut per rank), every layer but the first
+    (Qwen2), or every other one (Gemma, with its own norms, scalings, caps and ropes;
+    GPT-OSS, with sinks split by head over the ranks and biased experts), 3 layers; checked
+    against transformers."""
     path = build_checkpoint(
         tmp_path_factory.mktemp(request.param), request.param, num_layers=3, sliding_window=8
     )
