@@ -79,3 +79,24 @@ def test_beams_of_a_windowed_model_fork_only_the_blocks_they_hold(mistral):
     assert len(result.outputs) == 3 and all(len(o.token_ids) == 16 for o in result.outputs)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_counts)
+
+
+def test_speculating_past_the_window_keeps_accepted_and_trims_rejected_blocks(mistral):
+    """Proposals' KV is written, then the rejected tail's blocks are trimmed while the
+    blocks behind the window are given back: tokens still equal transformers'."""
+    rng = random.Random(1)
+    phrase = [rng.randrange(3, 200) for _ in range(4)]
+    prompts = [phrase * 5, prompt_of(9, seed=9), prompt_of(23, seed=23)]
+    llm = LLM(
+        str(mistral),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_speculative_tokens=3,
+        speculative_max_seqs=8,
+    )
+    results = llm.generate(prompts, greedy(40))
+    assert [r.token_ids for r in results] == hf_greedy(mistral, prompts, 40)
+    stats = llm.engine.speculation
+    assert 0 < stats.num_accepted < stats.num_proposed  # some kept, some trimmed
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(c == 0 for c in bm.ref_counts)
