@@ -265,6 +265,12 @@ def parallel_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prompt-len", type=int, default=64, help="tokens per prompt")
     add("--warmup-steps", type=int, default=3, help="decode steps not timed")
     add("--decode-steps", type=int, default=32, help="timed decode steps")
+    add(
+        "--quantization",
+        default="none",
+        choices=("none", "int8", "int4"),
+        help="how linear layers hold their weights (as the worker's flag)",
+    )
     configs_help = "TPxPP[:M][/S][@N][+ep],... first: base"
     add("--configs", type=parse_shapes, default="1x1,2x1", help=configs_help)
     add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")

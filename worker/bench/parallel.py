@@ -96,6 +96,8 @@ class RunSettings:
 
     model_path: Path
     dtype: str
+    #: How the linear layers hold their weights ("none", "int8", "int4").
+    quantization: str
     prompts: list[list[int]]
     num_warmup_steps: int
     num_decode_steps: int
@@ -117,6 +119,7 @@ def engine_config(
     return EngineConfig(
         model=str(settings.model_path),
         dtype=settings.dtype,
+        quantization=settings.quantization,
         max_num_seqs=max(256, len(settings.prompts)),
         max_num_batched_tokens=settings.max_num_batched_tokens,
         tensor_parallel_size=shape.tensor_parallel_size,
@@ -166,6 +169,7 @@ def _start_node(
     tree of its own meeting this one (node 0) on loopback."""
     command = [sys.executable, "-m", "headrace.sdk.cli", "worker"]
     command += ["--model", str(settings.model_path), "--dtype", settings.dtype]
+    command += ["--quantization", settings.quantization]
     command += ["-tp", str(shape.tensor_parallel_size), "-pp", str(shape.pipeline_parallel_size)]
     command += ["--enable-expert-parallel"] if shape.expert_parallel else []
     command += ["--nnodes", str(shape.nnodes), "--node-rank", str(node_rank)]
@@ -368,6 +372,7 @@ def _run(args: argparse.Namespace, tmp: Path) -> Summary:
     settings = RunSettings(
         model_path=model_path,
         dtype=args.dtype,
+        quantization=args.quantization,
         prompts=prompts,
         num_warmup_steps=args.warmup_steps,
         num_decode_steps=args.decode_steps,
@@ -381,9 +386,10 @@ def _run(args: argparse.Namespace, tmp: Path) -> Summary:
     if args.heads:
         model_name = f"{args.model} shape, {args.heads[0]}/{args.heads[1]} heads, random weights"
     print(
-        f"model {model_name}, dtype {args.dtype}, batch {args.batch_size} x prompt "
-        f"{args.prompt_len} tokens, {args.warmup_steps} warm-up + {args.decode_steps} timed "
-        f"decode steps; cores {os.cpu_count()} (usable {len(os.sched_getaffinity(0))}), "
+        f"model {model_name}, dtype {args.dtype}, quantization {args.quantization}, "
+        f"batch {args.batch_size} x prompt {args.prompt_len} tokens, {args.warmup_steps} "
+        f"warm-up + {args.decode_steps} timed decode steps; cores {os.cpu_count()} "
+        f"(usable {len(os.sched_getaffinity(0))}), "
         f"torch threads {settings.num_threads} (each of W ranks gets threads // W)"
     )
     results = []
