@@ -75,10 +75,6 @@ class Gate(nn.Module):
         self.weight = new_parameter((num_outputs, hidden_size), dtype)
         self.bias = new_parameter((num_outputs,), dtype) if bias else None
 
-    def holds_expert(self, expert: int) -> bool:
-        """Whether this rank holds (and so loads) expert ``expert``'s weights."""
-        return expert in self.local_experts
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, num_outputs]
         return F.linear(x, self.weight, self.bias)
 
