@@ -49,7 +49,7 @@ class DecoderLayerWeights:
 
     def pointers(self) -> list[int]:
         """decode_stack.c's row for this layer, but the KV cache."""
-        qkv, o_proj, gate_up, down = (_matrix_pointers(m) for m in self.matrices())
+        qkv, o_proj, gate_up, down = (matrix_pointers(m) for m in self.matrices())
         return [
             self.input_norm.data_ptr(),
             *qkv,
@@ -60,7 +60,7 @@ class DecoderLayerWeights:
         ]
 
 
-def _matrix_pointers(matrix: Matrix) -> tuple[int, int, int]:
+def matrix_pointers(matrix: Matrix) -> tuple[int, int, int]:
     if isinstance(matrix, torch.Tensor):
         return (matrix.data_ptr(), 0, 0)
     offsets = 0 if matrix.offsets is None else matrix.offsets.data_ptr()
@@ -94,13 +94,13 @@ class DecoderStack:
         matrices = [m for layer in layers for m in layer.matrices()]
         #: (bits, group size, int8 activations) of the matrices: (0, 0, 0) in the dtype; a
         #: group of 0 is a row.
-        self.weights = _common_layout(matrices, self.dtype)
+        self.weights = common_layout(matrices, self.dtype)
         #: [L] int32: each layer's window as decode_stack.c takes it (0: none).
         self.sliding_windows = torch.tensor(
             [layer.sliding_window or 0 for layer in layers], dtype=torch.int32
         )
-        in_kernel = all(_in_kernel(t, self.dtype) for t in norms)
-        self.usable = cpu_ops.available() and in_kernel and self.weights is not None
+        norms_in_kernel = all(in_kernel(t, self.dtype) for t in norms)
+        self.usable = cpu_ops.available() and norms_in_kernel and self.weights is not None
 
     def fits(
         self,
@@ -120,7 +120,7 @@ class DecoderStack:
         cache_dtype = kv_caches[0].dtype if kv_caches else self.dtype
         if cache_dtype not in (self.dtype, torch.int8):
             return False
-        return all(_in_kernel(cache, cache_dtype) for cache in kv_caches)
+        return all(in_kernel(cache, cache_dtype) for cache in kv_caches)
 
     def decode(
         self,
@@ -140,17 +140,23 @@ class DecoderStack:
         return decode_layers(hidden, table, self, kv_caches[0].dtype, cos, sin, metadata)
 
     def _max_rows(self) -> int:
-        bits, _, int8_activations = self.weights or (0, 0, 0)
-        if int8_activations:  # its kernel takes any rows, as the per-op path does
-            return cpu_ops.QUANTIZED_MAX_ROWS[8]
-        return cpu_ops.QUANTIZED_MAX_ROWS[bits] if bits else cpu_ops.skinny_max_rows(self.dtype)
+        return max_rows(self.weights or (0, 0, 0), self.dtype)
 
 
-def _in_kernel(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+def max_rows(layout: tuple[int, int, int], dtype: torch.dtype) -> int:
+    """Rows up to which the per-op path multiplies matrices of this layout (`common_layout`'s)
+    in the C kernel a one-call stack calls (int8 activations': any, capped as the 8 bits')."""
+    bits, _, int8_activations = layout
+    if int8_activations:  # its kernel takes any rows, as the per-op path does
+        return cpu_ops.QUANTIZED_MAX_ROWS[8]
+    return cpu_ops.QUANTIZED_MAX_ROWS[bits] if bits else cpu_ops.skinny_max_rows(dtype)
+
+
+def in_kernel(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
-def _common_layout(matrices: list[Matrix], dtype: torch.dtype) -> tuple[int, int, int] | None:
+def common_layout(matrices: list[Matrix], dtype: torch.dtype) -> tuple[int, int, int] | None:
     """(bits, group size, int8 activations) shared by every matrix ((0, 0, 0): all float in
     dtype; group 0: one per row), or None when they differ or one is not where the C stack
     reads it."""
@@ -160,7 +166,7 @@ def _common_layout(matrices: list[Matrix], dtype: torch.dtype) -> tuple[int, int
 
 def _layout(matrix: Matrix, dtype: torch.dtype) -> tuple[int, int, int] | None:
     if isinstance(matrix, torch.Tensor):
-        return (0, 0, 0) if _in_kernel(matrix, dtype) else None
+        return (0, 0, 0) if in_kernel(matrix, dtype) else None
     if matrix.device.type != "cpu":
         return None
     cols = matrix.shape[1]

@@ -1,7 +1,8 @@
 """Builds and loads the C kernels of ``kernels/csrc`` for the CPU backend.
 
-The sources are compiled together into one library: ``cpu_kernels.c`` (the ops) and
-``decode_stack.c`` (a decode step's layers in one call, from the same ops), which share
+The sources are compiled together into one library: ``cpu_kernels.c`` (the ops),
+``decode_stack.c`` (a decode step's layers in one call, from the same ops) and
+``moe_experts.c`` (a mixture block's experts in one call, likewise), which share
 ``cpu_kernels.h``.
 
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
@@ -35,7 +36,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "decode_stack.c")
+SOURCES = tuple(CSRC / name for name in ("cpu_kernels.c", "decode_stack.c", "moe_experts.c"))
 #: Hashed with the sources: a change to the shared header rebuilds the library.
 HEADERS = (CSRC / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno") + (
@@ -91,6 +92,7 @@ _SIGNATURES = {
         + [_I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT],
         _INT,
     ),
+    "headrace_moe_experts": ([_P, _P, _INT, _P, _P, _I64, _I64, _INT, _INT, _I64, _INT], _INT),
 }
 
 

@@ -73,4 +73,39 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
 void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
                      int64_t cols, int dtype);
 
+/* ---- A matrix as the one-call stacks hold it (decode_stack.c, moe_experts.c) ------------- */
+
+/* A matrix as data pointers in a table: its data, then (quantized) its scales and offsets, 0
+   where it has none. */
+#define MATRIX_SLOTS 3
+
+/* How a stack's matrices hold their weights: bits 0 (the activations' dtype), 8 or 4; groups
+   of group_size along K, 0 for one per row; int8_activations: quantized weights against x
+   quantized to int8. */
+typedef struct {
+    int bits;
+    int64_t group_size;
+    int int8_activations;
+} MatrixLayout;
+
+/* y [T, N] = x [T, K] w^T, no bias, by the kernel the per-op path picks for the matrix (its
+   MATRIX_SLOTS pointers at `matrix`): every value that path's. wide: the larger of T K and
+   hr_a8_floats(T, K) floats. */
+static inline void hr_matmul(const void *x, int64_t T, const int64_t *matrix, MatrixLayout w,
+                             int64_t N, int64_t K, void *y, int dtype, float *wide) {
+    const void *data = (const void *)matrix[0];
+    const int64_t group_size = w.group_size ? w.group_size : K;
+    if (w.bits == 0) {
+        hr_skinny_linear(x, K, dtype, T, data, dtype, N, K, NULL, y, N, dtype, wide);
+    } else if (w.int8_activations) {
+        hr_quantized_linear_a8(x, K, dtype, T, data, w.bits, N, K, group_size,
+                               (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,
+                               dtype, wide);
+    } else {
+        hr_quantized_linear(x, K, dtype, T, data, w.bits, N, K, group_size,
+                            (const float *)matrix[1], (const float *)matrix[2], NULL, y, N, dtype,
+                            wide);
+    }
+}
+
 #endif

@@ -23,8 +23,7 @@
 #include "cpu_kernels.h"
 
 /* Each layer's tensors, as data pointers: the row of `layers` for layer l. A matrix takes
-   MATRIX_SLOTS: its data, then (quantized) its scales and offsets (0 where it has none). */
-#define MATRIX_SLOTS 3
+   MATRIX_SLOTS (cpu_kernels.h). */
 enum {
     INPUT_NORM = 0,                       /* [hidden] */
     QKV = 1,                              /* [(H + 2 Hkv) D, hidden] */
@@ -35,14 +34,6 @@ enum {
     KV_CACHE = DOWN + MATRIX_SLOTS,       /* [num_blocks, 2, block_size, Hkv, row] */
     LAYER_TENSORS                         /* row length */
 };
-
-/* How the matrices hold their weights: bits 0 (the dtype), 8 or 4; groups of group_size
-   along K, 0 for one per row; int8_activations: 4-bit weights against x quantized to int8. */
-typedef struct {
-    int bits;
-    int64_t group_size;
-    int int8_activations;
-} Weights;
 
 /* The step's activations: [T, n] rows in the model's dtype (wide: float32). */
 typedef struct {
@@ -75,23 +66,6 @@ static char *alloc_buffers(Buffers *b, int64_t T, int64_t hidden, int64_t inter,
     return base;
 }
 
-/* y [T, N] = x [T, K] w^T, no bias; w the matrix at `matrix` (its MATRIX_SLOTS pointers). */
-static void matmul(const void *x, int64_t T, const int64_t *matrix, Weights w, int64_t N,
-                   int64_t K, void *y, int dtype, float *wide) {
-    const void *data = (const void *)matrix[0];
-    if (w.bits == 0) {
-        hr_skinny_linear(x, K, dtype, T, data, dtype, N, K, NULL, y, N, dtype, wide);
-    } else if (w.int8_activations) {
-        hr_quantized_linear_a8(x, K, dtype, T, data, w.bits, N, K, w.group_size ? w.group_size : K,
-                               (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,
-                               dtype, wide);
-    } else {
-        hr_quantized_linear(x, K, dtype, T, data, w.bits, N, K, w.group_size ? w.group_size : K,
-                            (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,
-                            dtype, wide);
-    }
-}
-
 /* The decoder layers of a decode step: hidden [T, hidden] holds the tokens' embeddings on
    entry and the final norm's output on return. Returns 0, or -1 when memory ran out (hidden
    and the KV cache are then undefined). */
@@ -110,7 +84,7 @@ int headrace_decode_layers(
     const int64_t H = num_heads, Hkv = num_kv_heads, D = head_dim, I = intermediate_size;
     const int64_t qkv_cols = (H + 2 * Hkv) * D;
     const size_t size = dtype == F32 ? 4 : 2;
-    const Weights w = {.bits = weight_bits, .group_size = group_size,
+    const MatrixLayout w = {.bits = weight_bits, .group_size = group_size,
                        .int8_activations = int8_activations};
     Buffers b;
     char *base = alloc_buffers(&b, T, hidden_size, I, H, Hkv, D, size);
@@ -130,7 +104,7 @@ int headrace_decode_layers(
                         (const void *)t[INPUT_NORM], eps, b.normed, b.residual, T, hidden_size,
                         dtype);
         }
-        matmul(b.normed, T, t + QKV, w, qkv_cols, hidden_size, b.qkv, dtype, b.wide);
+        hr_matmul(b.normed, T, t + QKV, w, qkv_cols, hidden_size, b.qkv, dtype, b.wide);
         const char *k = b.qkv + H * D * size, *v = k + Hkv * D * size;
         hr_apply_rotary(b.qkv, qkv_cols, D, H, k, qkv_cols, D, Hkv, cos, sin, b.query, b.key, T,
                         D, dtype);
@@ -141,12 +115,12 @@ int headrace_decode_layers(
                            num_kv_heads, head_dim, block_size, scale, sliding_windows[l],
                            0.0f /* no soft cap */, NULL /* no sinks */, dtype, kv_dtype,
                            query_tile, b.attention, &failed);
-        matmul(b.attention, T, t + O_PROJ, w, hidden_size, H * D, b.hidden, dtype, b.wide);
+        hr_matmul(b.attention, T, t + O_PROJ, w, hidden_size, H * D, b.hidden, dtype, b.wide);
         hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, (const void *)t[POST_NORM],
                     eps, b.normed, b.residual, T, hidden_size, dtype);
-        matmul(b.normed, T, t + GATE_UP, w, 2 * I, hidden_size, b.gate_up, dtype, b.wide);
+        hr_matmul(b.normed, T, t + GATE_UP, w, 2 * I, hidden_size, b.gate_up, dtype, b.wide);
         hr_silu_and_mul(b.gate_up, 2 * I, b.act, T, I, dtype);
-        matmul(b.act, T, t + DOWN, w, hidden_size, I, b.hidden, dtype, b.wide);
+        hr_matmul(b.act, T, t + DOWN, w, hidden_size, I, b.hidden, dtype, b.wide);
     }
     /* the final norm of the last layer's output and the residual stream */
     hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, final_norm, eps, hidden,

@@ -23,6 +23,11 @@ one all-reduce sums the ranks' experts as it summed their slices. Each expert's 
 then whole rather than 1 / T wide; a rank's share of the work is the share of the pairs its
 experts drew. Experts take no LoRA adapters (the LoRA
 manager skips them; an adapter naming one is refused as a module the model lacks).
+
+With the CPU kernels a rank's plain experts (gated SiLU, no biases) run in one C call per
+block where every expert's rows are few enough for the skinny matmul (a decode step's):
+`headrace.kernels.cpu_experts`, the same ops as the per-op path, so the same bits, without
+three kernel calls' overhead per expert.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from headrace.kernels import KernelSet
+from headrace.kernels import KernelSet, cpu_experts
 from headrace.worker.distributed.parallel import ParallelConfig, all_reduce
 from headrace.worker.layers.mlp import GatedMLP
 from headrace.worker.layers.weights import new_parameter
@@ -112,6 +117,11 @@ class SparseMoe(nn.Module):
             size = moe.shared_intermediate_size
             self.shared_expert = self._mlp(hidden_size, size, parallel, dtype, kernels)
             self.shared_expert_gate = Gate(1, hidden_size, dtype)
+        #: Whether the local experts may run in one C call (`cpu_experts`); the stack is built
+        #: at the first call, once the weights are loaded.
+        plain = moe.activation == "silu" and not moe.expert_bias
+        self.experts_in_one_call = kernels.NAME == "cpu" and plain
+        self._expert_stack: cpu_experts.ExpertStack | None = None
 
     def _mlp(
         self,
@@ -168,13 +178,48 @@ class SparseMoe(nn.Module):
         local = len(self.local_experts) == self.moe.num_experts
         outputs = torch.empty_like(grouped) if local else torch.zeros_like(grouped)
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
-        start = 0
-        for expert, count in enumerate(counts):
-            if count and expert in self.local_experts:
-                outputs[start : start + count] = self.experts[expert](
-                    grouped[start : start + count]
-                )
-            start += count
+        if not self._run_in_one_call(grouped, counts, outputs):
+            start = 0
+            for expert, count in enumerate(counts):
+                if count and expert in self.local_experts:
+                    outputs[start : start + count] = self.experts[expert](
+                        grouped[start : start + count]
+                    )
+                start += count
         outputs *= weights.flatten()[order].unsqueeze(1)
         # One add into the tokens' rows, pair by pair in expert order (transformers' order).
         return torch.zeros_like(x).index_add_(0, tokens, outputs)
+
+    def _run_in_one_call(
+        self,
+        grouped: torch.Tensor,  # [T x k, hidden]: the pairs' rows, grouped by expert
+        counts: list[int],  # [num_experts]: each expert's pairs
+        outputs: torch.Tensor,  # [T x k, hidden]: the local experts' rows are written
+    ) -> bool:
+        """The local experts over their rows in one C call (`cpu_experts`), if it takes
+        them; False: the caller runs them one by one."""
+        stack = self._current_expert_stack(grouped.dtype)
+        local = self.local_experts  # a contiguous block of experts, so of rows
+        first = sum(counts[: local.start])
+        rows = slice(first, first + sum(counts[local.start : local.stop]))
+        local_counts = counts[local.start : local.stop]
+        if stack is None or not stack.fits(grouped[rows], local_counts):
+            return False
+        stack.run(grouped[rows], local_counts, outputs[rows])
+        return True
+
+    def _current_expert_stack(self, dtype: torch.dtype) -> cpu_experts.ExpertStack | None:
+        """The local experts' stack, built anew when their matrices are no longer the ones
+        it holds (quantized weights moved wholesale); None where the experts are not plain
+        or one has a LoRA adapter."""
+        if not self.experts_in_one_call:
+            return None
+        experts = [self.experts[e] for e in self.local_experts]
+        mlps = [mlp for mlp in experts if isinstance(mlp, GatedMLP)]
+        if any(mlp.gate_up_proj.lora or mlp.down_proj.lora for mlp in mlps):
+            return None
+        matrices = [(mlp.gate_up_proj.matrix(), mlp.down_proj.matrix()) for mlp in mlps]
+        stack = self._expert_stack
+        if stack is None or stack.dtype != dtype or not stack.holds(matrices):
+            stack = self._expert_stack = cpu_experts.ExpertStack(matrices, dtype)
+        return stack
