@@ -284,10 +284,12 @@ def test_node_flags_default_to_one_node_with_the_engines_node_timeout() -> None:
 @pytest.mark.parametrize(
     ("text", "shape"),
     [
-        ("2x1", (2, 1, None, None, 1)),
-        ("1x2:2/1", (1, 2, 2, 1, 1)),
-        ("2x2@2", (2, 2, None, None, 2)),
-        ("1x2/1@2", (1, 2, None, 1, 2)),
+        ("2x1", (2, 1, None, None, 1, False)),
+        ("1x2:2/1", (1, 2, 2, 1, 1, False)),
+        ("2x2@2", (2, 2, None, None, 2, False)),
+        ("1x2/1@2", (1, 2, None, 1, 2, False)),
+        ("2x1+ep", (2, 1, None, None, 1, True)),
+        ("2x2@2+ep", (2, 2, None, None, 2, True)),
     ],
 )
 def test_bench_parallel_configs_parse_and_label_back(text: str, shape: tuple) -> None:
