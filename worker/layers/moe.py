@@ -210,14 +210,12 @@ class SparseMoe(nn.Module):
 
     def _current_expert_stack(self, dtype: torch.dtype) -> cpu_experts.ExpertStack | None:
         """The local experts' stack, built anew when their matrices are no longer the ones
-        it holds (quantized weights moved wholesale); None where the experts are not plain
-        or one has a LoRA adapter."""
+        it holds (quantized weights moved wholesale); None where the experts are not plain.
+        (Experts never carry LoRA adapters: the LoRA manager skips them.)"""
         if not self.experts_in_one_call:
             return None
         experts = [self.experts[e] for e in self.local_experts]
         mlps = [mlp for mlp in experts if isinstance(mlp, GatedMLP)]
-        if any(mlp.gate_up_proj.lora or mlp.down_proj.lora for mlp in mlps):
-            return None
         matrices = [(mlp.gate_up_proj.matrix(), mlp.down_proj.matrix()) for mlp in mlps]
         stack = self._expert_stack
         if stack is None or stack.dtype != dtype or not stack.holds(matrices):

@@ -11,15 +11,24 @@ rank's rows exactly as it does for a Llama checkpoint.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
+import torch
+from headrace.kernels import KernelSet
+from headrace.worker.distributed.parallel import ParallelConfig
 from headrace.worker.layers.weights import LoadedTensor
+from headrace.worker.models.config import ModelConfig
 from headrace.worker.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: ParallelConfig,
+        dtype: torch.dtype,
+        kernels: KernelSet,
+    ) -> None:
+        super().__init__(config, parallel, dtype, kernels)
         config = self.config
         q_rows = config.num_heads * config.head_dim
         kv_rows = config.num_kv_heads * config.head_dim
