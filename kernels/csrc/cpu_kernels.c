@@ -5,7 +5,8 @@
    loaded, so these kernels and torch's share one thread pool and torch.set_num_threads.
 
    - paged_attention: causal attention of every query row of a varlen batch over its
-     sequence's K/V, read block by block from the paged cache in place (no gather, no padding),
+     sequence's K/V, read block by block from the paged cache in place (no gather, no padding;
+     float32 and bf16 rows as they lie, int8 or odd head sizes widened into a scratch first),
      within a sliding window where the layer has one, its scores soft-capped where the layer
      caps them (Gemma 2), each head's sink logit in its softmax's denominator where the layer
      has sinks (GPT-OSS). Decode rows (one query) and prefill chunks (many) take the same path.
@@ -252,8 +253,9 @@ typedef struct {
     void *out; /* [T, H, D] contiguous, dtype */
     /* head_dim rounded up to whole v16s: every float32 row below is padded with zeros. */
     int padded_dim;
-    /* Whether K/V rows can be read from the cache as they are (float32, whole v16s). */
-    int direct;
+    /* Whether K/V rows are read from the cache as they are (float32 or bf16, whole v16s),
+       rather than widened into the scratch; bf16: they are bf16 (widened in registers). */
+    int direct, bf16_rows;
 } Attention;
 
 /* One unit of work: query rows [q_begin, q_end) of sequence seq, for the query heads of one
@@ -271,6 +273,8 @@ typedef struct {
 #define MAX_KV_HEADS_TOGETHER 16
 /* Rows scored together against a transposed tile: independent chains keep the FMA units busy. */
 #define ROW_BLOCK 4
+/* Rows whose values accumulate together (a decode's group of query heads, for SmolLM2). */
+#define ACC_ROWS 3
 
 /* Scratch of one thread (64-byte aligned, rows padded_dim floats): the tile's scaled queries,
    accumulators and softmax statistics; the current keys' scores and probabilities; key and
@@ -279,8 +283,9 @@ typedef struct {
     float *queries, *acc, *row_max, *row_sum;
     v16 *scores, *keys_t;
     float *key_rows, *value_rows;
-    const float *keys[LANES], *values[LANES];
-    /* A row past the last (scores and acc only) that pairs with an odd row out. */
+    const char *keys[LANES], *values[LANES]; /* float32 rows, or bf16 (bf16_rows) */
+    /* The first of ACC_ROWS - 1 rows past the last (scores and acc only) that fill the
+       accumulation's last group of rows. */
     int spare_row;
 } Scratch;
 
@@ -310,14 +315,18 @@ static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int
         const int64_t at = offset * row_bytes + head_bytes;
         const char *k = keys + at, *v = values + at;
         if (a->direct) {
-            s->keys[j] = (const float *)k;
-            s->values[j] = (const float *)v;
+            s->keys[j] = k;
+            s->values[j] = v;
+            /* The values are read after the scores and the softmax: fetch them meanwhile (64
+               decodes of ~336 keys, SmolLM2's heads: bf16 1.48 -> 1.20 ms a layer, float32
+               2.25 -> 2.02; their loads had held most of accumulate_values' time). */
+            for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, D); o += 64) __builtin_prefetch(v + o);
         } else {
             float *kr = s->key_rows + (int64_t)j * Dp, *vr = s->value_rows + (int64_t)j * Dp;
             load_kv_row(k, a->kv_dtype, kr, D);
             load_kv_row(v, a->kv_dtype, vr, D);
-            s->keys[j] = kr;
-            s->values[j] = vr;
+            s->keys[j] = (const char *)kr;
+            s->values[j] = (const char *)vr;
         }
     }
 }
@@ -353,11 +362,35 @@ static inline v16 sum_lanes_16(const v16 sums[LANES]) {
 #endif
 }
 
+/* Element d of a K or V row, as float32. */
+static inline float row_element(const char *row, int d, int bf16) {
+    if (!bf16) return ((const float *)row)[d];
+    uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+/* Elements [16 c, 16 c + 16) of a K or V row, as float32 (bf16: widened exactly). */
+static inline __attribute__((always_inline)) v16 row_chunk(const char *row, int c, int bf16) {
+    if (!bf16) return *(const v16u *)(row + (int64_t)c * LANES * 4);
+#ifdef __AVX512F__
+    const __m256i halves = _mm256_loadu_si256((const __m256i *)(row + (int64_t)c * LANES * 2));
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+#else
+    v16 chunk;
+    for (int i = 0; i < LANES; i++) chunk[i] = row_element(row, c * LANES + i, 1);
+    return chunk;
+#endif
+}
+
 /* scores[r] lane j = q_r . k_j for rows [row0, rows) (0 for j >= count): per row, 16
    dot products in lanes, then all 16 lane sums at once. A whole tile runs the 16 keys' sums
    side by side (16 independent chains, each a chunk of q loaded once); each key's chunks add
    in the same order either way. */
-static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, int count) {
+static inline __attribute__((always_inline)) void score_rows_by_dots(const Attention *a, Scratch *s,
+                                                                     int row0, int rows, int count,
+                                                                     int bf16) {
     const int chunks = a->padded_dim / LANES;
     for (int r = row0; r < rows; r++) {
         const float *q = s->queries + (int64_t)r * a->padded_dim;
@@ -366,15 +399,20 @@ static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, in
         if (count == LANES) {
             for (int c = 0; c < chunks; c++) {
                 const v16 qc = *(const v16 *)(q + c * LANES);
-                for (int j = 0; j < LANES; j++) sums[j] += qc * *(const v16u *)(s->keys[j] + c * LANES);
+                for (int j = 0; j < LANES; j++) sums[j] += qc * row_chunk(s->keys[j], c, bf16);
             }
         } else {
             for (int j = 0; j < count; j++)
                 for (int c = 0; c < chunks; c++)
-                    sums[j] += *(const v16 *)(q + c * LANES) * *(const v16u *)(s->keys[j] + c * LANES);
+                    sums[j] += *(const v16 *)(q + c * LANES) * row_chunk(s->keys[j], c, bf16);
         }
         s->scores[r] = sum_lanes_16(sums);
     }
+}
+
+static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    if (a->bf16_rows) score_rows_by_dots(a, s, row0, rows, count, 1);
+    else score_rows_by_dots(a, s, row0, rows, count, 0);
 }
 
 /* The same scores from the tile transposed once (keys_t[d] lane j = k_j[d]): rows [row0, rows). */
@@ -382,7 +420,7 @@ static void score_by_transpose(const Attention *a, Scratch *s, int row0, int row
     const int D = a->head_dim, Dp = a->padded_dim;
     for (int d = 0; d < D; d++) {
         v16 column = splat(0.0f);
-        for (int j = 0; j < count; j++) column[j] = s->keys[j][d];
+        for (int j = 0; j < count; j++) column[j] = row_element(s->keys[j], d, a->bf16_rows);
         s->keys_t[d] = column;
     }
     for (int r = row0; r < rows; r += ROW_BLOCK) {
@@ -432,40 +470,53 @@ static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int 
     s->scores[r] = probs;
 }
 
-/* acc[c] += sum_j p[j] v_j[c] for chunks [c, c + 4) of rows r0 and r1: eight independent
-   accumulator chains, each value chunk loaded once for both rows. */
-static inline void accumulate_four_chunks(Scratch *s, int Dp, int r0, int r1, int c, int count) {
-    v16 *acc0 = (v16 *)(s->acc + (int64_t)r0 * Dp) + c, *acc1 = (v16 *)(s->acc + (int64_t)r1 * Dp) + c;
-    const v16 p0 = s->scores[r0], p1 = s->scores[r1];
-    v16 a0 = acc0[0], a1 = acc0[1], a2 = acc0[2], a3 = acc0[3];
-    v16 b0 = acc1[0], b1 = acc1[1], b2 = acc1[2], b3 = acc1[3];
-    for (int j = 0; j < count; j++) {
-        const float *v = s->values[j] + c * LANES;
-        const v16 v0 = *(const v16u *)v, v1 = *(const v16u *)(v + LANES);
-        const v16 v2 = *(const v16u *)(v + 2 * LANES), v3 = *(const v16u *)(v + 3 * LANES);
-        a0 += p0[j] * v0, a1 += p0[j] * v1, a2 += p0[j] * v2, a3 += p0[j] * v3;
-        b0 += p1[j] * v0, b1 += p1[j] * v1, b2 += p1[j] * v2, b3 += p1[j] * v3;
+/* acc[c] += sum_j p[j] v_j[c] for chunks [c, c + 4) of rows r0, r1 and r2: twelve
+   independent accumulator chains, each value chunk loaded once for the three rows (a decode's
+   rows are its group's query heads: three for SmolLM2). */
+static inline __attribute__((always_inline)) void accumulate_four_chunks(
+    Scratch *s, int Dp, const int r[ACC_ROWS], int c, int count, int bf16) {
+    v16 *acc[ACC_ROWS], sum[ACC_ROWS][4];
+    for (int i = 0; i < ACC_ROWS; i++) {
+        acc[i] = (v16 *)(s->acc + (int64_t)r[i] * Dp) + c;
+        for (int k = 0; k < 4; k++) sum[i][k] = acc[i][k];
     }
-    acc0[0] = a0, acc0[1] = a1, acc0[2] = a2, acc0[3] = a3;
-    acc1[0] = b0, acc1[1] = b1, acc1[2] = b2, acc1[3] = b3;
+    for (int j = 0; j < count; j++) {
+        const char *v = s->values[j];
+        const v16 chunk[4] = {row_chunk(v, c, bf16), row_chunk(v, c + 1, bf16),
+                              row_chunk(v, c + 2, bf16), row_chunk(v, c + 3, bf16)};
+        for (int i = 0; i < ACC_ROWS; i++) {
+            const float p = s->scores[r[i]][j];
+            for (int k = 0; k < 4; k++) sum[i][k] += p * chunk[k];
+        }
+    }
+    for (int i = 0; i < ACC_ROWS; i++)
+        for (int k = 0; k < 4; k++) acc[i][k] = sum[i][k];
 }
 
-/* acc_r += sum_j p_rj v_j for rows [row0, rows), two rows and four v16 chunks at a time. */
-static void accumulate_values(const Attention *a, Scratch *s, int row0, int rows, int count) {
+/* acc_r += sum_j p_rj v_j for rows [row0, rows), three rows and four v16 chunks at a time. */
+static inline __attribute__((always_inline)) void accumulate_rows(const Attention *a, Scratch *s,
+                                                                  int row0, int rows, int count,
+                                                                  int bf16) {
     const int Dp = a->padded_dim, chunks = Dp / LANES, whole = chunks / 4 * 4;
-    s->scores[s->spare_row] = splat(0.0f);
-    for (int r = row0; r < rows; r += 2) {
-        /* An odd row out pairs with the spare row, whose probabilities are zero. */
-        const int partner = r + 1 < rows ? r + 1 : s->spare_row;
-        for (int c = 0; c < whole; c += 4) accumulate_four_chunks(s, Dp, r, partner, c, count);
-        for (int rr = r; rr <= r + 1 && rr < rows; rr++) {
+    for (int i = 0; i < ACC_ROWS - 1; i++) s->scores[s->spare_row + i] = splat(0.0f);
+    for (int r0 = row0; r0 < rows; r0 += ACC_ROWS) {
+        /* The rows left at the end take spare rows as partners, whose probabilities are zero. */
+        int r[ACC_ROWS];
+        for (int i = 0; i < ACC_ROWS; i++) r[i] = r0 + i < rows ? r0 + i : s->spare_row + i - 1;
+        for (int c = 0; c < whole; c += 4) accumulate_four_chunks(s, Dp, r, c, count, bf16);
+        for (int rr = r0; rr < r0 + ACC_ROWS && rr < rows; rr++) {
             v16 *acc = (v16 *)(s->acc + (int64_t)rr * Dp);
             for (int j = 0; j < count; j++) {
                 const float p = s->scores[rr][j];
-                for (int c = whole; c < chunks; c++) acc[c] += p * *(const v16u *)(s->values[j] + c * LANES);
+                for (int c = whole; c < chunks; c++) acc[c] += p * row_chunk(s->values[j], c, bf16);
             }
         }
     }
+}
+
+static void accumulate_values(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    if (a->bf16_rows) accumulate_rows(a, s, row0, rows, count, 1);
+    else accumulate_rows(a, s, row0, rows, count, 0);
 }
 
 static void load_queries(const Attention *a, const Tile *t, int kvh, Scratch *s, int rows) {
@@ -598,7 +649,7 @@ static void run_tile_heads(const Attention *a, const Tile *t, Scratch *heads) {
 
 /* Per-thread scratch for up to max_rows rows; NULL if out of memory. */
 static float *alloc_scratch(const Attention *a, int max_rows, Scratch *s) {
-    const size_t Dp = (size_t)a->padded_dim, rows = (size_t)max_rows + 1;
+    const size_t Dp = (size_t)a->padded_dim, rows = (size_t)max_rows + ACC_ROWS - 1;
     s->spare_row = max_rows;
     const size_t floats = rows * Dp * 2 + rows * 2 + rows * LANES + (size_t)a->head_dim * LANES +
                           (size_t)LANES * Dp * 2 + 3 * LANES;
@@ -644,7 +695,8 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
                    num_heads,    num_kv_heads,       head_dim,          block_size,
                    dtype,        kv_dtype,           scale,             sliding_window,
                    softcap,      sinks,              out,               padded_dim,
-                   kv_dtype == F32 && head_dim == padded_dim};
+                   (kv_dtype == F32 || kv_dtype == BF16) && head_dim == padded_dim,
+                   kv_dtype == BF16 && head_dim == padded_dim};
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     /* each thread's own list (a few entries per sequence): no thread waits for another's */
     Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
