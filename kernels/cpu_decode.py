@@ -110,17 +110,16 @@ class DecoderStack:
     ) -> bool:
         """Whether this step can run in one call: few enough rows for the skinny matmul
         (decodes, and chunks of a few tokens: a speculating sequence's proposals, a short
-        prompt), the stack's dtype throughout (the caches in it, or all int8). Such chunks
-        are all shorter than `cpu_ops.LONG_PREFILL`, so the per-op path would attend to them
-        in the same C kernel call."""
+        prompt), the stack's dtype throughout (the caches in it, or all int8), and every
+        chunk one the per-op path attends to in the C kernel."""
         rows = hidden.shape[0]
         if not self.usable or hidden.dtype != self.dtype or not rows <= self._max_rows():
             return False
-        assert self._max_rows() <= cpu_ops.LONG_PREFILL
         cache_dtype = kv_caches[0].dtype if kv_caches else self.dtype
         if cache_dtype not in (self.dtype, torch.int8):
             return False
-        return all(in_kernel(cache, cache_dtype) for cache in kv_caches)
+        in_c = cpu_ops.attends_in_kernel(metadata, cache_dtype)
+        return in_c and all(in_kernel(cache, cache_dtype) for cache in kv_caches)
 
     def decode(
         self,

@@ -58,6 +58,14 @@ QUERY_TILE = 16
 #: Prefill chunks longer than this go to torch's flash attention (measured crossover on a
 #: 2-core AVX-512 machine: the C kernel is 1.1x faster at 512 new tokens, 0.85x at 768).
 LONG_PREFILL = 512
+#: Where torch's attention multiplies on AMX tiles (a bf16 cache on a CPU with AMX-BF16; the C
+#: kernel computes in float32 on vector units), a chunk of at least AMX_MIN_QUERIES new tokens
+#: whose new tokens times context reach AMX_MIN_SCORES goes to torch too. Measured on a 2-core
+#: Xeon with AMX (2026-11-25, SmolLM2's 9 / 3 heads of 64; C kernel / torch, ms): chunks of 256
+#: new tokens x 64: 39.3 / 21.5; 128 after 384 cached x 32: 29.8 / 13.9; 32 after 480 x 64:
+#: 16.9 / 15.5; 128 new x 64: 11.4 / 9.8; 96 new x 96: 11.1 / 12.1; 64 new x 128: 7.1 / 12.1.
+AMX_MIN_QUERIES = 32
+AMX_MIN_SCORES = 128 * 128
 
 
 #: Rows up to which `linear` runs the C kernel: it reads each weight from memory once and
@@ -170,7 +178,8 @@ def paged_attention(
 
     Decodes and prefill chunks up to `LONG_PREFILL` tokens run in the C kernel; longer chunks
     are compute-bound, where torch's flash attention over the gathered context is faster (the
-    gather is cheap next to the chunk's arithmetic).
+    gather is cheap next to the chunk's arithmetic), and so are shorter ones on AMX
+    (`attends_in_kernel`).
     """
     _check_cache(kv_cache)
     if sliding_window is not None and sliding_window < 1:
@@ -186,7 +195,7 @@ def paged_attention(
     in_kernel: list[int] = []
     long: list[int] = []
     for i in range(metadata.num_seqs):
-        (long if starts_cpu[i + 1] - starts_cpu[i] > LONG_PREFILL else in_kernel).append(i)
+        (long if _goes_to_torch(metadata, i, kv_cache.dtype) else in_kernel).append(i)
     if in_kernel:
         _attend_in_kernel(
             query, kv_cache, metadata, scale, sliding_window, softcap, sinks, in_kernel, out
@@ -199,6 +208,24 @@ def paged_attention(
             query[start:end], kv_cache, table, seq_len, scale, sliding_window, softcap, sinks
         )
     return out.to(query_dtype)
+
+
+def attends_in_kernel(metadata: AttentionMetadata, kv_cache_dtype: torch.dtype) -> bool:
+    """Whether `paged_attention` runs every sequence of the step in the C kernel."""
+    return not any(_goes_to_torch(metadata, i, kv_cache_dtype) for i in range(metadata.num_seqs))
+
+
+def _goes_to_torch(metadata: AttentionMetadata, i: int, kv_cache_dtype: torch.dtype) -> bool:
+    """Whether sequence i's chunk attends in torch's flash attention rather than the C kernel:
+    past `LONG_PREFILL` new tokens, or on AMX from `AMX_MIN_QUERIES` tokens and
+    `AMX_MIN_SCORES` scores on."""
+    num_queries = metadata.query_start_loc_cpu[i + 1] - metadata.query_start_loc_cpu[i]
+    if num_queries > LONG_PREFILL:
+        return True
+    if kv_cache_dtype != torch.bfloat16 or num_queries < AMX_MIN_QUERIES:
+        return False
+    scores = num_queries * metadata.seq_lens_cpu[i]
+    return scores >= AMX_MIN_SCORES and cpu_has_flag("amx_bf16")
 
 
 def _head_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:

@@ -14,6 +14,8 @@ float32 reference over the same rounded inputs, and the kernel rounds its output
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from headrace.kernels import cpu_ops, native, reference, select_kernels
@@ -221,6 +223,40 @@ def test_long_prefill_chunks_mixed_with_kernel_rows():
     expected = reference.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
     got = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+def test_bf16_chunks_with_many_scores_go_to_torch_on_amx(monkeypatch, amx):
+    """On a CPU with AMX-BF16, a bf16 chunk of at least AMX_MIN_QUERIES new tokens whose
+    queries times keys reach AMX_MIN_SCORES attends in torch (whose attention runs on the AMX
+    tiles); decodes, short chunks and chunks of few keys stay in the C kernel. Without AMX only
+    chunks past LONG_PREFILL go to torch. Either way the batch equals the reference."""
+    torch.manual_seed(11)
+    monkeypatch.setattr(cpu_ops, "cpu_has_flag", lambda flag: amx and flag == "amx_bf16")
+    sent: list[int] = []
+
+    def spy(query, *args, **kwargs):
+        sent.append(query.shape[0])
+        return extend(query, *args, **kwargs)
+
+    extend = cpu_ops.extend
+    monkeypatch.setattr(cpu_ops, "extend", spy)
+    few_keys = math.isqrt(cpu_ops.AMX_MIN_SCORES - 1)  # a fresh prompt: tokens^2 short of it
+    many = cpu_ops.AMX_MIN_SCORES // cpu_ops.AMX_MIN_QUERIES  # context that reaches it
+    seqs = [
+        (300, 1),  # a decode
+        (many, cpu_ops.AMX_MIN_QUERIES),  # just reaches both thresholds
+        (many + 200, cpu_ops.AMX_MIN_QUERIES - 1),  # one token short, long context
+        (few_keys, few_keys),  # scores short of the threshold
+        (200, 100),  # a chunk after a cached prefix
+    ]
+    batch = build_paged_batch(seqs, 1, 16, 6, 2, 64, torch.bfloat16)
+    got = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    expected = reference.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert sent == ([cpu_ops.AMX_MIN_QUERIES, 100] if amx else [])
+    kernel_only = cpu_ops.attends_in_kernel(batch.metadata, torch.bfloat16)
+    assert kernel_only is not amx
 
 
 # --- sliding windows ---------------------------------------------------------------------------
