@@ -192,10 +192,8 @@ def paged_attention(
     sinks = _head_sinks(sinks, num_heads)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
     starts_cpu = metadata.query_start_loc_cpu
-    in_kernel: list[int] = []
-    long: list[int] = []
-    for i in range(metadata.num_seqs):
-        (long if _goes_to_torch(metadata, i, kv_cache.dtype) else in_kernel).append(i)
+    long = _chunks_for_torch(metadata, kv_cache.dtype)
+    in_kernel = [i for i in range(metadata.num_seqs) if i not in long]
     if in_kernel:
         _attend_in_kernel(
             query, kv_cache, metadata, scale, sliding_window, softcap, sinks, in_kernel, out
@@ -212,20 +210,26 @@ def paged_attention(
 
 def attends_in_kernel(metadata: AttentionMetadata, kv_cache_dtype: torch.dtype) -> bool:
     """Whether `paged_attention` runs every sequence of the step in the C kernel."""
-    return not any(_goes_to_torch(metadata, i, kv_cache_dtype) for i in range(metadata.num_seqs))
+    return not _chunks_for_torch(metadata, kv_cache_dtype)
 
 
-def _goes_to_torch(metadata: AttentionMetadata, i: int, kv_cache_dtype: torch.dtype) -> bool:
-    """Whether sequence i's chunk attends in torch's flash attention rather than the C kernel:
-    past `LONG_PREFILL` new tokens, or on AMX from `AMX_MIN_QUERIES` tokens and
-    `AMX_MIN_SCORES` scores on."""
-    num_queries = metadata.query_start_loc_cpu[i + 1] - metadata.query_start_loc_cpu[i]
-    if num_queries > LONG_PREFILL:
-        return True
-    if kv_cache_dtype != torch.bfloat16 or num_queries < AMX_MIN_QUERIES:
-        return False
-    scores = num_queries * metadata.seq_lens_cpu[i]
-    return scores >= AMX_MIN_SCORES and cpu_has_flag("amx_bf16")
+def _chunks_for_torch(metadata: AttentionMetadata, kv_cache_dtype: torch.dtype) -> list[int]:
+    """The sequences whose chunks attend in torch's flash attention rather than the C
+    kernel: past `LONG_PREFILL` new tokens, or on AMX from `AMX_MIN_QUERIES` tokens and
+    `AMX_MIN_SCORES` scores on. Decodes (the first num_decode_seqs) never do; a decode
+    step's answer costs nothing."""
+    longest = metadata.max_prefill_query_len
+    if longest < AMX_MIN_QUERIES and longest <= LONG_PREFILL:
+        return []
+    on_amx = kv_cache_dtype == torch.bfloat16 and cpu_has_flag("amx_bf16")
+    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    chosen = []
+    for i in range(metadata.num_decode_seqs, metadata.num_seqs):
+        num_queries = starts[i + 1] - starts[i]
+        many_scores = num_queries >= AMX_MIN_QUERIES and num_queries * seq_lens[i] >= AMX_MIN_SCORES
+        if num_queries > LONG_PREFILL or (on_amx and many_scores):
+            chosen.append(i)
+    return chosen
 
 
 def _head_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
