@@ -388,10 +388,8 @@ static inline __attribute__((always_inline)) v16 row_chunk(const char *row, int 
    dot products in lanes, then all 16 lane sums at once. A whole tile runs the 16 keys' sums
    side by side (16 independent chains, each a chunk of q loaded once); each key's chunks add
    in the same order either way. */
-static inline __attribute__((always_inline)) void score_rows_by_dots(const Attention *a, Scratch *s,
-                                                                     int row0, int rows, int count,
-                                                                     int bf16) {
-    const int chunks = a->padded_dim / LANES;
+static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    const int chunks = a->padded_dim / LANES, bf16 = a->bf16_rows;
     for (int r = row0; r < rows; r++) {
         const float *q = s->queries + (int64_t)r * a->padded_dim;
         v16 sums[LANES];
@@ -408,11 +406,6 @@ static inline __attribute__((always_inline)) void score_rows_by_dots(const Atten
         }
         s->scores[r] = sum_lanes_16(sums);
     }
-}
-
-static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, int count) {
-    if (a->bf16_rows) score_rows_by_dots(a, s, row0, rows, count, 1);
-    else score_rows_by_dots(a, s, row0, rows, count, 0);
 }
 
 /* The same scores from the tile transposed once (keys_t[d] lane j = k_j[d]): rows [row0, rows). */
@@ -1484,12 +1477,12 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
 
 /* How far ahead of its loads a row stream prefetches its weights, in bytes. A thread's rows
    are one contiguous run, but the hardware prefetcher alone kept a decode step's matmuls at
-   about 23 GB/s here, where a 100 MB matrix streams at 40: each of a step's 121 matrices is
+   about 23 GB/s, where a 100 MB matrix streams at 40: each of a step's 121 matrices is only
    0.3-1.8 MB a thread (and a hardware prefetcher does not run past a 4 KB page, these
-   machines' page size). A software prefetch 16 KB
-   ahead (a few rows of any of SmolLM2's matrices) raised them to about 30 GB/s (2-core dev VM,
-   2026-11-25: bf16 one-row step 13.4-13.9 -> 10.7-11.4 ms; float32 24.8-25.6 -> 22.2-22.3;
-   8 and 32 KB measured no better). */
+   machines' page size). A software prefetch 16 KB ahead (a few rows of any of SmolLM2's
+   matrices) raised them to about 30 GB/s (2-core Xeon with AMX, 2026-11-25: bf16 one-row
+   step 13.4-13.9 -> 10.7-11.4 ms; float32 24.8-25.6 -> 22.2-22.3; 8 and 32 KB measured no
+   better). */
 #define ROW_PREFETCH_BYTES 16384
 
 /* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
