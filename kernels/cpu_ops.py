@@ -71,8 +71,11 @@ AMX_MIN_SCORES = 128 * 128
 #: Rows up to which `linear` runs the C kernel: it reads each weight from memory once and
 #: meets every row there, where torch's GEMM is slower on few rows. Measured on SmolLM2-135M's
 #: 120 matmuls of a step (2 cores, float32): 1 row 16.6 ms, torch 16.6; 4: 18.1 vs 28.0;
-#: 24: 26.9 vs 44.5; 64: 61.3 vs 60.4, where torch takes over.
-SKINNY_MAX_ROWS = 48
+#: 24: 26.9 vs 44.5; 64: 61.3 vs 60.4. Up to 64 rows, where the two tie, so that a decode
+#: step of 64 sequences runs its layers in one C call (`cpu_decode`): 64 requests of 32-512
+#: tokens, 128 new, float32 on a 2-core Xeon (2026-11-25): decode step 159-161 -> 132-135
+#: ms, 247-249 -> 267-272 tok/s (the Python between the per-op path's ~300 calls).
+SKINNY_MAX_ROWS = 64
 #: The same for bf16 / float16 weights where torch's GEMM of the dtype is native (bf16 on
 #: AVX512-BF16 or AMX) and the C kernel widens them to float32: torch computes at twice the
 #: float32 rate there, so it takes over sooner. Measured 2026-11-24 on the 2-core
@@ -86,6 +89,16 @@ SKINNY_MAX_ROWS_BF16 = 8
 #: same machine, 2 threads, all 121 matmuls of a step, C vs torch: 1 row 9.7 vs 19.4 ms, 8:
 #: 21.2 vs 22.9, 24: 23.8 vs 32.9, 48: 44.3 vs 49.9, 64: 58.7 vs 60.4. (AMX, untested here,
 #: multiplies tiles several times faster than the dot instruction: torch keeps its rows.)
+#: Where the CPU has AMX tiles (`amx_tiles`), bf16 rows from 3 to AMX_MAX_ROWS multiply on
+#: them in C (kernels/csrc/amx_linear.c; 1 and 2 rows keep the vector kernel's row stream).
+#: Measured 2026-11-25 on a 2-core Xeon with AMX, SmolLM2-135M's 30 layers' matmuls and its
+#: LM head in bf16 (each weight read from memory), C vs oneDNN's packed GEMM, ms: 1 row
+#: (vector) 6.1 vs 13.1; 8: 8.1-8.4 vs 12.9-13.3 (the vector kernel 14.6); 16: 9.3-9.8 vs
+#: 11.2-11.6; 32: 11.7-12.8 vs 12.9-13.2; 64: 20.6 vs 15.3. The tiles keep 64 rows all the
+#: same: the decode step then runs in one C call (`cpu_decode`), which more than pays for
+#: the slower matmuls: 64 requests of 32-512 tokens, 128 new: decode step 78-80 -> 63 ms,
+#: 576-591 -> 678 tok/s; 24 requests of 32-256, 64 new: 45 -> 23 ms, 421-430 -> 691-706.
+AMX_MAX_ROWS = 64
 
 
 #: Rows up to which `quantized_linear` runs the C kernel, by bits: past them, torch's GEMM on
@@ -420,10 +433,19 @@ def bf16_pairs() -> bool:
     return bool(library().headrace_skinny_bf16_pairs())
 
 
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether `linear` multiplies bf16 rows on AMX tiles: the CPU has them (the kernels
+    were compiled for it) and the OS granted their use."""
+    return available() and bool(library().headrace_amx_init())
+
+
 def skinny_max_rows(weight_dtype: torch.dtype) -> int:
     """Rows up to which `linear` runs the C kernel for weights of this dtype (0: never)."""
     if weight_dtype not in _DTYPE_CODES:
         return 0
+    if weight_dtype == torch.bfloat16 and amx_tiles():
+        return AMX_MAX_ROWS
     in_float32 = compute_dtype(weight_dtype, torch.device("cpu")) == torch.float32
     if in_float32 or (weight_dtype == torch.bfloat16 and _pairs_beat_torch()):
         return SKINNY_MAX_ROWS

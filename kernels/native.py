@@ -1,9 +1,9 @@
 """Builds and loads the C kernels of ``kernels/csrc`` for the CPU backend.
 
 The sources are compiled together into one library: ``cpu_kernels.c`` (the ops),
-``decode_stack.c`` (a decode step's layers in one call, from the same ops) and
-``moe_experts.c`` (a mixture block's experts in one call, likewise), which share
-``cpu_kernels.h``.
+``decode_stack.c`` (a decode step's layers in one call, from the same ops),
+``moe_experts.c`` (a mixture block's experts in one call, likewise) and ``amx_linear.c``
+(bf16 matmuls on AMX tiles, where the CPU has them), which share ``cpu_kernels.h``.
 
 The library is compiled on first use with the machine's C compiler (``$CC``, else ``cc``) for
 the CPU it runs on (``-march=native``, OpenMP), into a cache keyed by the source, the compiler,
@@ -36,7 +36,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("cpu_kernels.c", "decode_stack.c", "moe_experts.c"))
+SOURCES = tuple(
+    CSRC / name for name in ("cpu_kernels.c", "decode_stack.c", "moe_experts.c", "amx_linear.c")
+)
 #: Hashed with the sources: a change to the shared header rebuilds the library.
 HEADERS = (CSRC / "cpu_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno") + (
@@ -69,6 +71,7 @@ _SIGNATURES = {
         _INT,
     ),
     "headrace_skinny_bf16_pairs": ([], _INT),
+    "headrace_amx_init": ([], _INT),
     "headrace_quantized_linear": (
         [_P, _I64, _INT, _I64, _P, _INT, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT],
         _INT,
@@ -120,6 +123,8 @@ def load() -> ctypes.CDLL | None:
     for name, (argtypes, restype) in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, restype
+    # The kernel's leave to use AMX tiles, where the CPU has them (cpu_kernels.h).
+    library.headrace_amx_init()
     return library
 
 

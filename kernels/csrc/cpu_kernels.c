@@ -45,57 +45,6 @@
 /* Keys per tile: one AVX-512 vector of float32 scores per query row. */
 #define TILE_KEYS 16
 
-/* ---- dtype conversion ------------------------------------------------------------------- */
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float out;
-    memcpy(&out, &wide, sizeof out);
-    return out;
-}
-
-/* Round to nearest, ties to even; a NaN stays a (quiet) NaN. Branch-free, so a loop of it
-   vectorises (store_row's bf16 rows were scalar: 5x torch's time for a prefill's silu). */
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
-
-/* n elements of a row stored in dtype, widened to float32. */
-static inline void load_row(const void *src, int dtype, float *dst, int n) {
-    if (dtype == F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == BF16) {
-        const uint16_t *s = (const uint16_t *)src;
-#pragma omp simd
-        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
-    } else {
-        const _Float16 *s = (const _Float16 *)src;
-#pragma omp simd
-        for (int i = 0; i < n; i++) dst[i] = (float)s[i];
-    }
-}
-
-/* n float32 values narrowed to dtype (round to nearest even). */
-static inline void store_row(void *dst, int dtype, const float *src, int n) {
-    if (dtype == F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == BF16) {
-        uint16_t *d = (uint16_t *)dst;
-#pragma omp simd
-        for (int i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
-    } else {
-        _Float16 *d = (_Float16 *)dst;
-#pragma omp simd
-        for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
-    }
-}
-
-static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
-
 /* Bytes of one cached (token, head) row: head_dim values, and an int8 row's scale. */
 static inline int64_t kv_row_bytes(int kv_dtype, int head_dim) {
     return kv_dtype == I8 ? head_dim + KV_SCALE_BYTES : head_dim * (int64_t)dtype_size(kv_dtype);
@@ -1572,6 +1521,10 @@ void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, c
                       int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
                       int64_t y_stride, int y_dtype, float *wide_x) {
     const int layout = HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
+    if (layout == BF16_PAIRS && M > ROW_STREAM_ROWS && hr_amx_takes(M, N, K)) {
+        hr_amx_linear(x, x_stride, M, w, N, K, bias, y, y_stride, y_dtype, wide_x);
+        return;
+    }
     const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K, .bias = bias,
                       .y = y, .y_stride = y_stride, .y_dtype = y_dtype};
     skinny_run(s, x_dtype, layout, wide_x);
@@ -1583,7 +1536,7 @@ int headrace_skinny_bf16_pairs(void) { return HAVE_BF16_PAIRS; }
 /* Room for x widened to float32 (NULL when x is float32 or empty: malloc(0) may return NULL);
    *failed set when it could not be allocated. */
 static float *alloc_wide_x(int x_dtype, int64_t M, int64_t K, int *failed) {
-    float *wide_x = x_dtype != F32 && M * K > 0 ? malloc((size_t)(M * K) * sizeof(float)) : NULL;
+    float *wide_x = x_dtype != F32 && M * K > 0 ? malloc((size_t)hr_skinny_floats(M, K) * sizeof(float)) : NULL;
     *failed = x_dtype != F32 && M * K > 0 && wide_x == NULL;
     return wide_x;
 }

@@ -8,8 +8,60 @@
 #define HEADRACE_CPU_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3 };
+
+/* ---- dtype conversion (every source's rows round alike) ------------------------------- */
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+/* Round to nearest, ties to even; a NaN stays a (quiet) NaN. Branch-free, so a loop of it
+   vectorises (store_row's bf16 rows were scalar: 5x torch's time for a prefill's silu). */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+/* n elements of a row stored in dtype, widened to float32. */
+static inline void load_row(const void *src, int dtype, float *dst, int n) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
+    } else {
+        const _Float16 *s = (const _Float16 *)src;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (float)s[i];
+    }
+}
+
+/* n float32 values narrowed to dtype (round to nearest even). */
+static inline void store_row(void *dst, int dtype, const float *src, int n) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (dtype == BF16) {
+        uint16_t *d = (uint16_t *)dst;
+#pragma omp simd
+        for (int i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
+    } else {
+        _Float16 *d = (_Float16 *)dst;
+#pragma omp simd
+        for (int i = 0; i < n; i++) d[i] = (_Float16)src[i];
+    }
+}
+
+static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
 /* I8 is a KV-cache dtype only (kernels/kv_layout.py): each (token, head) row holds head_dim
    int8 values, then their float32 scale; a value reads back as q * scale. */
@@ -25,6 +77,22 @@ void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t 
 void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
                       int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
                       int64_t y_stride, int y_dtype, float *wide_x);
+
+/* Scratch floats hr_skinny_linear needs for M rows of K: x widened to float32, or (bf16 on
+   AMX tiles) x repacked into tiles of 16 rows. */
+int64_t hr_amx_scratch_floats(int64_t M, int64_t K);
+static inline int64_t hr_skinny_floats(int64_t M, int64_t K) {
+    const int64_t amx = hr_amx_scratch_floats(M, K);
+    return amx > M * K ? amx : M * K;
+}
+
+/* amx_linear.c: whether bf16 x [M, K] against bf16 weights [N, K] multiplies on AMX tiles
+   (granted by headrace_amx_init, N a multiple of 16 and K of 32), and that product as every
+   thread of a region runs it (scratch: hr_amx_scratch_floats(M, K) floats). */
+int hr_amx_takes(int64_t M, int64_t N, int64_t K);
+void hr_amx_linear(const void *x, int64_t x_stride, int64_t M, const void *w, int64_t N,
+                   int64_t K, const float *bias, void *y, int64_t y_stride, int y_dtype,
+                   float *scratch);
 
 /* hr_skinny_linear over quantized weights (kernels/quantized.py): bits 8 or 4, scales and
    offsets [N, K / group_size] float32 (offsets NULL for 8 bits). */

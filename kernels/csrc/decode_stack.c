@@ -52,7 +52,8 @@ static char *alloc_buffers(Buffers *b, int64_t T, int64_t hidden, int64_t inter,
     for (int i = 0; i < 9; i++) total += (widths[i] * T * size + 63) / 64 * 64;
     const int64_t widest = (int64_t)max3(hidden, inter, H * D);
     const int64_t a8 = hr_a8_floats(T, widest); /* the int8 activations' scratch, if larger */
-    const size_t wide = (size_t)(a8 > widest * T ? a8 : widest * T) * sizeof(float);
+    const int64_t skinny = hr_skinny_floats(T, widest);
+    const size_t wide = (size_t)(a8 > skinny ? a8 : skinny) * sizeof(float);
     char *base = aligned_alloc(64, (total + wide + 63) / 64 * 64);
     if (base == NULL) return NULL;
     char **slots[] = {&b->residual, &b->normed, &b->qkv,    &b->query, &b->key,

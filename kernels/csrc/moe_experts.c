@@ -45,7 +45,8 @@ int headrace_moe_experts(const void *x, void *out, int num_experts,
     const size_t act_bytes = ((size_t)(max_rows * I) * size + 63) / 64 * 64;
     const int64_t widest = hidden_size > I ? hidden_size : I;
     const int64_t a8 = hr_a8_floats(max_rows, widest);
-    const size_t wide_bytes = (size_t)(a8 > widest * max_rows ? a8 : widest * max_rows) * 4;
+    const int64_t skinny = hr_skinny_floats(max_rows, widest);
+    const size_t wide_bytes = (size_t)(a8 > skinny ? a8 : skinny) * 4;
     char *base = aligned_alloc(64, (gate_up_bytes + act_bytes + wide_bytes + 63) / 64 * 64);
     if (base == NULL) return -1;
     char *gate_up = base, *act = base + gate_up_bytes;

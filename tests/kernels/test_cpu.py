@@ -670,6 +670,7 @@ def reduced_rows_in_kernel(monkeypatch):
     """Every row count of LINEAR_SHAPES in the C kernel for bf16 / fp16 weights too (where
     their GEMM is native, torch takes more than a few rows)."""
     monkeypatch.setattr(cpu_ops, "SKINNY_MAX_ROWS_BF16", cpu_ops.SKINNY_MAX_ROWS)
+    monkeypatch.setattr(cpu_ops, "AMX_MAX_ROWS", cpu_ops.SKINNY_MAX_ROWS)
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), LINEAR_SHAPES)
@@ -771,6 +772,50 @@ def test_linear_rows_do_not_depend_on_the_rest_of_the_batch(dtype, reduced_rows_
         assert torch.equal(among_seven, batched[row])
 
 
+needs_amx = pytest.mark.skipif(
+    not cpu_ops.amx_tiles(), reason="the CPU has no AMX tiles (or the OS did not grant them)"
+)
+# Row counts the tiles take (from 3: one and two rows keep the vector kernel's row stream):
+# one block of 16 rows and a part, two, and a ragged pair; weight rows in pairs of 16 blocks,
+# inner sizes in steps of 32.
+AMX_SHAPES = [(3, 32, 32), (16, 64, 96), (17, 96, 576), (32, 64, 64), (29, 32, 1536)]
+
+
+@needs_amx
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), AMX_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_rows_on_amx_tiles_equal_a_float32_matmul(rows, out_features, in_features, with_bias):
+    """bf16 x against bf16 weights on AMX tiles: exact products summed in float32 (to
+    float32 rounding), + bias, each output rounded once to the dtype asked for."""
+    gen = torch.Generator().manual_seed(rows * 100 + in_features)
+    wide_x = torch.randn(rows, in_features + 5, generator=gen).bfloat16()
+    x = wide_x[:, 3 : 3 + in_features]  # rows strided, as a slice of a fused projection
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    got = cpu_ops.linear(x, weight, bias, out_dtype=torch.float32)
+    want = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * in_features**0.5)
+    assert torch.equal(cpu_ops.linear(x, weight, bias), got.bfloat16())
+
+
+@needs_amx
+def test_bf16_rows_on_amx_tiles_do_not_depend_on_the_rest_of_the_batch():
+    """A row's sums on the tiles are the same bits in every batch of 3 to AMX_MAX_ROWS rows
+    (other rows, and the zero rows that pad a block, never meet its sums)."""
+    gen = torch.Generator().manual_seed(5)
+    rows = cpu_ops.AMX_MAX_ROWS
+    weight = torch.randn(64, 576, generator=gen).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    batched = cpu_ops.linear(x, weight, out_dtype=torch.float32)
+    for row in (0, 2, 15, 16, rows - 3):
+        for size in (3, 7, 17):
+            first = min(row, rows - size)
+            part = cpu_ops.linear(x[first : first + size], weight, out_dtype=torch.float32)
+            assert torch.equal(part[row - first], batched[row])
+    # and the tiles' sums are not the vector kernel's (or this test would not see them)
+    assert not torch.equal(batched[:2], cpu_ops.linear(x[:2], weight, out_dtype=torch.float32))
+
+
 def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
     calls: list[int] = []
     library = cpu_ops.library()
@@ -802,9 +847,14 @@ def test_reduced_weights_take_the_float32_bound_where_torch_would_widen_them(mon
     assert cpu_ops.skinny_max_rows(torch.float32) == cpu_ops.SKINNY_MAX_ROWS
     assert cpu_ops.skinny_max_rows(torch.float64) == 0
     monkeypatch.setattr(cpu_ops, "compute_dtype", lambda dtype, device: dtype)
-    monkeypatch.setattr(cpu_ops, "_pairs_beat_torch", lambda: False)  # e.g. AMX
+    monkeypatch.setattr(cpu_ops, "amx_tiles", lambda: False)
+    monkeypatch.setattr(cpu_ops, "_pairs_beat_torch", lambda: False)  # e.g. AMX, not granted
     assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.SKINNY_MAX_ROWS_BF16
     assert cpu_ops.skinny_max_rows(torch.float16) == cpu_ops.SKINNY_MAX_ROWS_BF16
+    monkeypatch.setattr(cpu_ops, "amx_tiles", lambda: True)  # bf16 on the tiles, in C
+    assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.AMX_MAX_ROWS
+    assert cpu_ops.skinny_max_rows(torch.float16) == cpu_ops.SKINNY_MAX_ROWS_BF16
+    monkeypatch.setattr(cpu_ops, "amx_tiles", lambda: False)
     monkeypatch.setattr(cpu_ops, "_pairs_beat_torch", lambda: True)  # the dot instruction
     assert cpu_ops.skinny_max_rows(torch.bfloat16) == cpu_ops.SKINNY_MAX_ROWS
     assert cpu_ops.skinny_max_rows(torch.float16) == cpu_ops.SKINNY_MAX_ROWS_BF16
