@@ -134,8 +134,57 @@ static inline void multiply_pair(const uint16_t *w_pair, int64_t K, const char *
     }
 }
 
+/* rows[i] lane j <- rows[j] lane i, for a 16 x 16 block of float32: pairs of rows
+   interleaved by 32 bits, then by 64, then 128-bit lanes gathered across four rows each. */
+static inline void transpose_16(__m512 rows[AMX_ROWS]) {
+    __m512 t[AMX_ROWS], u[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i += 2) {
+        t[i] = _mm512_unpacklo_ps(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(rows[i], rows[i + 1]);
+    }
+    /* u[4q + k], lane l: element 4l + k of rows 4q .. 4q + 3 */
+    for (int q = 0; q < AMX_ROWS; q += 4) {
+        const __m512d a = (__m512d)t[q], b = (__m512d)t[q + 1], c = (__m512d)t[q + 2],
+                      d = (__m512d)t[q + 3];
+        u[q] = (__m512)_mm512_unpacklo_pd(a, c);
+        u[q + 1] = (__m512)_mm512_unpackhi_pd(a, c);
+        u[q + 2] = (__m512)_mm512_unpacklo_pd(b, d);
+        u[q + 3] = (__m512)_mm512_unpackhi_pd(b, d);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 low01 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x44);
+        const __m512 high01 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xEE);
+        const __m512 low23 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x44);
+        const __m512 high23 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xEE);
+        rows[k] = _mm512_shuffle_f32x4(low01, low23, 0x88);
+        rows[4 + k] = _mm512_shuffle_f32x4(low01, low23, 0xDD);
+        rows[8 + k] = _mm512_shuffle_f32x4(high01, high23, 0x88);
+        rows[12 + k] = _mm512_shuffle_f32x4(high01, high23, 0xDD);
+    }
+}
+
+/* 16 float32 values stored in dtype, rounded as store_row rounds them. */
+static inline void store_16(void *dst, int dtype, __m512 v) {
+    if (dtype == F32) {
+        _mm512_storeu_ps(dst, v);
+    } else if (dtype == BF16) { /* float_to_bf16, lane by lane */
+        const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+        const __m512i one = _mm512_set1_epi32(1);
+        const __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                             _mm512_and_si512(high, one)),
+            16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+    } else {
+        _mm256_storeu_si256(dst, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+}
+
 /* C tile t into y rows [m0, m0 + 16) (those below M), columns [n0, n0 + 16), + bias, each
-   rounded once to y's dtype. */
+   rounded once to y's dtype: the tile holds C^T, so it is transposed in registers. */
 static void store_block(int t, float *c, int64_t n0, int64_t m0, int64_t M, const float *bias,
                         void *y, int64_t y_stride, int y_dtype) {
     switch (t) {
@@ -144,12 +193,13 @@ static void store_block(int t, float *c, int64_t n0, int64_t m0, int64_t M, cons
     case 2: _tile_stored(2, c, 64); break;
     default: _tile_stored(3, c, 64); break;
     }
-    for (int i = 0; i < AMX_ROWS && m0 + i < M; i++) {
-        float row[AMX_ROWS];
-        for (int j = 0; j < AMX_ROWS; j++) row[j] = c[j * AMX_ROWS + i] + (bias != NULL ? bias[n0 + j] : 0.0f);
-        store_row((char *)y + ((m0 + i) * y_stride + n0) * (int64_t)dtype_size(y_dtype), y_dtype,
-                  row, AMX_ROWS);
-    }
+    __m512 rows[AMX_ROWS];
+    for (int j = 0; j < AMX_ROWS; j++) rows[j] = _mm512_load_ps(c + j * AMX_ROWS);
+    transpose_16(rows);
+    const __m512 b = bias != NULL ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < AMX_ROWS && m0 + i < M; i++)
+        store_16((char *)y + ((m0 + i) * y_stride + n0) * (int64_t)dtype_size(y_dtype), y_dtype,
+                 _mm512_add_ps(rows[i], b));
 }
 
 void hr_amx_linear(const void *x, int64_t x_stride, int64_t M, const void *w, int64_t N,
