@@ -101,3 +101,24 @@ def test_silu_and_mul_equals_the_reference(dtype, num_rows) -> None:  # type: ig
         torch.testing.assert_close(got, expected, rtol=2 * ULP[dtype], atol=1e-6)
     else:
         assert torch.equal(got, expected)
+
+
+def _silu_rounded_in_float32(gate: torch.Tensor) -> torch.Tensor:
+    """silu as the kernel defines it, from float64: e^-g rounded once to float32, then the add
+    and the division each in float32."""
+    g = gate.float()
+    return g / (1.0 + torch.exp(-g.double()).float())
+
+
+@pytest.mark.parametrize("up_seed", [None, 7])  # None: up = 1, so the product is silu's rounding
+def test_silu_and_mul_rounds_every_bf16_gate_as_float32_silu(up_seed) -> None:  # type: ignore[no-untyped-def]
+    """All 65,536 bf16 bit patterns as gates: the kernel's approximate path for bf16 (with its
+    fall-back near a bf16 tie, past |g| = 20, for NaN and tiny values) gives the bits of
+    float32 silu rounded to bf16, then times up rounded again."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = gate.reshape(256, 256)
+    up = torch.ones_like(gate) if up_seed is None else _rows(256, 256, torch.bfloat16, up_seed)
+    got = cpu_ops.silu_and_mul(torch.cat([gate, up], dim=1))
+    silu = _silu_rounded_in_float32(gate).bfloat16()
+    expected = (silu.float() * up.float()).bfloat16()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
