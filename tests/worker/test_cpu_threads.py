@@ -15,6 +15,7 @@ from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.config import EngineConfig
 from headrace.worker.execution import cpu_threads
 from headrace.worker.execution.cpu_threads import (
+    FIRST_LOOK_S,
     CpuSample,
     ThreadGovernor,
     cgroup_quota_cores,
@@ -119,27 +120,69 @@ def test_a_fixed_count_is_applied_to_the_calling_thread_and_kept() -> None:
         torch.set_num_threads(before)
 
 
-def test_the_governor_gives_a_thread_up_and_takes_it_back_as_a_neighbour_comes_and_goes() -> None:
-    # Others' busy cores per interval (own time 0): quiet, a busy loop sharing a core, the
-    # loop alone on its core, quiet again.
-    others = iter([0.0, 0.0, 0.6, 1.0, 1.0, 0.05])
-    clock = {"at": 0.0, "busy": 0.0}
+class FakeCpus:
+    """The CPUs' busy time as a test scripts it: `others` busy cores from `at` on."""
 
-    def read(cpus: list[int]) -> CpuSample:
-        clock["at"] += 1.0
-        clock["busy"] += next(others)
-        return CpuSample(clock["at"], clock["busy"], 0.0)
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0.0
+        self.others = 0.0
 
-    governor = ThreadGovernor(2, interval_s=0.0, cpus=[0, 1], read=read)
+    def advance(self, seconds: float, others: float | None = None) -> None:
+        self.others = self.others if others is None else others
+        self.now += seconds
+        self.busy += self.others * seconds
+
+    def read(self, cpus: list[int]) -> CpuSample:
+        return CpuSample(self.now, self.busy, 0.0)
+
+    def clock(self) -> float:
+        return self.now
+
+
+def _counts(
+    governor: ThreadGovernor, cpus: FakeCpus, steps: list[tuple[float, float]]
+) -> list[int]:
+    """The thread count after each step (seconds, others' busy cores), apply() once a step."""
     before = torch.get_num_threads()
     try:
         counts = []
-        for _ in range(6):
+        for seconds, others in steps:
+            cpus.advance(seconds, others)
             governor.apply()
             counts.append(torch.get_num_threads())
+        return counts
     finally:
         torch.set_num_threads(before)
-    assert counts == [2, 2, 1, 1, 1, 2]
+
+
+def test_the_governor_gives_a_thread_up_and_takes_it_back_as_a_neighbour_comes_and_goes() -> None:
+    # Others' busy cores per interval: quiet, a busy loop sharing a core, the loop alone on
+    # its core, quiet again.
+    cpus = FakeCpus()
+    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    steps = [(0.25, others) for others in (0.0, 0.0, 0.6, 1.0, 1.0, 0.05)]
+    assert _counts(governor, cpus, steps) == [2, 2, 1, 1, 1, 2]
+
+
+def test_a_neighbour_that_came_while_the_engine_was_idle_is_seen_a_first_look_later() -> None:
+    """Regression: the look after an idle spell averaged over the spell, so a busy loop that
+    started a moment before the next request kept 2 threads for a whole interval more (a
+    single stream beside it ran at 0.89x one thread)."""
+    cpus = FakeCpus()
+    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    assert _counts(governor, cpus, [(0.25, 0.0), (0.25, 0.0)]) == [2, 2]
+    cpus.advance(9.5, 0.0)  # idle: no step looks
+    cpus.advance(0.5, 1.0)  # the loop starts; then a request, a step every FIRST_LOOK_S
+    assert _counts(governor, cpus, [(0.0, 1.0), (FIRST_LOOK_S + 0.01, 1.0)]) == [2, 1]
+
+
+def test_a_step_longer_than_an_interval_is_judged_by_its_own_window() -> None:
+    # A long prefill step (2 s) beside a busy neighbour: the look after it sees the neighbour.
+    cpus = FakeCpus()
+    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    steps = [(0.25, 0.0), (0.25, 0.0), (2.0, 1.0), (FIRST_LOOK_S + 0.01, 1.0)]
+    assert _counts(governor, cpus, steps) == [2, 2, 1, 1]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

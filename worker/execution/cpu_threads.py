@@ -14,6 +14,10 @@ the cores the worker gets:
   more than `DOWN_AT` of a core beyond what the threads leave free, one thread fewer; when
   a whole core is free again (within `UP_AT`), one more, up to the budget. Other processes
   keep their fair share of a core even against a spinning thread, so they show up here.
+  A look after a pause (an idle engine, or a step longer than `STALE_S`) averages over the
+  pause, which hides a neighbour that came late in it, so the look after it comes within
+  `FIRST_LOOK_S`, not a whole interval: a run that starts beside a busy neighbour spends
+  about that long at the old count.
 
 OpenMP's thread count is a per-thread setting (torch keeps it per OS thread too), so the
 executor calls `apply()` on each thread that computes, before it computes
@@ -45,6 +49,11 @@ UP_AT = 0.2
 #: for up to this long: a single stream's 3.5 s beside a fresh busy loop measured 0.85x one
 #: thread with 0.5 s (2026-11-24, the 2-core dev VM).
 INTERVAL_S = 0.25
+#: The window of the look after a pause, and the gap between looks that counts as a pause.
+#: A tenth of a second is ten of /proc/stat's ticks per CPU: enough to tell a busy core
+#: (1.0) from a quiet one (0) against DOWN_AT.
+FIRST_LOOK_S = 0.1
+STALE_S = 1.0
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -154,9 +163,13 @@ class ThreadGovernor:
     cpus: list[int] = field(default_factory=allowed_cpus)
     #: Reads the CPUs' busy time and this process's (`sample`; tests give their own).
     read: Callable[[list[int]], CpuSample] = sample
+    #: Now, in `CpuSample.at`'s seconds (`sample` uses time.monotonic; tests give their own).
+    clock: Callable[[], float] = time.monotonic
     #: The count now.
     num_threads: int = field(init=False)
     _last: CpuSample | None = field(init=False, default=None)
+    #: Whether the next look comes after FIRST_LOOK_S (the first look, or the one after a pause).
+    _fresh: bool = field(init=False, default=True)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -172,22 +185,29 @@ class ThreadGovernor:
 
     def _look(self) -> None:
         last = self._last
-        if last is not None and time.monotonic() - last.at < (self.interval_s or 0.0):
-            return
+        if last is not None:
+            window = min(self.interval_s or 0.0, FIRST_LOOK_S) if self._fresh else self.interval_s
+            if self.clock() - last.at < (window or 0.0):
+                return
         if not self._lock.acquire(blocking=False):
             return  # the other computing thread is looking
         try:
             now = self.read(self.cpus)
             if last is not None:
-                others = others_cores(last, now)
-                count = next_threads(self.num_threads, self.budget, len(self.cpus), others)
-                if count != self.num_threads:
-                    message = "other processes used %.2f of %d cores: %d threads (of %d)"
-                    logger.info(message, others, len(self.cpus), count, self.budget)
-                    self.num_threads = count
-            self._last = now
+                self._decide(others_cores(last, now))
+            # After a pause the next window is a short one: a neighbour that came late in the
+            # pause was averaged over all of it.
+            pause = max(STALE_S, 2 * (self.interval_s or 0.0))
+            self._last, self._fresh = now, last is None or now.at - last.at > pause
         finally:
             self._lock.release()
+
+    def _decide(self, others: float) -> None:
+        count = next_threads(self.num_threads, self.budget, len(self.cpus), others)
+        if count != self.num_threads:
+            message = "other processes used %.2f of %d cores: %d threads (of %d)"
+            logger.info(message, others, len(self.cpus), count, self.budget)
+            self.num_threads = count
 
 
 def start_governor(cpu_threads: int) -> ThreadGovernor:
