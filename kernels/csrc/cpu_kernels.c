@@ -320,12 +320,18 @@ static inline float row_element(const char *row, int d, int bf16) {
     return value;
 }
 
+#ifdef __AVX512F__
+/* 16 bf16 values widened to float32 (exactly). */
+static inline v16 widen_bf16(__m256i halves) {
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+}
+#endif
+
 /* Elements [16 c, 16 c + 16) of a K or V row, as float32 (bf16: widened exactly). */
 static inline __attribute__((always_inline)) v16 row_chunk(const char *row, int c, int bf16) {
     if (!bf16) return *(const v16u *)(row + (int64_t)c * LANES * 4);
 #ifdef __AVX512F__
-    const __m256i halves = _mm256_loadu_si256((const __m256i *)(row + (int64_t)c * LANES * 2));
-    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+    return widen_bf16(_mm256_loadu_si256((const __m256i *)(row + (int64_t)c * LANES * 2)));
 #else
     v16 chunk;
     for (int i = 0; i < LANES; i++) chunk[i] = row_element(row, c * LANES + i, 1);
@@ -1955,11 +1961,8 @@ void headrace_apply_token_bitmask(float *x, int64_t row_stride, int64_t num_cols
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BF16_LANES 1
 
-/* 16 bf16 values widened to float32 (exactly), and float32 lanes rounded to bf16 as
-   float_to_bf16 rounds them (to nearest even; a NaN stays a quiet NaN). */
-static inline v16 widen_bf16(__m256i halves) {
-    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
-}
+/* float32 lanes rounded to bf16, float_to_bf16 (cpu_kernels.h) 16 lanes at a time: to nearest
+   even, a NaN a quiet NaN. */
 static inline __m256i narrow_bf16(v16 x) {
     const __m512i bits = (__m512i)x, high = _mm512_srli_epi32(bits, 16);
     const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
@@ -1987,12 +1990,6 @@ static inline float in_dtype(float value, int dtype) {
    OpenMP region costs more than a decode step's few rows). */
 #define ROWWISE_PARALLEL_ELEMENTS (1 << 16)
 
-/* out = weight * normalised(x + residual), and sum = x + residual, row by row, rounding as
-   the torch reference does (Hugging Face's LlamaRMSNorm): the add in the activation dtype,
-   the mean of squares and the scaling in float32, the scaled row rounded to the activation
-   dtype, then the product with the weight rounded again. residual / sum may be NULL (no add;
-   the row is x). Each row's sum of squares runs in one fixed order: a row's result does not
-   depend on the other rows. cols <= RMS_NORM_MAX_COLS. */
 #ifdef BF16_LANES
 /* hr_rms_norm's row for bf16 rows of whole vectors, 16 values a step: the same roundings
    and the same sum of squares in the same order, without widening the row, the residual and
@@ -2022,6 +2019,12 @@ static void rms_norm_bf16_row(const uint16_t *x, const uint16_t *residual, const
 }
 #endif
 
+/* out = weight * normalised(x + residual), and sum = x + residual, row by row, rounding as
+   the torch reference does (Hugging Face's LlamaRMSNorm): the add in the activation dtype,
+   the mean of squares and the scaling in float32, the scaled row rounded to the activation
+   dtype, then the product with the weight rounded again. residual / sum may be NULL (no add;
+   the row is x). Each row's sum of squares runs in one fixed order: a row's result does not
+   depend on the other rows. cols <= RMS_NORM_MAX_COLS. */
 void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t residual_stride,
                  const void *weight, float eps, void *out, void *sum, int64_t num_rows,
                  int64_t cols, int dtype) {
@@ -2191,7 +2194,8 @@ static inline __m512 exp_approx(__m512 x) {
    double and its division: an approximate exp and reciprocal (one Newton step) give each lane within a few ulp
    of silu_rounded's float, which rounds to the same bf16 unless it lies near a tie (the
    float's low 16 bits near 0x8000). A vector with any lane out of SILU_FAST_RANGE (or NaN),
-   tiny, or near a tie takes silu_rounded: about one in sixty on random gates. The result is
+   tiny, or near a tie takes silu_rounded (from the margin's width, about one in sixty of the
+   in-range vectors; not counted). The result is
    the float to round, so the caller's rounding gives silu_rounded's bf16 bits. */
 static inline v16 silu_for_bf16(v16 g) {
     const __m512 x = (__m512)g;

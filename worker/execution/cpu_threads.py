@@ -184,10 +184,10 @@ class ThreadGovernor:
             torch.set_num_threads(self.num_threads)
 
     def _look(self) -> None:
-        last = self._last
+        last, interval = self._last, self.interval_s or 0.0
         if last is not None:
-            window = min(self.interval_s or 0.0, FIRST_LOOK_S) if self._fresh else self.interval_s
-            if self.clock() - last.at < (window or 0.0):
+            window = min(interval, FIRST_LOOK_S) if self._fresh else interval
+            if self.clock() - last.at < window:
                 return
         if not self._lock.acquire(blocking=False):
             return  # the other computing thread is looking
@@ -197,7 +197,7 @@ class ThreadGovernor:
                 self._decide(others_cores(last, now))
             # After a pause the next window is a short one: a neighbour that came late in the
             # pause was averaged over all of it.
-            pause = max(STALE_S, 2 * (self.interval_s or 0.0))
+            pause = max(STALE_S, 2 * interval)
             self._last, self._fresh = now, last is None or now.at - last.at > pause
         finally:
             self._lock.release()
