@@ -56,7 +56,10 @@ def head_dim_of(kv_cache: torch.Tensor) -> int:
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D + 4] int8
     """Rows of x (any float dtype) as int8 values and their float32 scale."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True) / QMAX  # [..., 1]
+    amax = x.abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    # Divided by a tensor, not by the number: CUDA multiplies by a Python divisor's
+    # reciprocal, which can differ from the division in the last bit (the kernels divide).
+    scale = amax / torch.full_like(amax, QMAX)
     q = torch.where(scale > 0, torch.round(x / scale), torch.zeros_like(x))
     shape = (*x.shape[:-1], x.shape[-1] + SCALE_BYTES)
     rows = torch.empty(shape, dtype=torch.int8, device=x.device)

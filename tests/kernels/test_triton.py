@@ -494,15 +494,20 @@ def test_attention_sinks_int8_cache_equal_reference():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+# Made on DEVICE: moving the strided view there would copy it into a contiguous tensor.
 @pytest.mark.parametrize(
     "sinks",
-    [torch.zeros(5), torch.zeros(6, dtype=torch.bfloat16), torch.zeros(12)[::2], torch.zeros(1, 6)],
+    [
+        torch.zeros(5, device=DEVICE),
+        torch.zeros(6, dtype=torch.bfloat16, device=DEVICE),
+        torch.zeros(12, device=DEVICE)[::2],
+        torch.zeros(1, 6, device=DEVICE),
+    ],
     ids=["length", "dtype", "strided", "shape"],
 )
 def test_sinks_must_be_one_float32_logit_per_head(sinks):
     batch = build_paged_batch([(5, 1)], 1, 16, 6, 2, 64, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="sinks must be a contiguous float32 tensor of the 6"):
         triton_ops.paged_attention(
-            batch.query, batch.kv_cache, batch.metadata, batch.scale, None, None,
-            sinks.to(DEVICE),
-        )  # fmt: skip
+            batch.query, batch.kv_cache, batch.metadata, batch.scale, None, None, sinks
+        )
