@@ -31,6 +31,7 @@ __all__ = [
     "argmax_update",
     "draw_tokens",
     "extend",
+    "extend_fresh",
     "gather_kv",
     "linear",
     "lora_expand",
@@ -216,26 +217,40 @@ def extend(
     """One prefill chunk: new tokens attend to the cached prefix and causally to themselves
     (within the window, where there is one: the gather starts at its first query's window)."""
     num_queries = query.shape[0]
+    if num_queries == seq_len and sliding_window is None and softcap is None and sinks is None:
+        return extend_fresh(query.unsqueeze(0), kv_cache, block_table, scale)[0]
     block_size = kv_cache.shape[2]
     (first_block,) = window_first_blocks([seq_len], num_queries, block_size, sliding_window)
     first_pos = first_block * block_size
     table = block_table[:, first_block:]
     key, value = _widen(*gather_kv(kv_cache, table, seq_len - first_pos))  # [1, Hkv, L, D]
     q = query.transpose(0, 1).unsqueeze(0).to(key.dtype)  # [1, H, Q, D]
-    if num_queries == seq_len and sliding_window is None and softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(
-            q, key, value, is_causal=True, scale=scale, enable_gqa=_is_gqa(q, key)
-        )
-    else:
-        # Query j sits at position seq_len - Q + j and sees keys up to and including it
-        # (and, in a window, the window - 1 before it).
-        q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
-        k_pos = torch.arange(first_pos, seq_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
-        if sliding_window is not None:
-            mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        out = _attend(q, key, value, mask, scale, softcap, sinks)
+    # Query j sits at position seq_len - Q + j and sees keys up to and including it (and, in
+    # a window, the window - 1 before it).
+    q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+    k_pos = torch.arange(first_pos, seq_len, device=query.device)
+    mask = k_pos[None, :] <= q_pos[:, None]  # [Q, L]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    out = _attend(q, key, value, mask, scale, softcap, sinks)
     return out[0].transpose(0, 1).to(query.dtype)
+
+
+def extend_fresh(
+    query: torch.Tensor,  # [B, L, H, D]: every token of B sequences of L tokens each
+    kv_cache: torch.Tensor,  # already holding their K/V
+    block_tables: torch.Tensor,  # [B, max_num_blocks]
+    scale: float,
+) -> torch.Tensor:  # [B, L, H, D]
+    """Whole prompts of one length in one causal SDPA call (no window, cap or sinks). Each
+    (sequence, head) is its own problem in torch's kernels, so a sequence's output is the
+    same alone or in a batch."""
+    key, value = _widen(*gather_kv(kv_cache, block_tables, query.shape[1]))  # [B, Hkv, L, D]
+    q = query.transpose(1, 2).to(key.dtype)  # [B, H, L, D]
+    out = F.scaled_dot_product_attention(
+        q, key, value, is_causal=True, scale=scale, enable_gqa=_is_gqa(q, key)
+    )
+    return out.transpose(1, 2).to(query.dtype)
 
 
 def _attend(

@@ -259,6 +259,43 @@ def test_bf16_chunks_with_many_scores_go_to_torch_on_amx(monkeypatch, amx):
     assert kernel_only is not amx
 
 
+@pytest.mark.parametrize(
+    ("dtype", "length"),
+    [(torch.bfloat16, 128), (torch.float32, cpu_ops.LONG_PREFILL + 9)],
+    ids=["bf16-amx", "float32"],
+)
+def test_adjacent_whole_prompts_of_one_length_attend_in_one_call(monkeypatch, dtype, length):
+    """Adjacent chunks that are whole prompts of one length share one SDPA call (a run ends
+    at a prompt of another length, a chunk after a cached prefix, or a gap), and each
+    sequence's output equals, bit for bit, its own call's."""
+    torch.manual_seed(12)
+    monkeypatch.setattr(cpu_ops, "cpu_has_flag", lambda flag: flag == "amx_bf16")
+    runs: list[int] = []
+
+    def spy(query, *args):
+        runs.append(query.shape[0])
+        return extend_fresh(query, *args)
+
+    extend_fresh = cpu_ops.extend_fresh
+    monkeypatch.setattr(cpu_ops, "extend_fresh", spy)
+    seqs = [
+        (300, 1),  # a decode
+        *[(length, length)] * 3,  # a run of three
+        (length + 1, length + 1),  # another length: alone
+        *[(length, length)] * 2,  # a run of two
+        (length + 50, length),  # as long, but after a cached prefix
+        (length, length),  # alone again
+    ]
+    batch = build_paged_batch(seqs, 1, 16, 6, 2, 64, dtype)
+    got = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
+    assert runs == [3, 2]
+    for i in range(1, len(seqs)):
+        table = batch.metadata.block_tables[i : i + 1]
+        alone = reference.extend(batch.queries(i), batch.kv_cache, table, seqs[i][0], batch.scale)
+        start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
+        assert torch.equal(got[start:end], alone), i
+
+
 # --- sliding windows ---------------------------------------------------------------------------
 
 #: (context after the step, new tokens), decodes first: contexts shorter than, at and far past
