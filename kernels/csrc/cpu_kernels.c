@@ -2081,6 +2081,35 @@ void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
    output); out is [num_rows, num_heads, head_dim] contiguous. */
 /* Each product and the sum rounded as the reference's three ops round them: no fused
    multiply-adds here (the vectorised loops would otherwise fuse them). */
+#ifdef BF16_LANES
+/* A float32 lane's value as bf16 holds it (in_dtype for bf16, 16 lanes at a time). */
+static inline v16 round_to_bf16(v16 x) { return widen_bf16(narrow_bf16(x)); }
+
+/* rotate_rows' ops on one bf16 head, 16 values of each half a step (the last masked), each
+   product and sum rounded to bf16 as rotate_rows rounds it, without float32 row buffers
+   (2048 rows of 9 + 3 heads of 64, 2 threads, ten alternating pairs against the buffered
+   loop: 1.07 -> 0.96 ms, 1.04-1.17x; every value the same). */
+__attribute__((optimize("fp-contract=off"))) static void rotate_bf16_head(
+    const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *out, int64_t half) {
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
+    for (int64_t i = 0; i < half; i += LANES) {
+        const __mmask16 m = half - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (half - i)) - 1);
+        const v16 first = widen_bf16(_mm256_maskz_loadu_epi16(m, x + i));
+        const v16 second = widen_bf16(_mm256_maskz_loadu_epi16(m, x + half + i));
+        const v16 cos_first = widen_bf16(_mm256_maskz_loadu_epi16(m, cos + i));
+        const v16 cos_second = widen_bf16(_mm256_maskz_loadu_epi16(m, cos + half + i));
+        const v16 sin_first = widen_bf16(_mm256_maskz_loadu_epi16(m, sin + i));
+        const v16 sin_second = widen_bf16(_mm256_maskz_loadu_epi16(m, sin + half + i));
+        const v16 low = round_to_bf16(first * cos_first) + round_to_bf16(-second * sin_first);
+        const v16 high = round_to_bf16(second * cos_second) + round_to_bf16(first * sin_second);
+        _mm256_mask_storeu_epi16(out + i, m, narrow_bf16(low));
+        _mm256_mask_storeu_epi16(out + half + i, m, narrow_bf16(high));
+    }
+}
+#endif
+
 __attribute__((optimize("fp-contract=off"))) static void rotate_rows(
     const void *x, int64_t x_stride_token, int64_t x_stride_head, const void *cos, const void *sin,
     void *out, int64_t num_rows, int64_t num_heads, int64_t head_dim, int dtype) {
@@ -2089,6 +2118,19 @@ __attribute__((optimize("fp-contract=off"))) static void rotate_rows(
 #endif
     const size_t size = dtype_size(dtype);
     const int64_t half = head_dim / 2;
+#ifdef BF16_LANES
+    if (dtype == BF16) {
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < num_rows; t++) {
+            for (int64_t h = 0; h < num_heads; h++)
+                rotate_bf16_head((const uint16_t *)x + t * x_stride_token + h * x_stride_head,
+                                 (const uint16_t *)cos + t * head_dim,
+                                 (const uint16_t *)sin + t * head_dim,
+                                 (uint16_t *)out + (t * num_heads + h) * head_dim, half);
+        }
+        return;
+    }
+#endif
 #pragma omp for schedule(static) nowait
     for (int64_t t = 0; t < num_rows; t++) {
         float c[1024], s[1024], v[1024], o[1024];

@@ -73,7 +73,7 @@ def test_rms_norm_hands_what_it_does_not_take_to_the_reference() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_rows", "head_dim"), [(1, 64), (7, 128), (200, 64)])
+@pytest.mark.parametrize(("num_rows", "head_dim"), [(1, 64), (7, 128), (200, 64), (9, 80), (3, 18)])
 def test_rotary_equals_the_reference_bit_for_bit(dtype, num_rows, head_dim) -> None:  # type: ignore[no-untyped-def]
     num_heads, num_kv_heads = 9, 3
     width = (num_heads + 2 * num_kv_heads) * head_dim
