@@ -284,12 +284,14 @@ def test_adjacent_whole_prompts_of_one_length_attend_in_one_call(monkeypatch, dt
         (length + 1, length + 1),  # another length: alone
         *[(length, length)] * 2,  # a run of two
         (length + 50, length),  # as long, but after a cached prefix
-        (length, length),  # alone again
+        (length, length),  # alone again: the next chunk, short, attends in the C kernel
+        (20, 20),
+        (length, length),  # alone after that gap
     ]
     batch = build_paged_batch(seqs, 1, 16, 6, 2, 64, dtype)
     got = cpu_ops.paged_attention(batch.query, batch.kv_cache, batch.metadata, batch.scale)
     assert runs == [3, 2]
-    for i in range(1, len(seqs)):
+    for i in [i for i, (_, num_new) in enumerate(seqs) if num_new >= length]:
         table = batch.metadata.block_tables[i : i + 1]
         alone = reference.extend(batch.queries(i), batch.kv_cache, table, seqs[i][0], batch.scale)
         start, end = batch.metadata.query_start_loc_cpu[i : i + 2]
