@@ -212,40 +212,38 @@ def paged_attention(
             query, kv_cache, metadata, scale, sliding_window, softcap, sinks, in_kernel, out
         )
     plain = sliding_window is None and softcap is None and sinks is None
-    for first, last in _runs_of_whole_prompts(long, metadata) if plain else []:
+    for first, last in _torch_calls(long, metadata, batch_whole_prompts=plain):
         start, end = starts_cpu[first], starts_cpu[last + 1]
-        batch = query[start:end].view(last + 1 - first, -1, num_heads, head_dim)
         tables = metadata.block_tables[first : last + 1]
-        out[start:end] = extend_fresh(batch, kv_cache, tables, scale).flatten(0, 1)
-        long = [i for i in long if not first <= i <= last]
-    for i in long:
-        start, end = starts_cpu[i], starts_cpu[i + 1]
-        table = metadata.block_tables[i : i + 1]
-        seq_len = metadata.seq_lens_cpu[i]
-        out[start:end] = extend(
-            query[start:end], kv_cache, table, seq_len, scale, sliding_window, softcap, sinks
-        )
+        if last > first:
+            batch = query[start:end].view(last + 1 - first, -1, num_heads, head_dim)
+            out[start:end] = extend_fresh(batch, kv_cache, tables, scale).flatten(0, 1)
+        else:
+            seq_len = metadata.seq_lens_cpu[first]
+            out[start:end] = extend(
+                query[start:end], kv_cache, tables, seq_len, scale, sliding_window, softcap, sinks
+            )
     return out.to(query_dtype)
 
 
-def _runs_of_whole_prompts(chosen: list[int], metadata: AttentionMetadata) -> list[tuple[int, int]]:
-    """Runs ``(first, last)`` of two or more adjacent sequences among ``chosen`` whose chunks
-    are whole prompts of one length: one SDPA call takes each run (a burst of equal prompts,
-    16 x 128 tokens: 5.0 -> 3.1 ms a layer in bf16, the same bits as one call each)."""
+def _torch_calls(
+    chosen: list[int], metadata: AttentionMetadata, batch_whole_prompts: bool
+) -> list[tuple[int, int]]:
+    """The torch attention calls for the ``chosen`` sequences, as ``(first, last)`` ranges: a
+    sequence alone, or (with ``batch_whole_prompts``) a run of adjacent chunks that are whole
+    prompts of one length, which one SDPA call takes (a burst of equal prompts, 16 x 128
+    tokens: 5.0 -> 3.1 ms a layer in bf16, the same bits as one call each)."""
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    runs: list[tuple[int, int]] = []
-    run: list[int] = []
+    calls: list[tuple[int, int]] = []
     for i in chosen:
-        whole = starts[i + 1] - starts[i] == seq_lens[i]
-        if whole and run and i == run[-1] + 1 and seq_lens[i] == seq_lens[run[0]]:
-            run.append(i)
-            continue
-        if len(run) > 1:
-            runs.append((run[0], run[-1]))
-        run = [i] if whole else []
-    if len(run) > 1:
-        runs.append((run[0], run[-1]))
-    return runs
+        if calls and batch_whole_prompts:
+            first, last = calls[-1]
+            joins = i == last + 1 and seq_lens[i] == seq_lens[first]
+            if joins and all(starts[j + 1] - starts[j] == seq_lens[j] for j in (first, i)):
+                calls[-1] = (first, i)
+                continue
+        calls.append((i, i))
+    return calls
 
 
 def attends_in_kernel(metadata: AttentionMetadata, kv_cache_dtype: torch.dtype) -> bool:

@@ -1974,6 +1974,15 @@ static inline __m256i narrow_bf16(v16 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
+/* A float32 lane's value as bf16 holds it (in_dtype for bf16, 16 lanes at a time). */
+static inline v16 round_to_bf16(v16 x) { return widen_bf16(narrow_bf16(x)); }
+
+/* The lanes of a row's n values from i on: all 16, or the tail's (for masked loads and
+   stores). */
+static inline __mmask16 lanes_from(int64_t i, int64_t n) {
+    return n - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+}
+
 #endif
 
 /* ---- RMSNorm and rotary ------------------------------------------------------------------- */
@@ -2012,7 +2021,7 @@ static void rms_norm_bf16_row(const uint16_t *x, const uint16_t *residual, const
     }
     const float scale = 1.0f / sqrtf(hsum(squares) / (float)cols + eps);
     for (int64_t i = 0; i < cols; i += LANES) {
-        const v16 normed = widen_bf16(narrow_bf16(*(const v16 *)(row + i) * scale));
+        const v16 normed = round_to_bf16(*(const v16 *)(row + i) * scale);
         const v16 w = widen_bf16(_mm256_loadu_si256((const __m256i *)(weight + i)));
         _mm256_storeu_si256((__m256i *)(out + i), narrow_bf16(w * normed));
     }
@@ -2075,16 +2084,7 @@ void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
                 dtype);
 }
 
-/* Neox rotary of one row of heads: out = x cos + rotate_half(x) sin, where rotate_half(x) is
-   (-x[half:], x[:half]); each product and the sum rounded to the activation dtype as the
-   torch reference's three ops round them. x rows may be strided (a view into the fused qkv
-   output); out is [num_rows, num_heads, head_dim] contiguous. */
-/* Each product and the sum rounded as the reference's three ops round them: no fused
-   multiply-adds here (the vectorised loops would otherwise fuse them). */
 #ifdef BF16_LANES
-/* A float32 lane's value as bf16 holds it (in_dtype for bf16, 16 lanes at a time). */
-static inline v16 round_to_bf16(v16 x) { return widen_bf16(narrow_bf16(x)); }
-
 /* rotate_rows' ops on one bf16 head, 16 values of each half a step (the last masked), each
    product and sum rounded to bf16 as rotate_rows rounds it, without float32 row buffers
    (2048 rows of 9 + 3 heads of 64, 2 threads, ten alternating pairs against the buffered
@@ -2095,7 +2095,7 @@ __attribute__((optimize("fp-contract=off"))) static void rotate_bf16_head(
 #pragma STDC FP_CONTRACT OFF
 #endif
     for (int64_t i = 0; i < half; i += LANES) {
-        const __mmask16 m = half - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (half - i)) - 1);
+        const __mmask16 m = lanes_from(i, half);
         const v16 first = widen_bf16(_mm256_maskz_loadu_epi16(m, x + i));
         const v16 second = widen_bf16(_mm256_maskz_loadu_epi16(m, x + half + i));
         const v16 cos_first = widen_bf16(_mm256_maskz_loadu_epi16(m, cos + i));
@@ -2110,6 +2110,12 @@ __attribute__((optimize("fp-contract=off"))) static void rotate_bf16_head(
 }
 #endif
 
+/* Neox rotary of one row of heads: out = x cos + rotate_half(x) sin, where rotate_half(x) is
+   (-x[half:], x[:half]); each product and the sum rounded to the activation dtype as the
+   torch reference's three ops round them. x rows may be strided (a view into the fused qkv
+   output); out is [num_rows, num_heads, head_dim] contiguous. */
+/* Each product and the sum rounded as the reference's three ops round them: no fused
+   multiply-adds here (the vectorised loops would otherwise fuse them). */
 __attribute__((optimize("fp-contract=off"))) static void rotate_rows(
     const void *x, int64_t x_stride_token, int64_t x_stride_head, const void *cos, const void *sin,
     void *out, int64_t num_rows, int64_t num_heads, int64_t head_dim, int dtype) {
@@ -2263,10 +2269,10 @@ static inline v16 silu_for_bf16(v16 g) {
 static void silu_and_mul_bf16_row(const uint16_t *gate, const uint16_t *up, uint16_t *out,
                                   int64_t cols) {
     for (int64_t i = 0; i < cols; i += LANES) {
-        const __mmask16 m = cols - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - i)) - 1);
+        const __mmask16 m = lanes_from(i, cols);
         const v16 g = widen_bf16(_mm256_maskz_loadu_epi16(m, gate + i));
         const v16 u = widen_bf16(_mm256_maskz_loadu_epi16(m, up + i));
-        const v16 silu = widen_bf16(narrow_bf16(silu_for_bf16(g)));
+        const v16 silu = round_to_bf16(silu_for_bf16(g));
         _mm256_mask_storeu_epi16(out + i, m, narrow_bf16(silu * u));
     }
 }
