@@ -112,9 +112,8 @@ def _silu_rounded_in_float32(gate: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("up_seed", [None, 7])  # None: up = 1, so the product is silu's rounding
 def test_silu_and_mul_rounds_every_bf16_gate_as_float32_silu(up_seed) -> None:  # type: ignore[no-untyped-def]
-    """All 65,536 bf16 bit patterns as gates: the kernel's approximate path for bf16 (with its
-    fall-back near a bf16 tie, past |g| = 20, for NaN and tiny values) gives the bits of
-    float32 silu rounded to bf16, then times up rounded again."""
+    """All 65,536 bf16 bit patterns as gates: the kernel's table for bf16 gives the bits of
+    float32 silu rounded to bf16 (NaN included), then times up rounded again."""
     gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     gate = gate.reshape(256, 256)
     up = torch.ones_like(gate) if up_seed is None else _rows(256, 256, torch.bfloat16, up_seed)
