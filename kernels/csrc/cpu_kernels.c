@@ -1956,10 +1956,10 @@ void headrace_apply_token_bitmask(float *x, int64_t row_stride, int64_t num_cols
     }
 }
 
-/* ---- bf16 rows, 16 values a step (AVX-512 with byte/word ops and 256-bit masks) ---------- */
+/* ---- bf16 and fp16 rows, 16 values a step (AVX-512 with byte/word ops and 256-bit masks) -- */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define BF16_LANES 1
+#define HALF_LANES 1
 
 /* float32 lanes rounded to bf16, float_to_bf16 (cpu_kernels.h) 16 lanes at a time: to nearest
    even, a NaN a quiet NaN. */
@@ -1974,8 +1974,21 @@ static inline __m256i narrow_bf16(v16 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
-/* A float32 lane's value as bf16 holds it (in_dtype for bf16, 16 lanes at a time). */
-static inline v16 round_to_bf16(v16 x) { return widen_bf16(narrow_bf16(x)); }
+/* The 2-byte dtypes' rows (bf16, fp16) take these: 16 values of dtype widened to float32
+   exactly; float32 lanes rounded to dtype as in_dtype rounds them (to nearest even, a NaN a
+   quiet NaN); and the two in turn, a lane's value as dtype holds it. */
+static inline int is_half(int dtype) { return dtype == BF16 || dtype == F16; }
+
+static inline v16 widen_half(__m256i halves, int dtype) {
+    return dtype == BF16 ? widen_bf16(halves) : (v16)_mm512_cvtph_ps(halves);
+}
+
+static inline __m256i narrow_half(v16 x, int dtype) {
+    return dtype == BF16 ? narrow_bf16(x)
+                         : _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+static inline v16 round_to_half(v16 x, int dtype) { return widen_half(narrow_half(x, dtype), dtype); }
 
 /* The lanes of a row's n values from i on: all 16, or the tail's (for masked loads and
    stores). */
@@ -1999,31 +2012,33 @@ static inline float in_dtype(float value, int dtype) {
    OpenMP region costs more than a decode step's few rows). */
 #define ROWWISE_PARALLEL_ELEMENTS (1 << 16)
 
-#ifdef BF16_LANES
-/* hr_rms_norm's row for bf16 rows of whole vectors, 16 values a step: the same roundings
-   and the same sum of squares in the same order, without widening the row, the residual and
-   the weight into float buffers a loop at a time (2048 x 576 rows with a residual, 2 threads,
-   ten alternating pairs against the buffered loop: 0.76 -> 0.51 ms, 1.28-1.91x). */
-static void rms_norm_bf16_row(const uint16_t *x, const uint16_t *residual, const uint16_t *weight,
-                              float eps, uint16_t *out, uint16_t *sum, int64_t cols) {
+#ifdef HALF_LANES
+/* hr_rms_norm's row for bf16 / fp16 rows of whole vectors, 16 values a step: the same
+   roundings and the same sum of squares in the same order, without widening the row, the
+   residual and the weight into float buffers a loop at a time (bf16, 2048 x 576 rows with a
+   residual, 2 threads, ten alternating pairs against the buffered loop: 0.76 -> 0.51 ms,
+   1.28-1.91x; fp16, three alternating rounds against the buffered loop it took until
+   2026-11-28: 4.35 -> 0.23 ms). */
+static void rms_norm_half_row(const uint16_t *x, const uint16_t *residual, const uint16_t *weight,
+                              float eps, uint16_t *out, uint16_t *sum, int64_t cols, int dtype) {
     float row[RMS_NORM_MAX_COLS] __attribute__((aligned(64)));
     v16 squares = splat(0.0f);
     for (int64_t i = 0; i < cols; i += LANES) {
-        v16 v = widen_bf16(_mm256_loadu_si256((const __m256i *)(x + i)));
+        v16 v = widen_half(_mm256_loadu_si256((const __m256i *)(x + i)), dtype);
         if (residual != NULL) {
-            const v16 r = widen_bf16(_mm256_loadu_si256((const __m256i *)(residual + i)));
-            const __m256i total = narrow_bf16(v + r);
+            const v16 r = widen_half(_mm256_loadu_si256((const __m256i *)(residual + i)), dtype);
+            const __m256i total = narrow_half(v + r, dtype);
             _mm256_storeu_si256((__m256i *)(sum + i), total);
-            v = widen_bf16(total);
+            v = widen_half(total, dtype);
         }
         *(v16 *)(row + i) = v;
         squares += v * v;
     }
     const float scale = 1.0f / sqrtf(hsum(squares) / (float)cols + eps);
     for (int64_t i = 0; i < cols; i += LANES) {
-        const v16 normed = round_to_bf16(*(const v16 *)(row + i) * scale);
-        const v16 w = widen_bf16(_mm256_loadu_si256((const __m256i *)(weight + i)));
-        _mm256_storeu_si256((__m256i *)(out + i), narrow_bf16(w * normed));
+        const v16 normed = round_to_half(*(const v16 *)(row + i) * scale, dtype);
+        const v16 w = widen_half(_mm256_loadu_si256((const __m256i *)(weight + i)), dtype);
+        _mm256_storeu_si256((__m256i *)(out + i), narrow_half(w * normed, dtype));
     }
 }
 #endif
@@ -2038,14 +2053,14 @@ void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t 
                  const void *weight, float eps, void *out, void *sum, int64_t num_rows,
                  int64_t cols, int dtype) {
     const size_t size = dtype_size(dtype);
-#ifdef BF16_LANES
-    if (dtype == BF16 && cols % LANES == 0) {
+#ifdef HALF_LANES
+    if (is_half(dtype) && cols % LANES == 0) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < num_rows; r++) {
             const uint16_t *res = residual == NULL ? NULL : (const uint16_t *)residual + r * residual_stride;
             uint16_t *total = sum == NULL ? NULL : (uint16_t *)sum + r * cols;
-            rms_norm_bf16_row((const uint16_t *)x + r * x_stride, res, (const uint16_t *)weight, eps,
-                              (uint16_t *)out + r * cols, total, cols);
+            rms_norm_half_row((const uint16_t *)x + r * x_stride, res, (const uint16_t *)weight, eps,
+                              (uint16_t *)out + r * cols, total, cols, dtype);
         }
         return;
     }
@@ -2084,28 +2099,30 @@ void headrace_rms_norm(const void *x, int64_t x_stride, const void *residual,
                 dtype);
 }
 
-#ifdef BF16_LANES
-/* rotate_rows' ops on one bf16 head, 16 values of each half a step (the last masked), each
-   product and sum rounded to bf16 as rotate_rows rounds it, without float32 row buffers
-   (2048 rows of 9 + 3 heads of 64, 2 threads, ten alternating pairs against the buffered
-   loop: 1.07 -> 0.96 ms, 1.04-1.17x; every value the same). */
-__attribute__((optimize("fp-contract=off"))) static void rotate_bf16_head(
-    const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *out, int64_t half) {
+#ifdef HALF_LANES
+/* rotate_rows' ops on one bf16 / fp16 head, 16 values of each half a step (the last masked),
+   each product and sum rounded to its dtype as rotate_rows rounds it, without float32 row
+   buffers (bf16, 2048 rows of 9 + 3 heads of 64, 2 threads, ten alternating pairs against the
+   buffered loop: 1.07 -> 0.96 ms, 1.04-1.17x; every value the same; fp16, which took the
+   buffered loop until 2026-11-28: 2.8 -> 0.27 ms). */
+__attribute__((optimize("fp-contract=off"))) static void rotate_half_head(
+    const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *out, int64_t half,
+    int dtype) {
 #ifdef __clang__
 #pragma STDC FP_CONTRACT OFF
 #endif
     for (int64_t i = 0; i < half; i += LANES) {
         const __mmask16 m = lanes_from(i, half);
-        const v16 first = widen_bf16(_mm256_maskz_loadu_epi16(m, x + i));
-        const v16 second = widen_bf16(_mm256_maskz_loadu_epi16(m, x + half + i));
-        const v16 cos_first = widen_bf16(_mm256_maskz_loadu_epi16(m, cos + i));
-        const v16 cos_second = widen_bf16(_mm256_maskz_loadu_epi16(m, cos + half + i));
-        const v16 sin_first = widen_bf16(_mm256_maskz_loadu_epi16(m, sin + i));
-        const v16 sin_second = widen_bf16(_mm256_maskz_loadu_epi16(m, sin + half + i));
-        const v16 low = round_to_bf16(first * cos_first) + round_to_bf16(-second * sin_first);
-        const v16 high = round_to_bf16(second * cos_second) + round_to_bf16(first * sin_second);
-        _mm256_mask_storeu_epi16(out + i, m, narrow_bf16(low));
-        _mm256_mask_storeu_epi16(out + half + i, m, narrow_bf16(high));
+        const v16 first = widen_half(_mm256_maskz_loadu_epi16(m, x + i), dtype);
+        const v16 second = widen_half(_mm256_maskz_loadu_epi16(m, x + half + i), dtype);
+        const v16 cos_first = widen_half(_mm256_maskz_loadu_epi16(m, cos + i), dtype);
+        const v16 cos_second = widen_half(_mm256_maskz_loadu_epi16(m, cos + half + i), dtype);
+        const v16 sin_first = widen_half(_mm256_maskz_loadu_epi16(m, sin + i), dtype);
+        const v16 sin_second = widen_half(_mm256_maskz_loadu_epi16(m, sin + half + i), dtype);
+        const v16 low = round_to_half(first * cos_first, dtype) + round_to_half(-second * sin_first, dtype);
+        const v16 high = round_to_half(second * cos_second, dtype) + round_to_half(first * sin_second, dtype);
+        _mm256_mask_storeu_epi16(out + i, m, narrow_half(low, dtype));
+        _mm256_mask_storeu_epi16(out + half + i, m, narrow_half(high, dtype));
     }
 }
 #endif
@@ -2124,15 +2141,15 @@ __attribute__((optimize("fp-contract=off"))) static void rotate_rows(
 #endif
     const size_t size = dtype_size(dtype);
     const int64_t half = head_dim / 2;
-#ifdef BF16_LANES
-    if (dtype == BF16) {
+#ifdef HALF_LANES
+    if (is_half(dtype)) {
 #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < num_rows; t++) {
             for (int64_t h = 0; h < num_heads; h++)
-                rotate_bf16_head((const uint16_t *)x + t * x_stride_token + h * x_stride_head,
+                rotate_half_head((const uint16_t *)x + t * x_stride_token + h * x_stride_head,
                                  (const uint16_t *)cos + t * head_dim,
                                  (const uint16_t *)sin + t * head_dim,
-                                 (uint16_t *)out + (t * num_heads + h) * head_dim, half);
+                                 (uint16_t *)out + (t * num_heads + h) * head_dim, half, dtype);
         }
         return;
     }
@@ -2218,41 +2235,48 @@ static inline v16 exp_rounded(v16 x) {
    (exp_rounded), then the add and the division each rounded. */
 static inline v16 silu_rounded(v16 g) { return g / (1.0f + exp_rounded(-g)); }
 
-#ifdef BF16_LANES
-/* silu of every bf16 gate rounded to bf16, indexed by the gate's bits: silu_rounded's value
-   for each of the 65,536 patterns, filled when the library loads (a millisecond), so a bf16
-   gate's silu is one lookup with the exact path's bits by construction. 128 KB: it stays in
-   L2 through a prefill's rows. The extra entry lets a 4-byte gather read the last one. */
-static uint16_t silu_bf16_table[65536 + 1];
+#ifdef HALF_LANES
+/* silu of every bf16 and every fp16 gate rounded to its dtype, indexed by the gate's bits
+   (table 0 bf16, 1 fp16): silu_rounded's value for each of the 65,536 patterns, filled when
+   the library loads (a few milliseconds), so a gate's silu is one lookup with the exact
+   path's bits by construction. 128 KB each: one stays in L2 through a prefill's rows. The
+   extra entry lets a 4-byte gather read the last one. */
+static uint16_t silu_tables[2][65536 + 1];
 
-__attribute__((constructor)) static void fill_silu_bf16_table(void) {
+static inline uint16_t *silu_table(int dtype) { return silu_tables[dtype == F16]; }
+
+__attribute__((constructor)) static void fill_silu_tables(void) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int32_t first = 0; first < 65536; first += LANES) {
-        const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(first), lane);
-        const v16 gate = (v16)_mm512_slli_epi32(bits, 16);
-        _mm256_storeu_si256((__m256i *)(silu_bf16_table + first), narrow_bf16(silu_rounded(gate)));
+    const int dtypes[] = {BF16, F16};
+    for (int d = 0; d < 2; d++) {
+        for (int32_t first = 0; first < 65536; first += LANES) {
+            const __m256i gates = _mm512_cvtepi32_epi16(_mm512_add_epi32(_mm512_set1_epi32(first), lane));
+            const v16 silu = silu_rounded(widen_half(gates, dtypes[d]));
+            _mm256_storeu_si256((__m256i *)(silu_table(dtypes[d]) + first), narrow_half(silu, dtypes[d]));
+        }
     }
 }
 
-/* silu of 16 bf16 gates from the table, as float32 lanes (a gather of 4 bytes from each
-   gate's entry, its low half the entry's bf16). */
-static inline v16 silu_of_bf16(__m256i gates) {
-    const __m512i entries = _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(gates), silu_bf16_table, 2);
-    return (v16)_mm512_slli_epi32(entries, 16);
+/* silu of 16 gates of dtype from its table, as float32 lanes (a gather of 4 bytes from each
+   gate's entry, its low half the entry). */
+static inline v16 silu_of_half(__m256i gates, int dtype) {
+    const __m512i entries = _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(gates), silu_table(dtype), 2);
+    return widen_half(_mm512_cvtepi32_epi16(entries), dtype);
 }
 
-/* One bf16 row of silu(gate) * up, 16 values a step (the last masked), each op rounded to
-   bf16 as silu_and_mul_row rounds it, with no float32 row buffers: a prefill's rows stream
-   through once. silu from the table: 2048 SmolLM2 rows (1536 columns), 2 threads, three
-   alternating rounds against the approximate e^x it replaced (which checked its margin to a
-   bf16 tie per lane): 1.95-2.18 -> 0.58-0.59 ms (torch's silu * up: 1.60). */
-static void silu_and_mul_bf16_row(const uint16_t *gate, const uint16_t *up, uint16_t *out,
-                                  int64_t cols) {
+/* One bf16 / fp16 row of silu(gate) * up, 16 values a step (the last masked), each op rounded
+   to its dtype as silu_and_mul_row rounds it, with no float32 row buffers: a prefill's rows
+   stream through once. bf16 silu from the table: 2048 SmolLM2 rows (1536 columns), 2
+   threads, three alternating rounds against the approximate e^x it replaced (which checked
+   its margin to a bf16 tie per lane): 1.95-2.18 -> 0.58-0.59 ms (torch's silu * up: 1.60);
+   fp16 against the exact path it took until 2026-11-28: 18.9 -> 0.53 ms. */
+static void silu_and_mul_half_row(const uint16_t *gate, const uint16_t *up, uint16_t *out,
+                                  int64_t cols, int dtype) {
     for (int64_t i = 0; i < cols; i += LANES) {
         const __mmask16 m = lanes_from(i, cols);
-        const v16 silu = silu_of_bf16(_mm256_maskz_loadu_epi16(m, gate + i));
-        const v16 u = widen_bf16(_mm256_maskz_loadu_epi16(m, up + i));
-        _mm256_mask_storeu_epi16(out + i, m, narrow_bf16(silu * u));
+        const v16 silu = silu_of_half(_mm256_maskz_loadu_epi16(m, gate + i), dtype);
+        const v16 u = widen_half(_mm256_maskz_loadu_epi16(m, up + i), dtype);
+        _mm256_mask_storeu_epi16(out + i, m, narrow_half(silu * u, dtype));
     }
 }
 #endif
@@ -2288,12 +2312,12 @@ static void silu_and_mul_row(float *gate, float *up, int n, int dtype) {
 void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num_rows,
                      int64_t cols, int dtype) {
     const size_t size = dtype_size(dtype);
-#ifdef BF16_LANES
-    if (dtype == BF16) {
+#ifdef HALF_LANES
+    if (is_half(dtype)) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < num_rows; r++) {
             const uint16_t *row = (const uint16_t *)gate_up + r * stride;
-            silu_and_mul_bf16_row(row, row + cols, (uint16_t *)out + r * cols, cols);
+            silu_and_mul_half_row(row, row + cols, (uint16_t *)out + r * cols, cols, dtype);
         }
         return;
     }

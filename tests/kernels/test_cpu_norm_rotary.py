@@ -110,14 +110,15 @@ def _silu_rounded_in_float32(gate: torch.Tensor) -> torch.Tensor:
     return g / (1.0 + torch.exp(-g.double()).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("up_seed", [None, 7])  # None: up = 1, so the product is silu's rounding
-def test_silu_and_mul_rounds_every_bf16_gate_as_float32_silu(up_seed) -> None:  # type: ignore[no-untyped-def]
-    """All 65,536 bf16 bit patterns as gates: the kernel's table for bf16 gives the bits of
-    float32 silu rounded to bf16 (NaN included), then times up rounded again."""
-    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+def test_silu_and_mul_rounds_every_half_gate_as_float32_silu(dtype, up_seed) -> None:  # type: ignore[no-untyped-def]
+    """All 65,536 bf16 / fp16 bit patterns as gates: the kernel's table for the dtype gives the
+    bits of float32 silu rounded to it (NaN included), then times up rounded again."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
     gate = gate.reshape(256, 256)
-    up = torch.ones_like(gate) if up_seed is None else _rows(256, 256, torch.bfloat16, up_seed)
+    up = torch.ones_like(gate) if up_seed is None else _rows(256, 256, dtype, up_seed)
     got = cpu_ops.silu_and_mul(torch.cat([gate, up], dim=1))
-    silu = _silu_rounded_in_float32(gate).bfloat16()
-    expected = (silu.float() * up.float()).bfloat16()
+    silu = _silu_rounded_in_float32(gate).to(dtype)
+    expected = (silu.float() * up.float()).to(dtype)
     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
