@@ -2258,10 +2258,11 @@ __attribute__((constructor)) static void fill_silu_tables(void) {
 }
 
 /* silu of 16 gates of dtype from its table, as float32 lanes (a gather of 4 bytes from each
-   gate's entry, its low half the entry). */
+   gate's entry, its low half the entry: for bf16, shifted into the float's top half in place). */
 static inline v16 silu_of_half(__m256i gates, int dtype) {
     const __m512i entries = _mm512_i32gather_epi32(_mm512_cvtepu16_epi32(gates), silu_table(dtype), 2);
-    return widen_half(_mm512_cvtepi32_epi16(entries), dtype);
+    if (dtype == BF16) return (v16)_mm512_slli_epi32(entries, 16);
+    return (v16)_mm512_cvtph_ps(_mm512_cvtepi32_epi16(entries));
 }
 
 /* One bf16 / fp16 row of silu(gate) * up, 16 values a step (the last masked), each op rounded
