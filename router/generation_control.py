@@ -46,7 +46,7 @@ from headrace.sdk.errors import (
     error_for_code,
 )
 from headrace.sdk.streams import Undecodable
-from headrace.sdk.weights import end_upload, upload_timeout, write_chunk
+from headrace.sdk.weights import end_upload, upload_answer, upload_timeout, write_chunk
 
 #: What one worker answered: its response or its error.
 Outcome = cpb.ControlResponse | HeadraceError
@@ -303,7 +303,10 @@ class _Forward:
     async def finish(self) -> Outcome:
         """End the upload (every one not cancelled ends here) and the worker's answer."""
         await end_upload(self.call)
-        return await _settled(self.call)
+        try:
+            return await upload_answer(self.call)
+        except HeadraceError as error:
+            return error
 
 
 async def _outcome(

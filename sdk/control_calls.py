@@ -38,6 +38,7 @@ from headrace.sdk.weights import (
     pause_mode_to_wire,
     tensor_bytes,
     tensor_chunks,
+    upload_answer,
     upload_timeout,
     write_chunk,
 )
@@ -68,8 +69,7 @@ async def _upload(
     except BaseException:
         call.cancel()
         raise
-    response: cpb.ControlResponse = await call
-    return response
+    return await upload_answer(call)
 
 
 def tensor_specs(tensors: Iterable[TensorSpec]) -> list[cpb.TensorSpec]:

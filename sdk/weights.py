@@ -26,7 +26,13 @@ from typing import Any
 import grpc
 import grpc.aio
 from headrace.protos import control_pb2 as cpb
-from headrace.sdk.errors import FailedPreconditionError, InvalidArgumentError
+from headrace.sdk import status
+from headrace.sdk.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    HeadraceError,
+    InvalidArgumentError,
+)
 
 #: Bytes of tensor data per streamed message (under the servers' 16 MiB default limit).
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -256,6 +262,26 @@ async def write_chunk(call: grpc.aio.StreamUnaryCall, chunk: cpb.WeightsChunk) -
     except (grpc.RpcError, asyncio.InvalidStateError):
         return False
     return True
+
+
+async def upload_answer(call: grpc.aio.StreamUnaryCall) -> cpb.ControlResponse:
+    """The answer to an ended upload, or its typed error. gRPC's aio client marks a call
+    INTERNAL ("Internal error from Core") when a write fails because the call ended at its
+    deadline before the deadline's own status reached it (a deadline is best effort over
+    HTTP/2, gRPC says): a call that failed INTERNAL past its deadline ran out of time, and
+    says DEADLINE_EXCEEDED."""
+    try:
+        response: cpb.ControlResponse = await call
+    except grpc.RpcError as error:
+        raise _upload_error(call, error) from None
+    return response
+
+
+def _upload_error(call: grpc.aio.StreamUnaryCall, error: grpc.RpcError) -> HeadraceError:
+    remaining = call.time_remaining()
+    if error.code() == grpc.StatusCode.INTERNAL and remaining is not None and remaining <= 0:
+        return DeadlineExceededError("the upload did not end within its deadline")
+    return status.from_rpc_error(error)
 
 
 async def end_upload(call: grpc.aio.StreamUnaryCall) -> None:
