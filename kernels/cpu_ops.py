@@ -206,7 +206,8 @@ def paged_attention(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
     starts_cpu = metadata.query_start_loc_cpu
     long = _chunks_for_torch(metadata, kv_cache.dtype)
-    in_kernel = [i for i in range(metadata.num_seqs) if i not in long]
+    torch_bound = set(long)
+    in_kernel = [i for i in range(metadata.num_seqs) if i not in torch_bound]
     if in_kernel:
         _attend_in_kernel(
             query, kv_cache, metadata, scale, sliding_window, softcap, sinks, in_kernel, out
@@ -235,14 +236,15 @@ def _torch_calls(
     tokens: 5.0 -> 3.1 ms a layer in bf16, the same bits as one call each)."""
     starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
     calls: list[tuple[int, int]] = []
+    grows = False  # whether the last call is a whole prompt, or a run of them
     for i in chosen:
-        if calls and batch_whole_prompts:
-            first, last = calls[-1]
-            joins = i == last + 1 and seq_lens[i] == seq_lens[first]
-            if joins and all(starts[j + 1] - starts[j] == seq_lens[j] for j in (first, i)):
-                calls[-1] = (first, i)
-                continue
-        calls.append((i, i))
+        whole = batch_whole_prompts and starts[i + 1] - starts[i] == seq_lens[i]
+        first, last = calls[-1] if calls else (-1, -1)
+        if grows and whole and i == last + 1 and seq_lens[i] == seq_lens[first]:
+            calls[-1] = (first, i)
+        else:
+            calls.append((i, i))
+            grows = whole
     return calls
 
 
