@@ -1307,11 +1307,32 @@ static inline void store_outputs(const Skinny *s, int64_t m, int64_t n0, const f
               sums, n);
 }
 
+/* Which cache the matmuls' weight prefetches fill: L1 on Intel, L2 elsewhere. Both were
+   measured on the machine they run on. A 2-core Xeon with AMX (2026-11-25) took the row
+   streams' prefetch into L1 from 23 to about 30 GB/s. On a 2-core AMD EPYC (Zen 4,
+   2026-11-28), the same prefetch into L1 made the matmuls slower than none at all, and into
+   L2 faster: SmolLM2-135M's 121 matmuls, float32, alternating runs, one row 20.0-21.1 ms
+   into L1, 18.0-18.3 none, 17.4-18.5 into L2; 8 rows (the tiles' prefetch of their next 4
+   weight rows) 29.9 ms into L1, 19.5 into L2. Set once, when the library loads. */
+static int weights_to_l1 = 0;
+
+__attribute__((constructor)) static void choose_weight_prefetch(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    weights_to_l1 = __builtin_cpu_is("intel");
+#endif
+}
+
+static inline __attribute__((always_inline)) void prefetch_weight(const void *address) {
+    if (weights_to_l1) __builtin_prefetch(address, 0, 3);
+    else __builtin_prefetch(address, 0, 2);
+}
+
 /* Prefetch weight rows [next, next + rows) at column k (for bf16 / float16 every other
    line twice: prefetching each line once measured no faster). */
 static inline __attribute__((always_inline)) void prefetch_weights(const Skinny *s, int64_t next,
                                                                    int rows, int64_t k, int layout) {
-    for (int c = 0; c < rows; c++) __builtin_prefetch(weight_address(s, next + c, k, layout));
+    for (int c = 0; c < rows; c++) prefetch_weight(weight_address(s, next + c, k, layout));
 }
 
 /* A whole tile: rows [m0, m0 + 6) of x against weight rows [n0, n0 + 4), into y (+ bias).
@@ -1437,7 +1458,7 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
    machines' page size). A software prefetch 16 KB ahead (a few rows of any of SmolLM2's
    matrices) raised them to about 30 GB/s (2-core Xeon with AMX, 2026-11-25: bf16 one-row
    step 13.4-13.9 -> 10.7-11.4 ms; float32 24.8-25.6 -> 22.2-22.3; 8 and 32 KB measured no
-   better). */
+   better). Into L1 on Intel, L2 elsewhere (prefetch_weight). */
 #define ROW_PREFETCH_BYTES 16384
 
 /* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
@@ -1452,7 +1473,7 @@ static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, in
     for (; k + step <= K; k += step) {
         const v16 wv = load_step(s, n, k, layout);
         const char *ahead = (const char *)weight_address(s, n, k, layout) + ROW_PREFETCH_BYTES;
-        if (ahead < end) __builtin_prefetch(ahead);
+        if (ahead < end) prefetch_weight(ahead);
         for (int m = 0; m < rows; m++)
             acc[m] = multiply_add(acc[m], load_x(s->x, m * s->x_stride + k, layout), wv, layout);
     }
