@@ -179,6 +179,32 @@ static inline v16 tanh_lanes(v16 x) {
    as transformers computes it (a division, then a product). */
 static inline v16 soft_cap(v16 x, float softcap) { return softcap * tanh_lanes(x / softcap); }
 
+/* ---- prefetching ------------------------------------------------------------------------- */
+
+/* Which cache a prefetch of data read once, soon (the matmuls' weights, attention's K and V
+   rows), fills: L1 on Intel, L2 elsewhere. Each was measured on the CPU it runs on. On a
+   2-core Xeon with AMX (2026-11-25) prefetching into L1 took the matmuls' row streams from 23
+   to about 30 GB/s. On a 2-core AMD EPYC (Zen 4, 2026-11-28) the same prefetches into L1 made
+   the matmuls slower than none at all and left attention as slow as none, and into L2 made
+   both faster: SmolLM2-135M's 121 matmuls, float32, alternating runs, one row 20.0-21.1 ms
+   into L1, 18.0-18.3 none, 17.4-18.5 into L2; 8 rows (the tiles' prefetch of their next 4
+   weight rows) 29.9 ms into L1, 19.5 into L2; 64 decodes' attention (the values' prefetch)
+   2.3-2.4 ms a layer into L1, 2.4-2.5 none, 1.7-1.8 into L2. Set once, when the library
+   loads. */
+static int prefetch_to_l1 = 0;
+
+__attribute__((constructor)) static void choose_prefetch_cache(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    prefetch_to_l1 = __builtin_cpu_is("intel");
+#endif
+}
+
+static inline __attribute__((always_inline)) void prefetch_stream(const void *address) {
+    if (prefetch_to_l1) __builtin_prefetch(address, 0, 3);
+    else __builtin_prefetch(address, 0, 2);
+}
+
 /* ---- paged attention ---------------------------------------------------------------------- */
 
 typedef struct {
@@ -245,31 +271,56 @@ static const char *block_plane(const Attention *a, const int32_t *table, int ind
     return (const char *)a->kv_cache + ((int64_t)table[index] * 2 + plane) * plane_bytes;
 }
 
+/* One KV head's K and V rows of successive keys: the block is found by one division at the
+   first key, then stepped (a division per row cost bf16 decodes a tenth of their attention
+   time). */
+typedef struct {
+    const Attention *a;
+    const int32_t *table;
+    int64_t row_bytes, head_bytes;
+    int index, offset;
+    const char *keys, *values; /* the current block's K and V planes */
+} KeyCursor;
+
+static KeyCursor key_cursor(const Attention *a, const int32_t *table, int kvh, int first) {
+    const int index = first / a->block_size;
+    return (KeyCursor){a,
+                       table,
+                       a->num_kv_heads * kv_row_bytes(a->kv_dtype, a->head_dim),
+                       kvh * kv_row_bytes(a->kv_dtype, a->head_dim),
+                       index,
+                       first % a->block_size,
+                       block_plane(a, table, index, 0),
+                       block_plane(a, table, index, 1)};
+}
+
+/* The cursor's key's K and V rows; the cursor moves on to the next key. */
+static inline void next_rows(KeyCursor *c, const char **k, const char **v) {
+    if (c->offset == c->a->block_size) {
+        c->index++, c->offset = 0;
+        c->keys = block_plane(c->a, c->table, c->index, 0);
+        c->values = block_plane(c->a, c->table, c->index, 1);
+    }
+    const int64_t at = c->offset++ * c->row_bytes + c->head_bytes;
+    *k = c->keys + at, *v = c->values + at;
+}
+
 /* Point keys[j] / values[j] at the float32 rows of keys [first, first + count) of one KV head:
-   in the cache itself when direct, else widened (and zero-padded) into the scratch rows. The
-   block is found by one division at the tile's first key, then stepped (a division per row
-   cost bf16 decodes a tenth of their attention time). */
+   in the cache itself when direct, else widened (and zero-padded) into the scratch rows. */
 static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int first, int count,
                           Scratch *s) {
     const int D = a->head_dim, Dp = a->padded_dim;
-    const int64_t row_bytes = a->num_kv_heads * kv_row_bytes(a->kv_dtype, D);
-    const int64_t head_bytes = kvh * kv_row_bytes(a->kv_dtype, D);
-    int index = first / a->block_size, offset = first % a->block_size;
-    const char *keys = block_plane(a, table, index, 0), *values = block_plane(a, table, index, 1);
-    for (int j = 0; j < count; j++, offset++) {
-        if (offset == a->block_size) {
-            index++, offset = 0;
-            keys = block_plane(a, table, index, 0), values = block_plane(a, table, index, 1);
-        }
-        const int64_t at = offset * row_bytes + head_bytes;
-        const char *k = keys + at, *v = values + at;
+    KeyCursor cursor = key_cursor(a, table, kvh, first);
+    for (int j = 0; j < count; j++) {
+        const char *k, *v;
+        next_rows(&cursor, &k, &v);
         if (a->direct) {
             s->keys[j] = k;
             s->values[j] = v;
             /* The values are read after the scores and the softmax: fetch them meanwhile (64
                decodes of ~336 keys, SmolLM2's heads: bf16 1.48 -> 1.20 ms a layer, float32
                2.25 -> 2.02; their loads had held most of accumulate_values' time). */
-            for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, D); o += 64) __builtin_prefetch(v + o);
+            for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, D); o += 64) prefetch_stream(v + o);
         } else {
             float *kr = s->key_rows + (int64_t)j * Dp, *vr = s->value_rows + (int64_t)j * Dp;
             load_kv_row(k, a->kv_dtype, kr, D);
@@ -515,6 +566,23 @@ static TileSpan tile_span(const Attention *a, const Tile *t) {
                       a->block_tables + (int64_t)t->seq * a->block_table_stride};
 }
 
+/* Fetch the K rows of the key tile after [first, first + 16) of KV head kvh while this one is
+   scored (64 float32 decodes of ~336 keys on a 2-core Zen 4, into L2: 1.72-1.96 -> 1.45-1.57
+   ms a layer; two or three tiles ahead, or the next tile's values too, measured slower). */
+static inline __attribute__((always_inline)) void prefetch_next_keys(const Attention *a,
+                                                                     const TileSpan *span, int kvh,
+                                                                     int first) {
+    const int next = first + LANES;
+    const int count = span->num_keys - next < LANES ? span->num_keys - next : LANES;
+    if (count <= 0) return;
+    KeyCursor cursor = key_cursor(a, span->table, kvh, next);
+    for (int j = 0; j < count; j++) {
+        const char *k, *v;
+        next_rows(&cursor, &k, &v);
+        for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, a->head_dim); o += 64) prefetch_stream(k + o);
+    }
+}
+
 /* Fold keys [first, first + 16) of KV head kvh into the tile's rows of that head. */
 static void attend_key_tile(const Attention *a, const Tile *t, const TileSpan *span, int kvh,
                             int first, Scratch *s) {
@@ -522,6 +590,7 @@ static void attend_key_tile(const Attention *a, const Tile *t, const TileSpan *s
     const int count = span->num_keys - first < LANES ? span->num_keys - first : LANES;
     const int position0 = span->first_pos + t->q_begin;
     load_key_tile(a, span->table, kvh, first, count, s);
+    if (a->direct) prefetch_next_keys(a, span, kvh, first);
     /* Rows ascend in position, and so do their windows: skip those that see none of this
        tile, before it (their own position precedes it) or past it (their window starts
        after it). The rows between see some of it; without a window, all rows after row0. */
@@ -1307,32 +1376,11 @@ static inline void store_outputs(const Skinny *s, int64_t m, int64_t n0, const f
               sums, n);
 }
 
-/* Which cache the matmuls' weight prefetches fill: L1 on Intel, L2 elsewhere. Both were
-   measured on the machine they run on. A 2-core Xeon with AMX (2026-11-25) took the row
-   streams' prefetch into L1 from 23 to about 30 GB/s. On a 2-core AMD EPYC (Zen 4,
-   2026-11-28), the same prefetch into L1 made the matmuls slower than none at all, and into
-   L2 faster: SmolLM2-135M's 121 matmuls, float32, alternating runs, one row 20.0-21.1 ms
-   into L1, 18.0-18.3 none, 17.4-18.5 into L2; 8 rows (the tiles' prefetch of their next 4
-   weight rows) 29.9 ms into L1, 19.5 into L2. Set once, when the library loads. */
-static int weights_to_l1 = 0;
-
-__attribute__((constructor)) static void choose_weight_prefetch(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    weights_to_l1 = __builtin_cpu_is("intel");
-#endif
-}
-
-static inline __attribute__((always_inline)) void prefetch_weight(const void *address) {
-    if (weights_to_l1) __builtin_prefetch(address, 0, 3);
-    else __builtin_prefetch(address, 0, 2);
-}
-
 /* Prefetch weight rows [next, next + rows) at column k (for bf16 / float16 every other
    line twice: prefetching each line once measured no faster). */
 static inline __attribute__((always_inline)) void prefetch_weights(const Skinny *s, int64_t next,
                                                                    int rows, int64_t k, int layout) {
-    for (int c = 0; c < rows; c++) prefetch_weight(weight_address(s, next + c, k, layout));
+    for (int c = 0; c < rows; c++) prefetch_stream(weight_address(s, next + c, k, layout));
 }
 
 /* A whole tile: rows [m0, m0 + 6) of x against weight rows [n0, n0 + 4), into y (+ bias).
@@ -1458,7 +1506,7 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
    machines' page size). A software prefetch 16 KB ahead (a few rows of any of SmolLM2's
    matrices) raised them to about 30 GB/s (2-core Xeon with AMX, 2026-11-25: bf16 one-row
    step 13.4-13.9 -> 10.7-11.4 ms; float32 24.8-25.6 -> 22.2-22.3; 8 and 32 KB measured no
-   better). Into L1 on Intel, L2 elsewhere (prefetch_weight). */
+   better). Into L1 on Intel, L2 elsewhere (prefetch_stream). */
 #define ROW_PREFETCH_BYTES 16384
 
 /* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
@@ -1473,7 +1521,7 @@ static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, in
     for (; k + step <= K; k += step) {
         const v16 wv = load_step(s, n, k, layout);
         const char *ahead = (const char *)weight_address(s, n, k, layout) + ROW_PREFETCH_BYTES;
-        if (ahead < end) prefetch_weight(ahead);
+        if (ahead < end) prefetch_stream(ahead);
         for (int m = 0; m < rows; m++)
             acc[m] = multiply_add(acc[m], load_x(s->x, m * s->x_stride + k, layout), wv, layout);
     }
