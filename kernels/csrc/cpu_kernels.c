@@ -568,7 +568,8 @@ static TileSpan tile_span(const Attention *a, const Tile *t) {
 
 /* Fetch the K rows of the key tile after [first, first + 16) of KV head kvh while this one is
    scored (64 float32 decodes of ~336 keys on a 2-core Zen 4, into L2: 1.72-1.96 -> 1.45-1.57
-   ms a layer; two or three tiles ahead, or the next tile's values too, measured slower). */
+   ms a layer; two or three tiles ahead, or the next tile's values too, measured slower; on
+   the Xeon with AMX, into L1, the next tile's K and V measured level, 1.65 -> 1.63 ms). */
 static inline __attribute__((always_inline)) void prefetch_next_keys(const Attention *a,
                                                                      const TileSpan *span, int kvh,
                                                                      int first) {
