@@ -566,11 +566,14 @@ static TileSpan tile_span(const Attention *a, const Tile *t) {
                       a->block_tables + (int64_t)t->seq * a->block_table_stride};
 }
 
-/* Fetch the K rows of the key tile after [first, first + 16) of KV head kvh while this one is
-   scored (64 float32 decodes of ~336 keys on a 2-core Zen 4, into L2: 1.72-1.96 -> 1.45-1.57
-   ms a layer; two or three tiles ahead, or the next tile's values too, measured slower; on
-   the Xeon with AMX, into L1, the next tile's K and V measured level, 1.65 -> 1.63 ms). */
-static inline __attribute__((always_inline)) void prefetch_next_keys(const Attention *a,
+/* Fetch the rows of the key tile after [first, first + 16) of KV head kvh while this one is
+   computed: its K rows, and its V rows too where rows are widened into the scratch as the
+   tile is loaded (int8, odd head sizes; rows read in place have their values fetched by
+   load_key_tile). 64 decodes of ~336 keys, a layer, on a 2-core Zen 4 (into L2): float32
+   1.72-1.96 -> 1.45-1.57 ms (two or three tiles ahead, or the next tile's values too,
+   measured slower), an int8 cache 1.36-1.61 -> 1.07-1.24. On the Xeon with AMX (into L1) the
+   next tile's K and V of float32 rows measured level, 1.65 -> 1.63 ms. */
+static inline __attribute__((always_inline)) void prefetch_next_tile(const Attention *a,
                                                                      const TileSpan *span, int kvh,
                                                                      int first) {
     const int next = first + LANES;
@@ -581,6 +584,8 @@ static inline __attribute__((always_inline)) void prefetch_next_keys(const Atten
         const char *k, *v;
         next_rows(&cursor, &k, &v);
         for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, a->head_dim); o += 64) prefetch_stream(k + o);
+        if (a->direct) continue;
+        for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, a->head_dim); o += 64) prefetch_stream(v + o);
     }
 }
 
@@ -591,7 +596,7 @@ static void attend_key_tile(const Attention *a, const Tile *t, const TileSpan *s
     const int count = span->num_keys - first < LANES ? span->num_keys - first : LANES;
     const int position0 = span->first_pos + t->q_begin;
     load_key_tile(a, span->table, kvh, first, count, s);
-    if (a->direct) prefetch_next_keys(a, span, kvh, first);
+    prefetch_next_tile(a, span, kvh, first);
     /* Rows ascend in position, and so do their windows: skip those that see none of this
        tile, before it (their own position precedes it) or past it (their window starts
        after it). The rows between see some of it; without a window, all rows after row0. */
