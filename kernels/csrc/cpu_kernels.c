@@ -571,7 +571,7 @@ static TileSpan tile_span(const Attention *a, const Tile *t) {
    tile is loaded (int8, odd head sizes; rows read in place have their values fetched by
    load_key_tile). 64 decodes of ~336 keys, a layer, on a 2-core Zen 4 (into L2): float32
    1.72-1.96 -> 1.45-1.57 ms (two or three tiles ahead, or the next tile's values too,
-   measured slower), an int8 cache 1.36-1.61 -> 1.07-1.24. On the Xeon with AMX (into L1) the
+   measured slower), an int8 cache 1.39-1.62 -> 1.03-1.04. On the Xeon with AMX (into L1) the
    next tile's K and V of float32 rows measured level, 1.65 -> 1.63 ms. */
 static inline __attribute__((always_inline)) void prefetch_next_tile(const Attention *a,
                                                                      const TileSpan *span, int kvh,
