@@ -39,6 +39,7 @@ quantization error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -93,8 +94,7 @@ class QuantizedWeight:
 
     def nbytes(self) -> int:
         """Bytes a matmul reads: the integers, the scales and the offsets."""
-        tensors = [self.data, self.scales] + ([] if self.offsets is None else [self.offsets])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def rows(self, start: int, length: int) -> QuantizedWeight:
         """Output rows [start, start + length) (views)."""
@@ -156,11 +156,17 @@ class QuantizedWeight:
         if self.offsets is not None:
             self.offsets.zero_()
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The integers, the scales and the offsets (where it has them)."""
+        return [self.data, self.scales] + ([] if self.offsets is None else [self.offsets])
+
+    def moved(self, place: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """This weight with each of its `tensors` replaced by ``place(tensor)``."""
+        offsets = None if self.offsets is None else place(self.offsets)
+        return replace(self, data=place(self.data), scales=place(self.scales), offsets=offsets)
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        offsets = None if self.offsets is None else self.offsets.to(device)
-        return replace(
-            self, data=self.data.to(device), scales=self.scales.to(device), offsets=offsets
-        )
+        return self.moved(lambda tensor: tensor.to(device))
 
 
 def check_row(cols: int, group_size: int) -> None:

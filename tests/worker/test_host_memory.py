@@ -1,12 +1,21 @@
 """`host_memory`: what a serving process built at start-up leaves the collector's view (later
-garbage is still collected, the process still exits cleanly), and a CPU step's freed memory
-serves the next step without fresh pages."""
+garbage is still collected, the process still exits cleanly), a CPU step's freed memory
+serves the next step without fresh pages, and a CPU runner's weights and KV cache lie in
+transparent huge pages."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from headrace.worker import LLM
+from headrace.worker.execution.host_memory import HUGE_PAGE_BYTES, HugePageArena, huge_page_bytes
+
+from tests.factories import build_checkpoint
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
@@ -83,3 +92,71 @@ def test_kept_memory_serves_later_steps_without_fresh_pages() -> None:
     # heuristics (its threshold rises as blocks are freed) decide: 0 faults in one run of
     # this suite, over 50,000 in others, so only the kept case is asserted.
     assert _faults_of_ten_steps_with_memory_kept() < 5_000
+
+
+def _huge_pages_enabled() -> bool:
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return setting.exists() and "[never]" not in setting.read_text()
+
+
+needs_huge_pages = pytest.mark.skipif(
+    not _huge_pages_enabled(), reason="this kernel gives no transparent huge pages"
+)
+
+
+def _huge_page_mappings() -> list[tuple[int, int, int]]:
+    """(start, end, bytes in huge pages) of each of this process's mappings, from smaps."""
+    mappings: list[tuple[int, int, int]] = []
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(bound, 16) for bound in first.split("-"))
+            mappings.append((start, end, 0))
+        elif first == "AnonHugePages:":
+            start, end, _ = mappings[-1]
+            mappings[-1] = (start, end, int(line.split()[1]) << 10)
+    return mappings
+
+
+def _in_huge_pages(tensor: torch.Tensor, mappings: list[tuple[int, int, int]]) -> bool:
+    address = tensor.data_ptr()
+    return any(start <= address < end and huge > 0 for start, end, huge in mappings)
+
+
+def test_huge_page_bytes_start_on_a_huge_page_and_read_zero() -> None:
+    memory = huge_page_bytes(3 * HUGE_PAGE_BYTES + 100)
+    assert memory.dtype == torch.uint8 and memory.numel() == 3 * HUGE_PAGE_BYTES + 100
+    assert memory.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not memory.any()
+
+
+@needs_huge_pages
+def test_huge_page_bytes_are_backed_by_huge_pages() -> None:
+    memory = huge_page_bytes(5 * HUGE_PAGE_BYTES)
+    memory.fill_(1)
+    (huge,) = [h for s, e, h in _huge_page_mappings() if s <= memory.data_ptr() < e]
+    assert huge >= 4 * HUGE_PAGE_BYTES  # (the kernel may fall back where memory is short)
+
+
+def test_an_arena_lays_copies_end_to_end_and_refuses_what_does_not_fit() -> None:
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int8), torch.randn(4).half()]
+    arena = HugePageArena(sum(map(HugePageArena.footprint, tensors)))
+    copies = [arena.copy_in(t) for t in tensors]
+    for tensor, copy in zip(tensors, copies, strict=True):
+        assert copy.dtype == tensor.dtype and torch.equal(copy, tensor)
+        assert copy.data_ptr() % 64 == 0
+    assert copies[1].data_ptr() - copies[0].data_ptr() == 64  # 60 bytes, a cache line on
+    with pytest.raises(ValueError, match="past the arena's end"):
+        arena.take((1,), torch.float32)
+
+
+@needs_huge_pages
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_a_cpu_runner_keeps_its_weights_and_kv_cache_in_huge_pages(tmp_path, quantization) -> None:
+    path = build_checkpoint(tmp_path, family="llama")
+    with LLM(str(path), dtype="float32", quantization=quantization) as llm:
+        runner = llm.engine.runner
+        tensors = runner.weight_tensors() + runner.kv_caches
+        assert len(tensors) > 2 * runner.model.num_layers
+        mappings = _huge_page_mappings()
+        assert [t.shape for t in tensors if not _in_huge_pages(t, mappings)] == []

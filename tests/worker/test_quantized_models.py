@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,7 @@ def test_an_int4_model_updated_with_float_tensors_serves_the_new_checkpoint_at_i
 def test_offloading_weights_moves_the_quantized_ones_too(tmp_path, monkeypatch, tied) -> None:
     """Sleep with weight offload (a GPU's) moves every weight, a quantized layer's integers,
     scales and offsets included, and wake-up brings them back. A CPU has no second device:
-    here every quantized layer must be handed a copy made by `QuantizedWeight.to` for the
+    here every quantized layer must be handed a copy made by `QuantizedWeight.moved` for the
     target (each once: a tied LM head keeps sharing its table), and the tokens kept."""
     path = build_checkpoint(tmp_path, family="llama", tie_word_embeddings=tied)
     with LLM(str(path), dtype="float32", quantization="int4") as llm:
@@ -230,14 +231,14 @@ def test_offloading_weights_moves_the_quantized_ones_too(tmp_path, monkeypatch, 
         shared = [(a, b) for a in before for b in before if a < b and before[a] is before[b]]
         assert bool(shared) == tied
         copies: list[QuantizedWeight] = []
-        real_to = QuantizedWeight.to
+        real_moved = QuantizedWeight.moved
 
-        def to(weight: QuantizedWeight, device: torch.device | str) -> QuantizedWeight:
-            assert torch.device(device) == torch.device("cpu")
-            copies.append(real_to(weight, device))
+        def moved(weight: QuantizedWeight, place: Callable) -> QuantizedWeight:
+            copies.append(real_moved(weight, place))
+            assert all(t.device == torch.device("cpu") for t in copies[-1].tensors())
             return copies[-1]
 
-        monkeypatch.setattr(QuantizedWeight, "to", to)
+        monkeypatch.setattr(QuantizedWeight, "moved", moved)
         runner.move_weights(torch.device("cpu"))
         after = {name: m.quantized for name, m in model.named_modules() if _quantized(m)}
         assert after.keys() == before.keys()

@@ -13,6 +13,13 @@ at its maximum and lets the heap keep up to 1 GiB free, so a step's blocks come 
 heap. What is freed stays with the process (as with jemalloc or tcmalloc, which vLLM's CPU
 backend recommends preloading); larger blocks (the KV cache, logits past 32 MiB) are still
 mapped, and those the engine reuses itself.
+
+On a CPU the weights and the KV cache live in transparent huge pages (`HugePageArena`): a
+one-row decode step streams every weight once, and with 4 KiB pages it walks ~130,000 page
+translations a step (on a VM, two-level ones). Linux gives a process huge pages only where it
+asks (`madvise(MADV_HUGEPAGE)`, the default ``transparent_hugepage=madvise``), and glibc's
+malloc does not ask. Measured on the 2-core Zen 4 VM, alternating processes: the C matmul read
+SmolLM2's LM head (113 MB) at 27.4-27.9 GB/s from the heap and 30.7-31.3 from huge pages.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import atexit
 import ctypes
 import gc
 import logging
+import mmap
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -60,3 +70,53 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
+
+
+#: A transparent huge page: 2 MiB on x86-64 (and on arm64 with 4 KiB pages).
+HUGE_PAGE_BYTES = 2 << 20
+#: Where each tensor of an arena starts: a cache line, as torch's allocator aligns.
+TENSOR_ALIGNMENT = 64
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of memory (uint8) in a mapping of their own that starts on a huge page and
+    asks for transparent huge pages; each page is faulted in, zeroed, where it is first
+    touched. The tensor keeps the mapping alive; it is unmapped when the last view of it goes.
+    Where the kernel takes no such advice (THP off, not Linux) the pages are plain ones."""
+    whole_pages = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (a page more: room to start on one)
+    region = mmap.mmap(-1, whole_pages + HUGE_PAGE_BYTES, flags=flags)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        logger.debug("no transparent huge pages: %d bytes in plain pages", nbytes)
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    return whole[start : start + nbytes]
+
+
+class HugePageArena:
+    """Tensors laid end to end in one `huge_page_bytes` mapping, sized for them up front."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.memory = huge_page_bytes(nbytes)
+        self.used = 0
+
+    @staticmethod
+    def footprint(tensor: torch.Tensor) -> int:
+        """The bytes a copy of ``tensor`` takes in an arena."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+
+    def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next contiguous tensor of the arena (zeros, where nothing was written)."""
+        tensor = torch.empty(shape, dtype=dtype, device="meta")
+        start, nbytes = self.used, tensor.numel() * tensor.element_size()
+        if start + nbytes > self.memory.numel():
+            raise ValueError(f"{nbytes} bytes past the arena's end ({self.memory.numel()})")
+        self.used += self.footprint(tensor)
+        return self.memory[start : start + nbytes].view(dtype).view(shape)
+
+    def copy_in(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` in the arena (contiguous)."""
+        return self.take(tensor.shape, tensor.dtype).copy_(tensor)

@@ -8,7 +8,7 @@ prompt rows whose logprobs were asked for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
@@ -26,6 +26,7 @@ from headrace.worker.execution.batch import (
     prompt_logprob_rows,
 )
 from headrace.worker.execution.block_tables import BlockTables
+from headrace.worker.execution.host_memory import HugePageArena
 from headrace.worker.layers.quantizable import Quantizable
 from headrace.worker.lora.manager import LoraManager
 from headrace.worker.models.interface import LoadableModel
@@ -53,6 +54,8 @@ class ModelRunner:
         self.model = model
         self.parallel = parallel or ParallelConfig()
         self.device = device
+        if device.type == "cpu":
+            self.weights_to_huge_pages()
         self.dtype = dtype
         #: The KV cache's dtype: dtype's by default, or int8 (`headrace.kernels.kv_layout`).
         self.kv_cache_dtype = kv_cache_dtype or dtype
@@ -84,10 +87,16 @@ class ModelRunner:
             model.head_dim,
             self.kv_cache_dtype,
         )
-        return [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(model.num_layers)
-        ]
+        if self.device.type != "cpu":
+            return [
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                for _ in range(model.num_layers)
+            ]
+        # One `HugePageArena`: a step's attention reads every sequence's blocks.
+        layer = torch.empty(shape, dtype=self.kv_cache_dtype, device="meta")
+        arena = HugePageArena(model.num_layers * HugePageArena.footprint(layer))
+        arena.memory.zero_()  # its pages faulted in now, not in a request's step
+        return [arena.take(shape, self.kv_cache_dtype) for _ in range(model.num_layers)]
 
     def release_memory(self, offload_weights: bool) -> None:
         """Free the KV cache (its contents are lost) and, with ``offload_weights`` on a GPU,
@@ -109,18 +118,45 @@ class ModelRunner:
             self.kv_caches = self._new_kv_caches()
 
     def move_weights(self, device: torch.device) -> None:
-        """Every weight to ``device``: the parameters in place, and each quantized layer's
-        integers, scales and offsets as a moved copy (a table the LM head shares, once)."""
-        for param in self.model.parameters():
-            if not param.is_meta:  # (a quantized layer's weight: its shape only)
-                param.data = param.data.to(device)
+        """Every weight to ``device`` (`place_weights`)."""
+        self.place_weights(lambda tensor: tensor.to(device))
+
+    def place_weights(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Every weight (`weight_tensors`) replaced by ``place(weight)``: the parameters in
+        place (every module keeps its parameters), and each quantized layer's integers, scales
+        and offsets as a new `QuantizedWeight` (a table the LM head shares, once)."""
+        for param in self._parameters():
+            param.data = place(param.data)
         moved: dict[int, QuantizedWeight] = {}
-        for module in cast(nn.Module, self.model).modules():
-            if isinstance(module, Quantizable) and module.quantized is not None:
-                weight = module.quantized
-                if id(weight) not in moved:
-                    moved[id(weight)] = weight.to(device)
-                module.quantized = moved[id(weight)]
+        for module, weight in self._quantized_modules():
+            if id(weight) not in moved:
+                moved[id(weight)] = weight.moved(place)
+            module.quantized = moved[id(weight)]
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors `place_weights` replaces, each once."""
+        quantized = {id(weight): weight for _, weight in self._quantized_modules()}
+        tables = [tensor for weight in quantized.values() for tensor in weight.tensors()]
+        return [param.data for param in self._parameters()] + tables
+
+    def _parameters(self) -> list[nn.Parameter]:
+        # (a quantized layer's weight is a meta parameter: its shape only)
+        return [param for param in self.model.parameters() if not param.is_meta]
+
+    def _quantized_modules(self) -> list[tuple[Quantizable, QuantizedWeight]]:
+        modules = cast(nn.Module, self.model).modules()
+        return [
+            (module, module.quantized)
+            for module in modules
+            if isinstance(module, Quantizable) and module.quantized is not None
+        ]
+
+    def weights_to_huge_pages(self) -> None:
+        """The weights copied into one `HugePageArena` (`host_memory`: a one-row CPU step
+        streams them all), one by one, so each old copy can go before the next is made. Run
+        before any step: the CPU decode stack keeps the matrices it first sees."""
+        arena = HugePageArena(sum(map(HugePageArena.footprint, self.weight_tensors())))
+        self.place_weights(arena.copy_in)
 
     def warm_up(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Set-up a first request must not pay for, run before it: on CUDA `warm_up_kernels`,
