@@ -190,7 +190,7 @@ static inline v16 soft_cap(v16 x, float softcap) { return softcap * tanh_lanes(x
    into L1, 18.0-18.3 none, 17.4-18.5 into L2; 8 rows (the tiles' prefetch of their next 4
    weight rows) 29.9 ms into L1, 19.5 into L2; 64 decodes' attention (the values' prefetch)
    2.3-2.4 ms a layer into L1, 2.4-2.5 none, 1.7-1.8 into L2. Set once, when the library
-   loads. */
+   loads. A row stream prefetches only into L1 (ROW_PREFETCH_BYTES). */
 static int prefetch_to_l1 = 0;
 
 __attribute__((constructor)) static void choose_prefetch_cache(void) {
@@ -1515,7 +1515,12 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
    machines' page size). A software prefetch 16 KB ahead (a few rows of any of SmolLM2's
    matrices) raised them to about 30 GB/s (2-core Xeon with AMX, 2026-11-25: bf16 one-row
    step 13.4-13.9 -> 10.7-11.4 ms; float32 24.8-25.6 -> 22.2-22.3; 8 and 32 KB measured no
-   better). Into L1 on Intel, L2 elsewhere (prefetch_stream). */
+   better). On the Zen 4 (2026-11-28), with the weights in huge pages, the stream ran faster
+   with no software prefetch than with one into L2 (float32, 121 matmuls, alternating runs:
+   one row 15.4-15.7 against 17.2-17.4 ms, two rows 15.9-16.1 against 17.0-17.1; bf16 one
+   row 6.5 against 7.3), and with 4 KiB pages no slower (17.3-17.7 against 18.7-18.8): where
+   prefetches go into L2 (prefetch_to_l1 false), a row stream leaves its loads to the
+   hardware prefetcher. */
 #define ROW_PREFETCH_BYTES 16384
 
 /* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
@@ -1530,7 +1535,7 @@ static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, in
     for (; k + step <= K; k += step) {
         const v16 wv = load_step(s, n, k, layout);
         const char *ahead = (const char *)weight_address(s, n, k, layout) + ROW_PREFETCH_BYTES;
-        if (ahead < end) prefetch_stream(ahead);
+        if (prefetch_to_l1 && ahead < end) __builtin_prefetch(ahead, 0, 3);
         for (int m = 0; m < rows; m++)
             acc[m] = multiply_add(acc[m], load_x(s->x, m * s->x_stride + k, layout), wv, layout);
     }
