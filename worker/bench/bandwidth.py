@@ -16,6 +16,7 @@ from typing import cast
 import torch
 from headrace.kernels.quantized import QuantizedWeight
 from headrace.worker.bench.common import Summary
+from headrace.worker.execution.host_memory import huge_page_bytes
 from headrace.worker.models.interface import LoadableModel
 from torch import nn
 
@@ -36,8 +37,9 @@ READ_BUFFER_BYTES = 512 << 20
 
 def read_bandwidth(repeats: int = 5) -> float:
     """Bytes per second torch's sum reads a float32 buffer of `READ_BUFFER_BYTES` (every
-    thread streaming its share), best of ``repeats``."""
-    buffer = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)
+    thread streaming its share), best of ``repeats``. The buffer lies in huge pages, as a
+    CPU runner's weights do (`host_memory.HugePageArena`)."""
+    buffer = huge_page_bytes(READ_BUFFER_BYTES).view(torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
