@@ -16,10 +16,11 @@ mapped, and those the engine reuses itself.
 
 On a CPU the weights and the KV cache live in transparent huge pages (`HugePageArena`): a
 one-row decode step streams every weight once, and with 4 KiB pages it walks ~130,000 page
-translations a step (on a VM, two-level ones). Linux gives a process huge pages only where it
-asks (`madvise(MADV_HUGEPAGE)`, the default ``transparent_hugepage=madvise``), and glibc's
-malloc does not ask. Measured on the 2-core Zen 4 VM, alternating processes: the C matmul read
-SmolLM2's LM head (113 MB) at 27.4-27.9 GB/s from the heap and 30.7-31.3 from huge pages.
+translations a step (on a VM, two-level ones). Where Linux's ``transparent_hugepage`` is
+``madvise`` (as on this project's machines) a process gets huge pages only where it asks
+(`madvise(MADV_HUGEPAGE)`), and neither glibc's malloc nor torch's allocator asks. Measured
+on the 2-core Zen 4 VM, alternating processes: the C matmul read SmolLM2's LM head (113 MB)
+at 27.4-27.9 GB/s from the heap and 30.7-31.3 from huge pages.
 """
 
 from __future__ import annotations
