@@ -140,7 +140,7 @@ def test_huge_page_bytes_are_backed_by_huge_pages() -> None:
 
 def test_an_arena_lays_copies_end_to_end_and_refuses_what_does_not_fit() -> None:
     tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int8), torch.randn(4).half()]
-    arena = HugePageArena(sum(map(HugePageArena.footprint, tensors)))
+    arena = HugePageArena(sum(HugePageArena.footprint(t.shape, t.dtype) for t in tensors))
     copies = [arena.copy_in(t) for t in tensors]
     for tensor, copy in zip(tensors, copies, strict=True):
         assert copy.dtype == tensor.dtype and torch.equal(copy, tensor)

@@ -29,7 +29,9 @@ import atexit
 import ctypes
 import gc
 import logging
+import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -84,9 +86,9 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     asks for transparent huge pages; each page is faulted in, zeroed, where it is first
     touched. The tensor keeps the mapping alive; it is unmapped when the last view of it goes.
     Where the kernel takes no such advice (THP off, not Linux) the pages are plain ones."""
-    whole_pages = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (a page more: room to start on one)
-    region = mmap.mmap(-1, whole_pages + HUGE_PAGE_BYTES, flags=flags)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    # A huge page more than the whole pages nbytes needs: room to start on one.
+    region = mmap.mmap(-1, _round_up(nbytes, HUGE_PAGE_BYTES) + HUGE_PAGE_BYTES, flags=flags)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
     except (AttributeError, OSError):
@@ -104,20 +106,22 @@ class HugePageArena:
         self.used = 0
 
     @staticmethod
-    def footprint(tensor: torch.Tensor) -> int:
-        """The bytes a copy of ``tensor`` takes in an arena."""
-        nbytes = tensor.numel() * tensor.element_size()
-        return -(-nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+    def footprint(shape: Sequence[int], dtype: torch.dtype) -> int:
+        """The bytes a tensor of ``shape`` and ``dtype`` takes in an arena."""
+        return _round_up(math.prod(shape) * dtype.itemsize, TENSOR_ALIGNMENT)
 
-    def take(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The next contiguous tensor of the arena (zeros, where nothing was written)."""
-        tensor = torch.empty(shape, dtype=dtype, device="meta")
-        start, nbytes = self.used, tensor.numel() * tensor.element_size()
+        start, nbytes = self.used, math.prod(shape) * dtype.itemsize
         if start + nbytes > self.memory.numel():
             raise ValueError(f"{nbytes} bytes past the arena's end ({self.memory.numel()})")
-        self.used += self.footprint(tensor)
-        return self.memory[start : start + nbytes].view(dtype).view(shape)
+        self.used += self.footprint(shape, dtype)
+        return self.memory[start : start + nbytes].view(dtype).view(tuple(shape))
 
     def copy_in(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of ``tensor`` in the arena (contiguous)."""
         return self.take(tensor.shape, tensor.dtype).copy_(tensor)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple

@@ -93,8 +93,9 @@ class ModelRunner:
                 for _ in range(model.num_layers)
             ]
         # One `HugePageArena`: a step's attention reads every sequence's blocks.
-        layer = torch.empty(shape, dtype=self.kv_cache_dtype, device="meta")
-        arena = HugePageArena(model.num_layers * HugePageArena.footprint(layer))
+        arena = HugePageArena(
+            model.num_layers * HugePageArena.footprint(shape, self.kv_cache_dtype)
+        )
         arena.memory.zero_()  # its pages faulted in now, not in a request's step
         return [arena.take(shape, self.kv_cache_dtype) for _ in range(model.num_layers)]
 
@@ -155,7 +156,8 @@ class ModelRunner:
         """The weights copied into one `HugePageArena` (`host_memory`: a one-row CPU step
         streams them all), one by one, so each old copy can go before the next is made. Run
         before any step: the CPU decode stack keeps the matrices it first sees."""
-        arena = HugePageArena(sum(map(HugePageArena.footprint, self.weight_tensors())))
+        tensors = self.weight_tensors()
+        arena = HugePageArena(sum(HugePageArena.footprint(t.shape, t.dtype) for t in tensors))
         self.place_weights(arena.copy_in)
 
     def warm_up(self, max_model_len: int, max_num_batched_tokens: int) -> None:
