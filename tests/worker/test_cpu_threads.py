@@ -24,6 +24,7 @@ from headrace.worker.execution.cpu_threads import (
     parse_cpu_list,
     sample,
 )
+from headrace.worker.execution.step_trials import HOLD_S, TRIAL_S
 
 
 def test_cpu_lists_read_as_linux_writes_them() -> None:
@@ -143,12 +144,14 @@ class FakeCpus:
 def _counts(
     governor: ThreadGovernor, cpus: FakeCpus, steps: list[tuple[float, float]]
 ) -> list[int]:
-    """The thread count after each step (seconds, others' busy cores), apply() once a step."""
+    """The thread count after each step (seconds, others' busy cores), as the executor runs
+    them: the step at the governor's count, then apply() for the sampling after it."""
     before = torch.get_num_threads()
     try:
         counts = []
         for seconds, others in steps:
-            cpus.advance(seconds, others)
+            with governor.step(1):
+                cpus.advance(seconds, others)
             governor.apply()
             counts.append(torch.get_num_threads())
         return counts
@@ -177,12 +180,97 @@ def test_a_neighbour_that_came_while_the_engine_was_idle_is_seen_a_first_look_la
     assert _counts(governor, cpus, [(0.0, 1.0), (FIRST_LOOK_S + 0.01, 1.0)]) == [2, 1]
 
 
+def test_what_ran_while_the_engine_was_idle_takes_no_thread_away() -> None:
+    """Regression: a served burst's load client starts up (a core for seconds) while the
+    engine waits for its requests; the first look averaged over that spell and gave a thread
+    up for the burst's first prefill."""
+    cpus = FakeCpus()
+    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    assert _counts(governor, cpus, [(0.25, 0.0), (0.25, 0.0)]) == [2, 2]
+    cpus.advance(5.0, 1.0)  # the client starting up beside an idle engine
+    assert _counts(governor, cpus, [(0.05, 0.1)] * 10) == [2] * 10
+
+
 def test_a_step_longer_than_an_interval_is_judged_by_its_own_window() -> None:
     # A long prefill step (2 s) beside a busy neighbour: the look after it sees the neighbour.
     cpus = FakeCpus()
     governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
-    steps = [(0.25, 0.0), (0.25, 0.0), (2.0, 1.0), (FIRST_LOOK_S + 0.01, 1.0)]
-    assert _counts(governor, cpus, steps) == [2, 2, 1, 1]
+    steps = [(0.25, 0.0), (0.25, 0.0), (2.0, 1.0)]
+    assert _counts(governor, cpus, steps) == [2, 2, 1]
+
+
+def _timed_counts(
+    governor: ThreadGovernor,
+    cpus: FakeCpus,
+    seconds: dict[int, float],
+    others: float,
+    num_steps: int,
+    num_tokens: int = 1,
+) -> list[int]:
+    """The thread count each of ``num_steps`` steps ran with, a step taking ``seconds[count]``
+    beside ``others`` busy cores."""
+    before = torch.get_num_threads()
+    try:
+        counts = []
+        for _ in range(num_steps):
+            with governor.step(num_tokens):
+                counts.append(torch.get_num_threads())
+                cpus.advance(seconds[counts[-1]], others)
+        return counts
+    finally:
+        torch.set_num_threads(before)
+
+
+def _timed_governor() -> tuple[ThreadGovernor, FakeCpus]:
+    cpus = FakeCpus()
+    return ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock), cpus
+
+
+def test_a_drop_that_slows_the_steps_is_undone_and_held() -> None:
+    """Regression: a served burst's router and load client (a third of a core) took a thread
+    away, and its prefill steps, compute-bound, ran at one thread: 0.96x vLLM's tok/s where
+    two fixed threads made 1.08x."""
+    governor, cpus = _timed_governor()
+    steps = {2: 0.05, 1: 0.1}  # two threads beat one beside this neighbour
+    counts = _timed_counts(governor, cpus, steps, others=0.4, num_steps=12)
+    assert counts[:2] == [2, 2] and 1 in counts  # given up at the first look...
+    assert counts[-1] == 2  # ...and taken back at the look after
+    assert set(_timed_counts(governor, cpus, steps, others=0.4, num_steps=40)) == {2}  # held
+    # The neighbour grows by HOLD_MARGIN: the hold ends and one thread is faster now.
+    steps = {2: 0.15, 1: 0.1}
+    assert _timed_counts(governor, cpus, steps, others=0.7, num_steps=20)[-1] == 1
+
+
+def test_a_held_count_is_tried_again_after_the_hold() -> None:
+    governor, cpus = _timed_governor()
+    _timed_counts(governor, cpus, {2: 0.05, 1: 0.1}, others=0.4, num_steps=12)
+    num_steps = round(HOLD_S / 0.05) + 10
+    counts = _timed_counts(governor, cpus, {2: 0.05, 1: 0.01}, others=0.4, num_steps=num_steps)
+    assert counts[-1] == 1
+
+
+def test_a_drop_that_speeds_the_steps_up_stands() -> None:
+    # A busy loop on one core: every region waits for the thread that shares it.
+    governor, cpus = _timed_governor()
+    counts = _timed_counts(governor, cpus, {2: 0.06, 1: 0.02}, others=1.0, num_steps=40)
+    assert counts[-30:] == [1] * 30
+
+
+def test_a_neighbour_that_comes_mid_run_is_seen_a_first_look_after_the_first_slow_step() -> None:
+    governor, cpus = _timed_governor()
+    _timed_counts(governor, cpus, {2: 0.02, 1: 0.03}, others=0.0, num_steps=56)
+    # It comes late in an interval: the look that ends it averages it over the quiet part.
+    counts = _timed_counts(governor, cpus, {2: 0.06, 1: 0.025}, others=1.0, num_steps=12)
+    assert counts.count(2) <= 3 and counts[-1] == 1
+
+
+def test_a_drop_with_no_step_of_a_size_seen_before_stands() -> None:
+    governor, cpus = _timed_governor()
+    _timed_counts(governor, cpus, {2: 0.05, 1: 0.1}, others=1.0, num_steps=2, num_tokens=1)
+    # Prefill chunks from the first look on (the drop), slower than the decodes before it.
+    num_steps = round(TRIAL_S / 0.1) + 5
+    counts = _timed_counts(governor, cpus, {2: 0.05, 1: 0.1}, 1.0, num_steps, num_tokens=512)
+    assert counts == [1] * num_steps
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
@@ -207,5 +295,5 @@ def _settles(governor: ThreadGovernor, count: int, timeout_s: float = 20.0) -> b
         governor.apply()
         if governor.num_threads == count == torch.get_num_threads():
             return True
-        time.sleep(0.05)
+        time.sleep(0.01)  # an engine between steps: not idle (IDLE_S)
     return False

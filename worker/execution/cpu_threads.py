@@ -14,10 +14,17 @@ the cores the worker gets:
   more than `DOWN_AT` of a core beyond what the threads leave free, one thread fewer; when
   a whole core is free again (within `UP_AT`), one more, up to the budget. Other processes
   keep their fair share of a core even against a spinning thread, so they show up here.
-  A look after a pause (an idle engine, or a step longer than `STALE_S`) averages over the
-  pause, which hides a neighbour that came late in it, so the look after it comes within
-  `FIRST_LOOK_S`, not a whole interval: a run that starts beside a busy neighbour spends
-  about that long at the old count.
+  After an idle spell (no step for `IDLE_S`) the window starts afresh at the next step: what
+  ran beside an idle engine (a load client starting up, then waiting on us) says nothing of
+  the steps to come. So it does after a step much slower than those like it before
+  (`step_trials.SLOW_STEP`: a neighbour came mid-run). The look after a fresh start comes
+  within `FIRST_LOOK_S`, not a whole interval, as does the one after a step longer than
+  `STALE_S` (its window hides a neighbour that came late in it): a run that starts beside a
+  busy neighbour spends about that long at the old count.
+- A thread given up is on trial (`step_trials`): the governor times the steps (`step()`), and
+  a drop that made them slower is undone and held, for a prefill chunk computes and two
+  threads beside a light neighbour still beat one, where a one-row decode reads memory and
+  one thread beats two beside the same neighbour.
 
 OpenMP's thread count is a per-thread setting (torch keeps it per OS thread too), so the
 executor calls `apply()` on each thread that computes, before it computes
@@ -31,11 +38,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from headrace.worker.execution.step_trials import HOLD_S, StepTime, StepTrials, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,8 @@ INTERVAL_S = 0.25
 #: (1.0) from a quiet one (0) against DOWN_AT.
 FIRST_LOOK_S = 0.1
 STALE_S = 1.0
+#: A gap this long between two steps (or applies) is an idle engine, not host work.
+IDLE_S = 0.05
 
 
 def parse_cpu_list(text: str) -> set[int]:
@@ -170,10 +181,29 @@ class ThreadGovernor:
     _last: CpuSample | None = field(init=False, default=None)
     #: Whether the next look comes after FIRST_LOOK_S (the first look, or the one after a pause).
     _fresh: bool = field(init=False, default=True)
+    #: When a step or an apply() last ran: a longer gap than IDLE_S is an idle spell.
+    _last_active: float | None = field(init=False, default=None)
+    #: A step since the last look ran much slower than those like it before.
+    _slowed: bool = field(init=False, default=False)
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    #: The steps it timed (`step()`), its trial drops and its hold.
+    _trials: StepTrials = field(init=False, default_factory=StepTrials)
 
     def __post_init__(self) -> None:
         self.num_threads = self.budget
+
+    @contextmanager
+    def step(self, num_tokens: int) -> Iterator[None]:
+        """Apply the count on the calling thread for a step of ``num_tokens``, and time it."""
+        self.apply()
+        num_threads, start = torch.get_num_threads(), self.clock()
+        yield
+        self._last_active = self.clock()
+        step = StepTime(
+            num_threads, num_tokens.bit_length(), self._last_active - start, self._last_active
+        )
+        with self._lock:  # a look on the other computing thread reads the steps
+            self._slowed |= self._trials.record(step)
 
     def apply(self) -> None:
         """Set the calling thread's OpenMP count to the governor's, looking at the CPUs
@@ -184,30 +214,52 @@ class ThreadGovernor:
             torch.set_num_threads(self.num_threads)
 
     def _look(self) -> None:
-        last, interval = self._last, self.interval_s or 0.0
-        if last is not None:
+        last, interval, at = self._last, self.interval_s or 0.0, self.clock()
+        # An idle spell says nothing of the steps to come (a load client that started up in
+        # it had a core, then waits on us), and the steps before a much slower one little of
+        # those after it: after either, a fresh window starts here.
+        idle = self._last_active is not None and at - self._last_active > IDLE_S
+        idle |= self._slowed and not self._fresh
+        self._last_active, self._slowed = at, False
+        if last is not None and not idle:
             window = min(interval, FIRST_LOOK_S) if self._fresh else interval
-            if self.clock() - last.at < window:
+            if at - last.at < window:
                 return
         if not self._lock.acquire(blocking=False):
             return  # the other computing thread is looking
         try:
             now = self.read(self.cpus)
-            if last is not None:
-                self._decide(others_cores(last, now))
-            # After a pause the next window is a short one: a neighbour that came late in the
-            # pause was averaged over all of it.
+            if last is not None and not idle:
+                self._decide(others_cores(last, now), since=last.at)
+            # After a long step the next window is a short one: a neighbour that came late in
+            # it was averaged over all of it.
             pause = max(STALE_S, 2 * interval)
-            self._last, self._fresh = now, last is None or now.at - last.at > pause
+            self._last = now
+            self._fresh = last is None or idle or now.at - last.at > pause
         finally:
             self._lock.release()
 
-    def _decide(self, others: float) -> None:
-        count = next_threads(self.num_threads, self.budget, len(self.cpus), others)
-        if count != self.num_threads:
+    def _decide(self, others: float, since: float) -> None:
+        """The count after a window, from ``since``, in which others used ``others`` cores."""
+        from_threads, at = self.num_threads, self.clock()
+        verdict = self._trials.judge(at)
+        if verdict is Verdict.PENDING:
+            return
+        if verdict is Verdict.UNDONE:
+            assert self._trials.hold is not None
+            self.num_threads = self._trials.hold.num_threads
+            message = "steps ran slower with %d threads: %d again, held for %.0f s"
+            logger.info(message, from_threads, self.num_threads, HOLD_S)
+            return
+        count = next_threads(from_threads, self.budget, len(self.cpus), others)
+        if count < from_threads and self._trials.holds(others, since, at):
+            return
+        if count != from_threads:
             message = "other processes used %.2f of %d cores: %d threads (of %d)"
             logger.info(message, others, len(self.cpus), count, self.budget)
             self.num_threads = count
+        if count < from_threads:
+            self._trials.open(from_threads, others, since, at)
 
 
 def start_governor(cpu_threads: int) -> ThreadGovernor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -52,9 +53,9 @@ class UniprocExecutor(Executor):
         self.threads = threads
 
     def submit(self, step: SchedulerOutput) -> InFlightStep[Future[StepResult]]:
-        self._apply_threads()
         done: Future[StepResult] = Future()
-        done.set_result(self.runner.execute(step))
+        with self._computing(step.num_batched_tokens):
+            done.set_result(self.runner.execute(step))
         return InFlightStep(step, done)
 
     def collect(self, in_flight: InFlightStep[Future[StepResult]]) -> StepResult:
@@ -64,6 +65,10 @@ class UniprocExecutor(Executor):
     def _apply_threads(self) -> None:
         if self.threads is not None:
             self.threads.apply()
+
+    def _computing(self, num_tokens: int) -> AbstractContextManager[None]:
+        """A step's compute on this thread: at the governor's count, timed for it."""
+        return nullcontext() if self.threads is None else self.threads.step(num_tokens)
 
     def control(self, command: RankCommand) -> None:
         self.rank_control.run_everywhere(command)
@@ -89,12 +94,12 @@ class OverlappedExecutor(UniprocExecutor):
     def submit(self, step: SchedulerOutput) -> InFlightStep[Future[StepResult]]:
         assert self.device_thread is not None, "the executor is closed"
         batch = self.runner.prepare(step.chunks)  # now: it reads what the engine changes
-        running = self.device_thread.submit(self._run, step.block_copies, batch)
+        running = self.device_thread.submit(self._run, step, batch)
         return InFlightStep(step, running)
 
-    def _run(self, block_copies: list[tuple[int, int]], batch: PreparedBatch) -> StepResult:
-        self._apply_threads()
-        return self.runner.run(block_copies, batch)
+    def _run(self, step: SchedulerOutput, batch: PreparedBatch) -> StepResult:
+        with self._computing(step.num_batched_tokens):
+            return self.runner.run(step.block_copies, batch)
 
     def close(self) -> None:
         if self.device_thread is not None:
