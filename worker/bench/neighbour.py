@@ -29,13 +29,18 @@ from headrace.worker.execution.cpu_threads import allowed_cpus, cpu_budget
 _RUNS = ("quiet", "noisy", "noisy_one_thread", "noisy_fixed")
 
 
+#: A busy loop that the kernel kills when the bench dies (PR_SET_PDEATHSIG = 1): a bench
+#: killed by a signal runs no ``finally``, and left a loop spinning for the next one.
+_BUSY_LOOP = "import ctypes, signal\nctypes.CDLL(None).prctl(1, signal.SIGKILL)\nwhile True: pass"
+
+
 @contextmanager
-def busy_neighbour(cpu: int) -> Iterator[None]:
-    """A process spinning on ``cpu`` for as long as the block runs."""
-    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+def busy_neighbour(cpu: int) -> Iterator[int]:
+    """A process spinning on ``cpu`` for as long as the block runs; yields its pid."""
+    loop = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP])
     try:
         os.sched_setaffinity(loop.pid, {cpu})
-        yield
+        yield loop.pid
     finally:
         loop.kill()
         loop.wait()

@@ -1,0 +1,60 @@
+"""The bench's busy neighbour: it spins, and it dies with the bench."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+_BENCH = """
+import os, time
+from headrace.worker.bench.neighbour import busy_neighbour
+with busy_neighbour(sorted(os.sched_getaffinity(0))[-1]) as pid:
+    print(pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = _stat(pid)
+    assert fields is not None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _running(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def test_the_busy_loop_spins_and_dies_with_a_killed_bench() -> None:
+    """Regression: a bench killed by a signal ran no ``finally`` and left its loop spinning
+    on a core, where the next bench's quiet runs met it (and its governor rightly ran them
+    at one thread)."""
+    bench = subprocess.Popen([sys.executable, "-c", _BENCH], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout is not None
+        loop = int(bench.stdout.readline())
+        before = _cpu_seconds(loop)
+        time.sleep(0.5)
+        assert _cpu_seconds(loop) - before > 0.2  # it spins
+    finally:
+        bench.send_signal(signal.SIGKILL)
+        bench.wait()
+    deadline = time.monotonic() + 10
+    while _running(loop) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphaned = _running(loop)
+    if orphaned:
+        os.kill(loop, signal.SIGKILL)  # not for the tests after this one
+    assert not orphaned
