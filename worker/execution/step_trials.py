@@ -74,6 +74,8 @@ class Hold:
 
 
 class Verdict(enum.Enum):
+    """What the look after a drop makes of it (STANDS too when no trial is open)."""
+
     PENDING = enum.auto()
     STANDS = enum.auto()
     UNDONE = enum.auto()
