@@ -156,9 +156,9 @@ class ModelRunner:
         """The weights copied into one `HugePageArena` (`host_memory`: a one-row CPU step
         streams them all), one by one, so each old copy can go before the next is made. Run
         before any step: the CPU decode stack keeps the matrices it first sees."""
-        tensors = self.weight_tensors()
-        arena = HugePageArena(sum(HugePageArena.footprint(t.shape, t.dtype) for t in tensors))
-        self.place_weights(arena.copy_in)
+        # (no list of the weights outlives the sizing: it would keep every old copy alive)
+        nbytes = sum(HugePageArena.footprint(t.shape, t.dtype) for t in self.weight_tensors())
+        self.place_weights(HugePageArena(nbytes).copy_in)
 
     def warm_up(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         """Set-up a first request must not pay for, run before it: on CUDA `warm_up_kernels`,
