@@ -4,14 +4,13 @@ that follows the cores other processes leave it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.bench.neighbour import busy_neighbour
 from headrace.worker.config import EngineConfig
 from headrace.worker.execution import cpu_threads
 from headrace.worker.execution.cpu_threads import (
@@ -141,6 +140,12 @@ class FakeCpus:
         return self.now
 
 
+def _scripted_governor() -> tuple[ThreadGovernor, FakeCpus]:
+    """Two threads on two CPUs whose busy time, and the clock, a test scripts."""
+    cpus = FakeCpus()
+    return ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock), cpus
+
+
 def _counts(
     governor: ThreadGovernor, cpus: FakeCpus, steps: list[tuple[float, float]]
 ) -> list[int]:
@@ -162,8 +167,7 @@ def _counts(
 def test_the_governor_gives_a_thread_up_and_takes_it_back_as_a_neighbour_comes_and_goes() -> None:
     # Others' busy cores per interval: quiet, a busy loop sharing a core, the loop alone on
     # its core, quiet again.
-    cpus = FakeCpus()
-    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    governor, cpus = _scripted_governor()
     steps = [(0.25, others) for others in (0.0, 0.0, 0.6, 1.0, 1.0, 0.05)]
     assert _counts(governor, cpus, steps) == [2, 2, 1, 1, 1, 2]
 
@@ -172,8 +176,7 @@ def test_a_neighbour_that_came_while_the_engine_was_idle_is_seen_a_first_look_la
     """Regression: the look after an idle spell averaged over the spell, so a busy loop that
     started a moment before the next request kept 2 threads for a whole interval more (a
     single stream beside it ran at 0.89x one thread)."""
-    cpus = FakeCpus()
-    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    governor, cpus = _scripted_governor()
     assert _counts(governor, cpus, [(0.25, 0.0), (0.25, 0.0)]) == [2, 2]
     cpus.advance(9.5, 0.0)  # idle: no step looks
     cpus.advance(0.5, 1.0)  # the loop starts; then a request, a step every FIRST_LOOK_S
@@ -184,8 +187,7 @@ def test_what_ran_while_the_engine_was_idle_takes_no_thread_away() -> None:
     """Regression: a served burst's load client starts up (a core for seconds) while the
     engine waits for its requests; the first look averaged over that spell and gave a thread
     up for the burst's first prefill."""
-    cpus = FakeCpus()
-    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    governor, cpus = _scripted_governor()
     assert _counts(governor, cpus, [(0.25, 0.0), (0.25, 0.0)]) == [2, 2]
     cpus.advance(5.0, 1.0)  # the client starting up beside an idle engine
     assert _counts(governor, cpus, [(0.05, 0.1)] * 10) == [2] * 10
@@ -193,8 +195,7 @@ def test_what_ran_while_the_engine_was_idle_takes_no_thread_away() -> None:
 
 def test_a_step_longer_than_an_interval_is_judged_by_its_own_window() -> None:
     # A long prefill step (2 s) beside a busy neighbour: the look after it sees the neighbour.
-    cpus = FakeCpus()
-    governor = ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock)
+    governor, cpus = _scripted_governor()
     steps = [(0.25, 0.0), (0.25, 0.0), (2.0, 1.0)]
     assert _counts(governor, cpus, steps) == [2, 2, 1]
 
@@ -221,16 +222,11 @@ def _timed_counts(
         torch.set_num_threads(before)
 
 
-def _timed_governor() -> tuple[ThreadGovernor, FakeCpus]:
-    cpus = FakeCpus()
-    return ThreadGovernor(2, interval_s=0.25, cpus=[0, 1], read=cpus.read, clock=cpus.clock), cpus
-
-
 def test_a_drop_that_slows_the_steps_is_undone_and_held() -> None:
     """Regression: a served burst's router and load client (a third of a core) took a thread
     away, and its prefill steps, compute-bound, ran at one thread: 0.96x vLLM's tok/s where
     two fixed threads made 1.08x."""
-    governor, cpus = _timed_governor()
+    governor, cpus = _scripted_governor()
     steps = {2: 0.05, 1: 0.1}  # two threads beat one beside this neighbour
     counts = _timed_counts(governor, cpus, steps, others=0.4, num_steps=12)
     assert counts[:2] == [2, 2] and 1 in counts  # given up at the first look...
@@ -242,7 +238,7 @@ def test_a_drop_that_slows_the_steps_is_undone_and_held() -> None:
 
 
 def test_a_held_count_is_tried_again_after_the_hold() -> None:
-    governor, cpus = _timed_governor()
+    governor, cpus = _scripted_governor()
     _timed_counts(governor, cpus, {2: 0.05, 1: 0.1}, others=0.4, num_steps=12)
     num_steps = round(HOLD_S / 0.05) + 10
     counts = _timed_counts(governor, cpus, {2: 0.05, 1: 0.01}, others=0.4, num_steps=num_steps)
@@ -251,13 +247,13 @@ def test_a_held_count_is_tried_again_after_the_hold() -> None:
 
 def test_a_drop_that_speeds_the_steps_up_stands() -> None:
     # A busy loop on one core: every region waits for the thread that shares it.
-    governor, cpus = _timed_governor()
+    governor, cpus = _scripted_governor()
     counts = _timed_counts(governor, cpus, {2: 0.06, 1: 0.02}, others=1.0, num_steps=40)
     assert counts[-30:] == [1] * 30
 
 
 def test_a_neighbour_that_comes_mid_run_is_seen_a_first_look_after_the_first_slow_step() -> None:
-    governor, cpus = _timed_governor()
+    governor, cpus = _scripted_governor()
     _timed_counts(governor, cpus, {2: 0.02, 1: 0.03}, others=0.0, num_steps=56)
     # It comes late in an interval: the look that ends it averages it over the quiet part.
     counts = _timed_counts(governor, cpus, {2: 0.06, 1: 0.025}, others=1.0, num_steps=12)
@@ -265,7 +261,7 @@ def test_a_neighbour_that_comes_mid_run_is_seen_a_first_look_after_the_first_slo
 
 
 def test_a_drop_with_no_step_of_a_size_seen_before_stands() -> None:
-    governor, cpus = _timed_governor()
+    governor, cpus = _scripted_governor()
     _timed_counts(governor, cpus, {2: 0.05, 1: 0.1}, others=1.0, num_steps=2, num_tokens=1)
     # Prefill chunks from the first look on (the drop), slower than the decodes before it.
     num_steps = round(TRIAL_S / 0.1) + 5
@@ -276,16 +272,12 @@ def test_a_drop_with_no_step_of_a_size_seen_before_stands() -> None:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_busy_loop_on_a_cpu_takes_a_thread_away() -> None:
     cpus = sorted(os.sched_getaffinity(0))[-2:]
-    cpu = cpus[-1]
     governor = ThreadGovernor(2, interval_s=0.3, cpus=cpus)
     before = torch.get_num_threads()
-    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        os.sched_setaffinity(loop.pid, {cpu})
-        assert _settles(governor, 1)
+        with busy_neighbour(cpus[-1]):
+            assert _settles(governor, 1)
     finally:
-        loop.kill()
-        loop.wait()
         torch.set_num_threads(before)
 
 
