@@ -1518,9 +1518,9 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
    better). On the Zen 4 (2026-11-28), with the weights in huge pages, the stream ran faster
    with no software prefetch than with one into L2 (float32, 121 matmuls, alternating runs:
    one row 15.4-15.7 against 17.2-17.4 ms, two rows 15.9-16.1 against 17.0-17.1; bf16 one
-   row 6.5 against 7.3, 8.8 against 8.9 in a slow process), and with 4 KiB pages no slower (17.3-17.7 against 18.7-18.8): where
-   prefetches go into L2 (prefetch_to_l1 false), a row stream leaves its loads to the
-   hardware prefetcher. */
+   row 6.5 against 7.3, 8.8 against 8.9 in a slow process), and with 4 KiB pages no slower
+   (17.3-17.7 against 18.7-18.8): where prefetches go into L2 (prefetch_to_l1 false), a row
+   stream leaves its loads to the hardware prefetcher. */
 #define ROW_PREFETCH_BYTES 16384
 
 /* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
