@@ -296,7 +296,12 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
     add = worker.add_argument
     add("--max-model-len", type=int, help="longest sequence (default: the model's context)")
     add("--max-num-seqs", type=int, default=256, help="most sequences running at once")
-    add("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="token budget of one step (default 0: 1024 on a CPU, 2048 on CUDA)",
+    )
     add("--block-size", type=int, default=16, help="tokens per KV-cache block")
     add("--num-kv-blocks", type=int, help="KV-cache blocks (default: from the memory budget)")
     add("--kv-cache-gib", type=float, default=2.0, help="on CPU: GiB for the KV cache")

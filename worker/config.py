@@ -35,6 +35,15 @@ _DTYPES = {
 #: The values of EngineConfig.quantization / ``--quantization``.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 
+#: A step's token budget when none is given, by device. A CPU's prefill step is long (2048
+#: prompt tokens of SmolLM2-135M take about a second on two cores), and in a burst of
+#: arrivals a prompt's first token waits for the end of the step its last chunk runs in: half
+#: the budget halves that wait, while the step's fixed cost (the weights read once, the
+#: host's work) stays about 1% of a 1024-token step. On CUDA a step takes milliseconds and
+#: that fixed cost weighs more. Measured in docs/decisions.md ("A CPU step holds 1024 tokens").
+CPU_STEP_TOKENS = 1024
+STEP_TOKENS = 2048
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -69,8 +78,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     #: On CPU: GiB given to the KV cache.
     cpu_kv_cache_gib: float = 2.0
-    #: Token budget of one engine step (prefill chunks + decodes).
-    max_num_batched_tokens: int = 2048
+    #: Token budget of one engine step (prefill chunks + decodes); 0 takes the device's:
+    #: `CPU_STEP_TOKENS` (1024) on a CPU, else `STEP_TOKENS` (2048).
+    max_num_batched_tokens: int = 0
     #: Most sequences running at once.
     max_num_seqs: int = 256
     #: Longest sequence (prompt + output); None takes the model's max_position_embeddings.
@@ -187,9 +197,17 @@ class EngineConfig:
                 "kv_cache_dtype",
                 f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
             )
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < 0:
+            raise InvalidArgumentError(
+                "max_num_batched_tokens",
+                f"must be >= 0 (0: the device's), got {self.max_num_batched_tokens}",
+            )
+        if not self.max_num_batched_tokens:
+            on_cpu = self.torch_device().type == "cpu"
+            self.max_num_batched_tokens = CPU_STEP_TOKENS if on_cpu else STEP_TOKENS
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidArgumentError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -162,7 +162,12 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
     add("--min-prompt-len", type=int, help="default: 32 (16 with --tiny)")
     add("--max-prompt-len", type=int, help="default: 512 (64 with --tiny)")
     add("--max-tokens", type=int, help="new tokens per request; default: 128 (64 with --tiny)")
-    add("--max-num-batched-tokens", type=int, default=2048, help="engine step token budget")
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="engine step token budget (default 0: the worker's, 1024 on a CPU, 2048 on CUDA)",
+    )
     add(
         "--workload",
         choices=sorted(WORKLOADS),

@@ -346,7 +346,7 @@ def _peer_setup(
         cpus=tuple(args.peer_cpus or sorted(os.sched_getaffinity(0))),
         # llama.cpp keeps a KV sequence of max_model_len per slot: as many as requests.
         max_num_seqs=engine.config.max_num_seqs if peer == "vllm" else len(workload.prompts),
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
         max_model_len=max(map(len, workload.prompts)) + max(workload.max_tokens),
         kv_cache_gib=args.peer_kv_cache_gib,
     )
