@@ -10,11 +10,12 @@ import json
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from headrace.worker.bench.cli import engine_arguments, parse_cpus
 from headrace.worker.bench.common import Report, Workload
-from headrace.worker.bench.engine import _workload_shape
+from headrace.worker.bench.engine import _peer_setup, _workload_shape
 from headrace.worker.bench.peer_driver import _cpu_ranges, _prefill_chunks
 from headrace.worker.bench.peers import (
     PairedRounds,
@@ -27,6 +28,7 @@ from headrace.worker.bench.peers import (
     peer_model,
     start_peer,
 )
+from headrace.worker.config import CPU_STEP_TOKENS, EngineConfig
 from headrace.worker.models.store import CACHE_ENV
 
 #: Answers like the real driver: each request's tokens are its prompt's last token + 1, + 2, ...
@@ -284,6 +286,17 @@ def test_workload_presets_set_the_workload_flags_and_a_flag_given_wins():
     )
     assert _workload_shape(engine_args()) == (64, (32, 512), 128)
     assert _workload_shape(engine_args("--tiny")) == (256, (16, 64), 64)
+
+
+def test_the_peer_steps_at_the_budget_headrace_resolved(tmp_path: Path):
+    """With the budget flag left out (0: the device's), the peer gets headrace's budget, not 0."""
+    args = engine_args("--baseline", "vllm", "--dtype", "float32", "--peer-python", sys.executable)
+    budget = args.max_num_batched_tokens
+    engine = SimpleNamespace(
+        config=EngineConfig("unused", device="cpu", max_num_batched_tokens=budget)
+    )
+    _, setup = _peer_setup(args, tmp_path, "unused", engine, Workload([[1, 2, 3]], [4]))  # type: ignore[arg-type]
+    assert setup.max_num_batched_tokens == CPU_STEP_TOKENS
 
 
 def test_peer_flags_parse():
