@@ -28,7 +28,8 @@
 
    Dtypes: 0 float32, 1 bfloat16, 2 float16. Attention and the skinny linear compute in float32
    whatever the storage dtype (softmax statistics, scores and the weighted sum of V; every
-   product and sum of the matmul).
+   product and sum of the matmul), except that bf16 attention on a CPU with AVX512-BF16 rounds
+   each probability to bf16 for the weighted sum of V, as torch's flash attention does.
 */
 
 #include <math.h>
@@ -231,6 +232,10 @@ typedef struct {
     /* Whether K/V rows are read from the cache as they are (float32 or bf16, whole v16s),
        rather than widened into the scratch; bf16: they are bf16 (widened in registers). */
     int direct, bf16_rows;
+    /* bf16 queries and K/V rows of whole 32-value vectors on a CPU with AVX512-BF16: both
+       products multiply bf16 pairs with the pair dot instruction, products exact, sums in
+       float32 (`score_by_pairs`, `score_by_pair_transpose`, `accumulate_pairs`). */
+    int pairs;
 } Attention;
 
 /* One unit of work: query rows [q_begin, q_end) of sequence seq, for the query heads of one
@@ -256,6 +261,7 @@ typedef struct {
    value rows widened to float32 (when they cannot be read in place) and keys transposed. */
 typedef struct {
     float *queries, *acc, *row_max, *row_sum;
+    uint16_t *queries_bf16; /* the tile's queries as given, unscaled (pairs only) */
     v16 *scores, *keys_t;
     float *key_rows, *value_rows;
     const char *keys[LANES], *values[LANES]; /* float32 rows, or bf16 (bf16_rows) */
@@ -414,6 +420,125 @@ static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, in
     }
 }
 
+#ifdef __AVX512BF16__
+/* score_by_dots' scores from the bf16 queries and keys as they lie (pairs): per row, each
+   key's dot product as the pair dot instruction forms it, 32 values an instruction, its 16
+   lanes summed as score_by_dots sums them, then scaled. No key is widened (score_by_dots
+   widens each key once per row of the group). */
+static void score_by_pairs(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    const int vectors = a->head_dim / (2 * LANES);
+    for (int r = row0; r < rows; r++) {
+        const uint16_t *q = s->queries_bf16 + (int64_t)r * a->padded_dim;
+        v16 sums[LANES];
+        for (int j = 0; j < LANES; j++) sums[j] = splat(0.0f);
+        for (int c = 0; c < vectors; c++) {
+            const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c * 2 * LANES);
+            const int n = count == LANES ? LANES : count; /* a whole tile unrolls */
+            for (int j = 0; j < n; j++) {
+                const __m512i kc = _mm512_loadu_si512(s->keys[j] + c * 4 * LANES);
+                sums[j] = (v16)_mm512_dpbf16_ps((__m512)sums[j], qc, (__m512bh)kc);
+            }
+        }
+        s->scores[r] = sum_lanes_16(sums) * a->scale;
+    }
+}
+
+/* score_by_transpose's scores from bf16 pairs: the tile transposed once by pairs of values
+   (lane j of keys_t[e] holds k_j[2e] and k_j[2e + 1]), then each row's pair e broadcast
+   against it, one pair dot instruction for 16 keys (half score_by_transpose's products);
+   each score sums its pairs in order, the even ones and the odd ones apart, then scaled. */
+static void score_by_pair_transpose(const Attention *a, Scratch *s, int row0, int rows,
+                                    int count) {
+    const int P = a->head_dim / 2, Dp = a->padded_dim;
+    uint32_t *columns = (uint32_t *)s->keys_t;
+    for (int j = 0; j < LANES; j++) {
+        const uint32_t *k = (const uint32_t *)s->keys[j];
+        for (int e = 0; e < P; e++) columns[e * LANES + j] = j < count ? k[e] : 0;
+    }
+    for (int r = row0; r < rows; r += ROW_BLOCK) {
+        const int n = rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK;
+        const uint32_t *q[ROW_BLOCK];
+        for (int i = 0; i < ROW_BLOCK; i++)
+            q[i] = (const uint32_t *)(s->queries_bf16 + (int64_t)(i < n ? r + i : r) * Dp);
+        v16 even[ROW_BLOCK], odd[ROW_BLOCK];
+        for (int i = 0; i < ROW_BLOCK; i++) even[i] = odd[i] = splat(0.0f);
+        for (int e = 0; e < P; e += 2) { /* P is a multiple of 16 */
+            const __m512bh k0 = (__m512bh)_mm512_load_si512(columns + e * LANES);
+            const __m512bh k1 = (__m512bh)_mm512_load_si512(columns + (e + 1) * LANES);
+            for (int i = 0; i < ROW_BLOCK; i++) {
+                even[i] = (v16)_mm512_dpbf16_ps((__m512)even[i],
+                                                (__m512bh)_mm512_set1_epi32((int)q[i][e]), k0);
+                odd[i] = (v16)_mm512_dpbf16_ps((__m512)odd[i],
+                                               (__m512bh)_mm512_set1_epi32((int)q[i][e + 1]), k1);
+            }
+        }
+        for (int i = 0; i < n; i++) s->scores[r + i] = (even[i] + odd[i]) * a->scale;
+    }
+}
+
+/* A row of accumulate_pairs' accumulators times inv, in order, into out. Interleaving two
+   value rows leaves each 32 values in two chunks: the first holds those at 8 l + t, the
+   second those at 8 l + 4 + t, each at lane 4 l + t (l, t = 0..3). */
+static void pairs_in_order(const float *acc, float inv, int D, float *out) {
+    const __m512i low =
+        _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i high =
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int c = 0; c < D; c += 2 * LANES) {
+        const __m512 first = _mm512_load_ps(acc + c), second = _mm512_load_ps(acc + c + LANES);
+        _mm512_storeu_ps(out + c, (__m512)((v16)_mm512_permutex2var_ps(first, low, second) * inv));
+        _mm512_storeu_ps(out + c + LANES,
+                         (__m512)((v16)_mm512_permutex2var_ps(first, high, second) * inv));
+    }
+}
+
+/* acc_r += sum_j p_rj v_j for rows [row0, rows) with the pair dot instruction: keys j and
+   j + 1's values interleaved (lane i of a chunk holds the two keys' value at one position),
+   against row r's two probabilities rounded to bf16 (the value's product and the sum of the
+   pair exact in float32, as torch's flash attention rounds probabilities for its second
+   product). Half the products of accumulate_rows and no widening; three rows and two
+   32-value segments (twelve accumulators) at a time, keys in order, so a row's sums do not
+   depend on the others. An odd key's partner is itself, with probability 0. */
+static void accumulate_pairs(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    const int Dp = a->padded_dim, segments = a->head_dim / (2 * LANES);
+    for (int i = 0; i < ACC_ROWS - 1; i++) s->scores[s->spare_row + i] = splat(0.0f);
+    for (int r0 = row0; r0 < rows; r0 += ACC_ROWS) {
+        int r[ACC_ROWS];
+        uint32_t p[ACC_ROWS][LANES / 2];
+        for (int i = 0; i < ACC_ROWS; i++) {
+            r[i] = r0 + i < rows ? r0 + i : s->spare_row + i - 1;
+            const __m256bh rounded = _mm512_cvtneps_pbh((__m512)s->scores[r[i]]);
+            _mm256_storeu_si256((__m256i *)p[i], (__m256i)rounded);
+        }
+        for (int g = 0; g < segments; g += 2) {
+            const int width = segments - g < 2 ? 1 : 2; /* segments g (and g + 1) */
+            __m512 sum[ACC_ROWS][4];
+            for (int i = 0; i < ACC_ROWS; i++)
+                for (int k = 0; k < 2 * width; k++)
+                    sum[i][k] = _mm512_load_ps(s->acc + (int64_t)r[i] * Dp + (2 * g + k) * LANES);
+            for (int j = 0; j < count; j += 2) {
+                const char *v0 = s->values[j], *v1 = j + 1 < count ? s->values[j + 1] : v0;
+                __m512bh chunk[4];
+                for (int w = 0; w < width; w++) {
+                    const __m512i x = _mm512_loadu_si512(v0 + (int64_t)(g + w) * 4 * LANES);
+                    const __m512i y = _mm512_loadu_si512(v1 + (int64_t)(g + w) * 4 * LANES);
+                    chunk[2 * w] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                    chunk[2 * w + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+                }
+                for (int i = 0; i < ACC_ROWS; i++) {
+                    const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)p[i][j / 2]);
+                    for (int k = 0; k < 2 * width; k++)
+                        sum[i][k] = _mm512_dpbf16_ps(sum[i][k], chunk[k], pair);
+                }
+            }
+            for (int i = 0; i < ACC_ROWS; i++)
+                for (int k = 0; k < 2 * width; k++)
+                    _mm512_store_ps(s->acc + (int64_t)r[i] * Dp + (2 * g + k) * LANES, sum[i][k]);
+        }
+    }
+}
+#endif
+
 /* The same scores from the tile transposed once (keys_t[d] lane j = k_j[d]): rows [row0, rows). */
 static void score_by_transpose(const Attention *a, Scratch *s, int row0, int rows, int count) {
     const int D = a->head_dim, Dp = a->padded_dim;
@@ -514,6 +639,12 @@ static inline __attribute__((always_inline)) void accumulate_rows(const Attentio
 }
 
 static void accumulate_values(const Attention *a, Scratch *s, int row0, int rows, int count) {
+#ifdef __AVX512BF16__
+    if (a->pairs) {
+        accumulate_pairs(a, s, row0, rows, count);
+        return;
+    }
+#endif
     if (a->bf16_rows) accumulate_rows(a, s, row0, rows, count, 1);
     else accumulate_rows(a, s, row0, rows, count, 0);
 }
@@ -526,10 +657,14 @@ static void load_queries(const Attention *a, const Tile *t, int kvh, Scratch *s,
         const char *src = (const char *)a->query + (token * a->query_stride_token +
                                                     head * a->query_stride_head) *
                                                        (int64_t)dtype_size(a->dtype);
-        float *q = s->queries + (int64_t)r * Dp;
-        memset(q, 0, (size_t)Dp * sizeof(float));
-        load_row(src, a->dtype, q, D);
-        for (int d = 0; d < D; d++) q[d] *= a->scale;
+        if (a->pairs) { /* scored as they are, scaled after */
+            memcpy(s->queries_bf16 + (int64_t)r * Dp, src, (size_t)D * sizeof(uint16_t));
+        } else {
+            float *q = s->queries + (int64_t)r * Dp;
+            memset(q, 0, (size_t)Dp * sizeof(float));
+            load_row(src, a->dtype, q, D);
+            for (int d = 0; d < D; d++) q[d] *= a->scale;
+        }
         memset(s->acc + (int64_t)r * Dp, 0, (size_t)Dp * sizeof(float));
         /* A head's sink is a key seen before all others, with no value: max = sink, and its
            term exp(sink - max) = 1 in the sum (a sink of -inf: the correction zeroes it). */
@@ -607,6 +742,13 @@ static void attend_key_tile(const Attention *a, const Tile *t, const TileSpan *s
     while (row0 < rows && position0 + row0 / group < first) row0++;
     while (row_end > row0 && window_start(a, position0 + (row_end - 1) / group) >= first + count)
         row_end--;
+#ifdef __AVX512BF16__
+    if (a->pairs && row_end - row0 >= TRANSPOSE_MIN_ROWS) {
+        score_by_pair_transpose(a, s, row0, row_end, count);
+    } else if (a->pairs) {
+        score_by_pairs(a, s, row0, row_end, count);
+    } else
+#endif
     if (row_end - row0 >= TRANSPOSE_MIN_ROWS) {
         score_by_transpose(a, s, row0, row_end, count);
     } else {
@@ -631,6 +773,12 @@ static void store_tile(const Attention *a, const Tile *t, const TileSpan *span, 
         int64_t token = span->q_first + t->q_begin + r / group, head = kvh * group + r % group;
         float *acc = s->acc + (int64_t)r * a->padded_dim;
         const float inv = 1.0f / s->row_sum[r];
+#ifdef __AVX512BF16__
+        if (a->pairs) { /* through the key rows (unused: rows are read in place) */
+            pairs_in_order(acc, inv, D, s->key_rows);
+            acc = s->key_rows;
+        } else
+#endif
         for (int d = 0; d < D; d++) acc[d] *= inv;
         char *dst = (char *)a->out + ((token * H + head) * D) * (int64_t)dtype_size(a->dtype);
         store_row(dst, a->dtype, acc, D);
@@ -678,7 +826,7 @@ static float *alloc_scratch(const Attention *a, int max_rows, Scratch *s) {
     const size_t Dp = (size_t)a->padded_dim, rows = (size_t)max_rows + ACC_ROWS - 1;
     s->spare_row = max_rows;
     const size_t floats = rows * Dp * 2 + rows * 2 + rows * LANES + (size_t)a->head_dim * LANES +
-                          (size_t)LANES * Dp * 2 + 3 * LANES;
+                          (size_t)LANES * Dp * 2 + 3 * LANES + rows * Dp / 2;
     const size_t bytes = (floats * sizeof(float) + 63) / 64 * 64;
     float *buffer = aligned_alloc(64, bytes);
     if (buffer == NULL) return NULL;
@@ -691,7 +839,8 @@ static float *alloc_scratch(const Attention *a, int max_rows, Scratch *s) {
     s->key_rows = next, next += (size_t)LANES * Dp;
     s->value_rows = next, next += (size_t)LANES * Dp;
     s->row_max = next, next += rows + LANES;
-    s->row_sum = next;
+    s->row_sum = next, next += rows + 2 * LANES;
+    s->queries_bf16 = (uint16_t *)next;
     return buffer;
 }
 
@@ -722,7 +871,12 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
                    dtype,        kv_dtype,           scale,             sliding_window,
                    softcap,      sinks,              out,               padded_dim,
                    (kv_dtype == F32 || kv_dtype == BF16) && head_dim == padded_dim,
-                   kv_dtype == BF16 && head_dim == padded_dim};
+                   kv_dtype == BF16 && head_dim == padded_dim,
+#ifdef __AVX512BF16__
+                   dtype == BF16 && kv_dtype == BF16 && head_dim % (2 * LANES) == 0};
+#else
+                   0};
+#endif
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     /* each thread's own list (a few entries per sequence): no thread waits for another's */
     Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));

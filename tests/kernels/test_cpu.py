@@ -53,7 +53,7 @@ def wide(batch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 @pytest.mark.parametrize("block_size", [16, 5, 32])
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [64, 80, 96])
 def test_paged_attention_equals_reference(head_dim, block_size, num_heads, num_kv_heads, dtype):
     torch.manual_seed(head_dim + block_size + num_heads)
     seqs, num_decode = mixed_seqs(block_size)
