@@ -92,6 +92,14 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
 static const v16i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+/* Whether the CPU has AVX512-BF16's pair dot instruction (vdpbf16ps): lane i adds the
+   products of elements 2i and 2i + 1 of two bf16 vectors to its float32 sum. */
+#ifdef __AVX512BF16__
+#define HAVE_BF16_PAIRS 1
+#else
+#define HAVE_BF16_PAIRS 0
+#endif
+
 static inline v16 splat(float x) { return (v16){0} + x; }
 
 /* Lanes of a where mask is set (all ones), else lanes of b. */
@@ -420,7 +428,18 @@ static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, in
     }
 }
 
-#ifdef __AVX512BF16__
+/* The rows of the group from r0 (of rows ending at rows): ACC_ROWS of them, the last ones
+   past rows replaced by spare rows, whose probabilities are zero (zeroed by spare_rows). */
+static inline void group_rows(const Scratch *s, int r0, int rows, int r[ACC_ROWS]) {
+    for (int i = 0; i < ACC_ROWS; i++) r[i] = r0 + i < rows ? r0 + i : s->spare_row + i - 1;
+}
+
+/* Zero the probabilities of the spare rows group_rows hands out. */
+static inline void spare_rows(Scratch *s) {
+    for (int i = 0; i < ACC_ROWS - 1; i++) s->scores[s->spare_row + i] = splat(0.0f);
+}
+
+#if HAVE_BF16_PAIRS
 /* score_by_dots' scores from the bf16 queries and keys as they lie (pairs): per row, each
    key's dot product as the pair dot instruction forms it, 32 values an instruction, its 16
    lanes summed as score_by_dots sums them, then scaled. No key is widened (score_by_dots
@@ -501,12 +520,12 @@ static void pairs_in_order(const float *acc, float inv, int D, float *out) {
    depend on the others. An odd key's partner is itself, with probability 0. */
 static void accumulate_pairs(const Attention *a, Scratch *s, int row0, int rows, int count) {
     const int Dp = a->padded_dim, segments = a->head_dim / (2 * LANES);
-    for (int i = 0; i < ACC_ROWS - 1; i++) s->scores[s->spare_row + i] = splat(0.0f);
+    spare_rows(s);
     for (int r0 = row0; r0 < rows; r0 += ACC_ROWS) {
         int r[ACC_ROWS];
+        group_rows(s, r0, rows, r);
         uint32_t p[ACC_ROWS][LANES / 2];
         for (int i = 0; i < ACC_ROWS; i++) {
-            r[i] = r0 + i < rows ? r0 + i : s->spare_row + i - 1;
             const __m256bh rounded = _mm512_cvtneps_pbh((__m512)s->scores[r[i]]);
             _mm256_storeu_si256((__m256i *)p[i], (__m256i)rounded);
         }
@@ -622,11 +641,10 @@ static inline __attribute__((always_inline)) void accumulate_rows(const Attentio
                                                                   int row0, int rows, int count,
                                                                   int bf16) {
     const int Dp = a->padded_dim, chunks = Dp / LANES, whole = chunks / 4 * 4;
-    for (int i = 0; i < ACC_ROWS - 1; i++) s->scores[s->spare_row + i] = splat(0.0f);
+    spare_rows(s);
     for (int r0 = row0; r0 < rows; r0 += ACC_ROWS) {
-        /* The rows left at the end take spare rows as partners, whose probabilities are zero. */
         int r[ACC_ROWS];
-        for (int i = 0; i < ACC_ROWS; i++) r[i] = r0 + i < rows ? r0 + i : s->spare_row + i - 1;
+        group_rows(s, r0, rows, r);
         for (int c = 0; c < whole; c += 4) accumulate_four_chunks(s, Dp, r, c, count, bf16);
         for (int rr = r0; rr < r0 + ACC_ROWS && rr < rows; rr++) {
             v16 *acc = (v16 *)(s->acc + (int64_t)rr * Dp);
@@ -639,7 +657,7 @@ static inline __attribute__((always_inline)) void accumulate_rows(const Attentio
 }
 
 static void accumulate_values(const Attention *a, Scratch *s, int row0, int rows, int count) {
-#ifdef __AVX512BF16__
+#if HAVE_BF16_PAIRS
     if (a->pairs) {
         accumulate_pairs(a, s, row0, rows, count);
         return;
@@ -727,6 +745,21 @@ static inline __attribute__((always_inline)) void prefetch_next_tile(const Atten
     }
 }
 
+/* The key tile's scores for rows [row0, rows): against the tile transposed once from
+   TRANSPOSE_MIN_ROWS rows on, else key by key; in bf16 pairs where the attention takes them. */
+static void score_rows(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    const int transpose = rows - row0 >= TRANSPOSE_MIN_ROWS;
+#if HAVE_BF16_PAIRS
+    if (a->pairs) {
+        if (transpose) score_by_pair_transpose(a, s, row0, rows, count);
+        else score_by_pairs(a, s, row0, rows, count);
+        return;
+    }
+#endif
+    if (transpose) score_by_transpose(a, s, row0, rows, count);
+    else score_by_dots(a, s, row0, rows, count);
+}
+
 /* Fold keys [first, first + 16) of KV head kvh into the tile's rows of that head. */
 static void attend_key_tile(const Attention *a, const Tile *t, const TileSpan *span, int kvh,
                             int first, Scratch *s) {
@@ -742,18 +775,7 @@ static void attend_key_tile(const Attention *a, const Tile *t, const TileSpan *s
     while (row0 < rows && position0 + row0 / group < first) row0++;
     while (row_end > row0 && window_start(a, position0 + (row_end - 1) / group) >= first + count)
         row_end--;
-#ifdef __AVX512BF16__
-    if (a->pairs && row_end - row0 >= TRANSPOSE_MIN_ROWS) {
-        score_by_pair_transpose(a, s, row0, row_end, count);
-    } else if (a->pairs) {
-        score_by_pairs(a, s, row0, row_end, count);
-    } else
-#endif
-    if (row_end - row0 >= TRANSPOSE_MIN_ROWS) {
-        score_by_transpose(a, s, row0, row_end, count);
-    } else {
-        score_by_dots(a, s, row0, row_end, count);
-    }
+    score_rows(a, s, row0, row_end, count);
     /* Capped before the mask: lanes past count hold 0, and masked lanes become -inf anyway. */
     if (a->softcap > 0.0f) {
         for (int r = row0; r < row_end; r++) s->scores[r] = soft_cap(s->scores[r], a->softcap);
@@ -773,7 +795,7 @@ static void store_tile(const Attention *a, const Tile *t, const TileSpan *span, 
         int64_t token = span->q_first + t->q_begin + r / group, head = kvh * group + r % group;
         float *acc = s->acc + (int64_t)r * a->padded_dim;
         const float inv = 1.0f / s->row_sum[r];
-#ifdef __AVX512BF16__
+#if HAVE_BF16_PAIRS
         if (a->pairs) { /* through the key rows (unused: rows are read in place) */
             pairs_in_order(acc, inv, D, s->key_rows);
             acc = s->key_rows;
@@ -872,11 +894,8 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
                    softcap,      sinks,              out,               padded_dim,
                    (kv_dtype == F32 || kv_dtype == BF16) && head_dim == padded_dim,
                    kv_dtype == BF16 && head_dim == padded_dim,
-#ifdef __AVX512BF16__
-                   dtype == BF16 && kv_dtype == BF16 && head_dim % (2 * LANES) == 0};
-#else
-                   0};
-#endif
+                   HAVE_BF16_PAIRS && dtype == BF16 && kv_dtype == BF16 &&
+                       head_dim % (2 * LANES) == 0};
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     /* each thread's own list (a few entries per sequence): no thread waits for another's */
     Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
@@ -1369,11 +1388,6 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
    as `dequantize` forms them, then multiplied as float32 weights are. */
 #define Q8 4
 #define Q4 5
-#ifdef __AVX512BF16__
-#define HAVE_BF16_PAIRS 1
-#else
-#define HAVE_BF16_PAIRS 0
-#endif
 
 /* 16 bf16 or float16 values from any 2-byte-aligned address; 64 bytes from any. */
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
