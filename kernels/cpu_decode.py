@@ -61,8 +61,11 @@ class DecoderLayerWeights:
 
 
 def matrix_pointers(matrix: Matrix) -> tuple[int, int, int]:
+    """A matrix as the C stacks take it (cpu_kernels.h's MATRIX_SLOTS): its data, then its
+    panels (`cpu_ops.panel_copy`) or, quantized, its scales and offsets; 0 where none."""
     if isinstance(matrix, torch.Tensor):
-        return (matrix.data_ptr(), 0, 0)
+        panels = cpu_ops.panel_copy(matrix)
+        return (matrix.data_ptr(), 0 if panels is None else panels.data_ptr(), 0)
     offsets = 0 if matrix.offsets is None else matrix.offsets.data_ptr()
     return (matrix.data.data_ptr(), matrix.scales.data_ptr(), offsets)
 

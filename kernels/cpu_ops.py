@@ -31,6 +31,7 @@ from headrace.kernels.lora import lora_expand, lora_shrink
 from headrace.kernels.precision import compute_dtype, cpu_has_flag
 from headrace.kernels.quantized import QuantizedWeight
 from headrace.kernels.reference import extend, extend_fresh
+from torch import nn
 
 NAME = "cpu"
 
@@ -89,6 +90,10 @@ SKINNY_MAX_ROWS_BF16 = 8
 #: same machine, 2 threads, all 121 matmuls of a step, C vs torch: 1 row 9.7 vs 19.4 ms, 8:
 #: 21.2 vs 22.9, 24: 23.8 vs 32.9, 48: 44.3 vs 49.9, 64: 58.7 vs 60.4. (AMX, untested here,
 #: multiplies tiles several times faster than the dot instruction: torch keeps its rows.)
+#: A bf16 weight parameter is multiplied by its panels (`panel_copy`) there since 2026-11-29:
+#: the 120 layer matmuls (no LM head), 2 threads, panels vs oneDNN's packed GEMM, ms: 8 rows
+#: 7.1-9.8 vs 11.9-12.5, 16: 11.5 vs 15.0, 32: 19.4 vs 24.3, 48: 29.8 vs 37.3, 64: 34.6 vs
+#: 38.2 (the row-layout kernel: 9.3, 13.6, 24.7, 35.7, 47.9).
 #: Where the CPU has AMX tiles (`amx_tiles`), bf16 rows from 3 to AMX_MAX_ROWS multiply on
 #: them in C (kernels/csrc/amx_linear.c; 1 and 2 rows keep the vector kernel's row stream).
 #: Measured 2026-11-25 on a 2-core Xeon with AMX, SmolLM2-135M's 30 layers' matmuls and its
@@ -346,6 +351,8 @@ def linear(
     if not _takes_skinny(x, weight):
         return prepacked.linear(x, weight, bias, out_dtype)
 
+    panels = panel_copy(weight) if x.dtype == torch.bfloat16 else None
+
     def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
         return int(
             library().headrace_skinny_linear(
@@ -354,6 +361,7 @@ def linear(
                 _DTYPE_CODES[x.dtype],
                 x.shape[0],
                 _ptr(weight),
+                None if panels is None else _ptr(panels),
                 _DTYPE_CODES[weight.dtype],
                 weight.shape[0],
                 weight.shape[1],
@@ -365,6 +373,33 @@ def linear(
         )
 
     return _skinny(x, bias, out_dtype, weight.shape[0], run)
+
+
+def _pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    rows, cols = weight.shape
+    panels = torch.empty(library().headrace_panel_elements(rows, cols), dtype=torch.bfloat16)
+    library().headrace_pack_panels(_ptr(weight), rows, cols, _ptr(panels))
+    return panels
+
+
+_panel_copies = prepacked.PerParameter(_pack_panels)
+
+
+def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 weight parameter packed into panels (``kernels/csrc/panel_linear.c``), which
+    `linear` multiplies bf16 rows by where the CPU has AVX512-BF16: packed on first use and
+    again after a write, a second copy of the weight in memory. None for any other weight:
+    not bf16, not a parameter (a tensor made per call would be packed per call), or no pair
+    instruction."""
+    takes = isinstance(weight, nn.Parameter) and weight.dtype == torch.bfloat16
+    if not (takes and weight.dim() == 2 and weight.is_contiguous() and _panels_here()):
+        return None
+    return _panel_copies(weight)
+
+
+@functools.cache
+def _panels_here() -> bool:
+    return available() and bf16_pairs()
 
 
 def _skinny(

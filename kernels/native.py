@@ -37,7 +37,14 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(
-    CSRC / name for name in ("cpu_kernels.c", "decode_stack.c", "moe_experts.c", "amx_linear.c")
+    CSRC / name
+    for name in (
+        "cpu_kernels.c",
+        "decode_stack.c",
+        "moe_experts.c",
+        "amx_linear.c",
+        "panel_linear.c",
+    )
 )
 #: Hashed with the sources: a change to the shared header rebuilds the library.
 HEADERS = (CSRC / "cpu_kernels.h",)
@@ -67,9 +74,11 @@ _SIGNATURES = {
     "headrace_draw_tokens": ([_P, _I64, _I64, _I64, _P, _P, _P, _P, _P], None),
     "headrace_apply_token_bitmask": ([_P, _I64, _I64, _P, _I64, _P, _I64], None),
     "headrace_skinny_linear": (
-        [_P, _I64, _INT, _I64, _P, _INT, _I64, _I64, _P, _P, _I64, _INT],
+        [_P, _I64, _INT, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _I64, _INT],
         _INT,
     ),
+    "headrace_panel_elements": ([_I64, _I64], _I64),
+    "headrace_pack_panels": ([_P, _I64, _I64, _P], None),
     "headrace_skinny_bf16_pairs": ([], _INT),
     "headrace_amx_init": ([], _INT),
     "headrace_quantized_linear": (

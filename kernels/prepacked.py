@@ -32,6 +32,8 @@ are dropped: 32 sizes up to 8192 rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from headrace.kernels.precision import compute_dtype
 from headrace.kernels.precision import linear as unpacked_linear
@@ -43,8 +45,23 @@ from torch.utils.weak import WeakIdKeyDictionary
 PACK_ROWS_HINT = 64
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-#: parameter -> ((its data pointer, its version), its packed copy)
-_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+class PerParameter:
+    """A copy each parameter has made of it (``make(parameter)``), kept in a table keyed
+    weakly by the parameter's identity (it goes when the parameter does) and made again when
+    the parameter's data pointer or version counter moves (every in-place write through it)."""
+
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._make = make
+        #: parameter -> ((its data pointer, its version), its copy)
+        self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __call__(self, parameter: torch.Tensor) -> torch.Tensor:
+        stamp = (parameter.data_ptr(), parameter._version)
+        entry = self._copies.get(parameter)
+        if entry is None or entry[0] != stamp:
+            entry = self._copies[parameter] = (stamp, self._make(parameter))
+        return entry[1]
 
 
 def available() -> bool:
@@ -97,14 +114,10 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def packed_copy(weight: torch.Tensor) -> torch.Tensor:
-    """weight in oneDNN's blocked layout, packed on first use and again after a write."""
-    stamp = (weight.data_ptr(), weight._version)
-    entry = _packed.get(weight)
-    if entry is None or entry[0] != stamp:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        entry = _packed[weight] = (stamp, packed)
-    return entry[1]
+#: weight in oneDNN's blocked layout, packed on first use and again after a write.
+packed_copy = PerParameter(
+    lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+)
 
 
 _AVAILABLE = available()

@@ -163,26 +163,6 @@ static inline void transpose_16(__m512 rows[AMX_ROWS]) {
     }
 }
 
-/* 16 float32 values stored in dtype, rounded as store_row rounds them. */
-static inline void store_16(void *dst, int dtype, __m512 v) {
-    if (dtype == F32) {
-        _mm512_storeu_ps(dst, v);
-    } else if (dtype == BF16) { /* float_to_bf16, lane by lane */
-        const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-        const __m512i one = _mm512_set1_epi32(1);
-        const __m512i rounded = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
-                             _mm512_and_si512(high, one)),
-            16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-            _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-        const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-        _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
-    } else {
-        _mm256_storeu_si256(dst, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-}
-
 /* C tile t into y rows [m0, m0 + 16) (those below M), columns [n0, n0 + 16), + bias, each
    rounded once to y's dtype: the tile holds C^T, so it is transposed in registers. */
 static void store_block(int t, float *c, int64_t n0, int64_t m0, int64_t M, const float *bias,
@@ -198,8 +178,8 @@ static void store_block(int t, float *c, int64_t n0, int64_t m0, int64_t M, cons
     transpose_16(rows);
     const __m512 b = bias != NULL ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
     for (int i = 0; i < AMX_ROWS && m0 + i < M; i++)
-        store_16((char *)y + ((m0 + i) * y_stride + n0) * (int64_t)dtype_size(y_dtype), y_dtype,
-                 _mm512_add_ps(rows[i], b));
+        store_lanes((char *)y + ((m0 + i) * y_stride + n0) * (int64_t)dtype_size(y_dtype), y_dtype,
+                    _mm512_add_ps(rows[i], b), 0xFFFF);
 }
 
 void hr_amx_linear(const void *x, int64_t x_stride, int64_t M, const void *w, int64_t N,

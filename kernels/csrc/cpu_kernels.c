@@ -1773,13 +1773,21 @@ static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
    (x_dtype) is widened to float32 once up front unless it is float32, and the sums do not
    depend on the dtypes the same values are stored in. Each output is rounded once to
    y_dtype as it is stored. Rows of x and y may be strided; w is contiguous. wide_x: room for
-   M * K floats where x is widened (else unused). Called by every thread of a region. */
+   M * K floats where x is widened (else unused). Called by every thread of a region.
+   panels: NULL, or w packed into panels (headrace_pack_panels), which bf16 x against bf16
+   weights then multiplies instead where the pair instruction runs and AMX tiles do not
+   take the rows (panel_linear.c: each output summed over its pairs in order, whatever the
+   batch's rows). */
 void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
-                      int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
-                      int64_t y_stride, int y_dtype, float *wide_x) {
+                      const void *panels, int w_dtype, int64_t N, int64_t K, const float *bias,
+                      void *y, int64_t y_stride, int y_dtype, float *wide_x) {
     const int layout = HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
     if (layout == BF16_PAIRS && M > ROW_STREAM_ROWS && hr_amx_takes(M, N, K)) {
         hr_amx_linear(x, x_stride, M, w, N, K, bias, y, y_stride, y_dtype, wide_x);
+        return;
+    }
+    if (layout == BF16_PAIRS && panels != NULL) {
+        hr_panel_linear(x, x_stride, M, panels, N, K, bias, y, y_stride, y_dtype);
         return;
     }
     const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K, .bias = bias,
@@ -1801,13 +1809,14 @@ static float *alloc_wide_x(int x_dtype, int64_t M, int64_t K, int *failed) {
 /* hr_skinny_linear in a region of its own. Returns 0, or -1 when the widened x could not be
    allocated. */
 int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
-                           int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
-                           int64_t y_stride, int y_dtype) {
+                           const void *panels, int w_dtype, int64_t N, int64_t K,
+                           const float *bias, void *y, int64_t y_stride, int y_dtype) {
     int failed;
     float *wide_x = alloc_wide_x(x_dtype, M, K, &failed);
     if (failed) return -1;
 #pragma omp parallel if (N * K >= (1 << 15))
-    hr_skinny_linear(x, x_stride, x_dtype, M, w, w_dtype, N, K, bias, y, y_stride, y_dtype, wide_x);
+    hr_skinny_linear(x, x_stride, x_dtype, M, w, panels, w_dtype, N, K, bias, y, y_stride, y_dtype,
+                     wide_x);
     free(wide_x);
     return 0;
 }

@@ -63,6 +63,33 @@ static inline void store_row(void *dst, int dtype, const float *src, int n) {
 
 static inline size_t dtype_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* The lanes of v in `lanes` stored in dtype at dst (the others untouched), each rounded as
+   store_row rounds it. */
+static inline void store_lanes(void *dst, int dtype, __m512 v, __mmask16 lanes) {
+    if (dtype == F32) {
+        _mm512_mask_storeu_ps(dst, lanes, v);
+    } else if (dtype == BF16) { /* float_to_bf16, lane by lane */
+        const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+        const __m512i one = _mm512_set1_epi32(1);
+        const __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                             _mm512_and_si512(high, one)),
+            16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(dst, lanes,
+                                 _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
+    } else {
+        _mm256_mask_storeu_epi16(dst, lanes,
+                                 _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+}
+#endif
+
 /* I8 is a KV-cache dtype only (kernels/kv_layout.py): each (token, head) row holds head_dim
    int8 values, then their float32 scale; a value reads back as q * scale. */
 #define KV_SCALE_BYTES 4
@@ -75,8 +102,14 @@ void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t 
                  int64_t cols, int dtype);
 
 void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
-                      int w_dtype, int64_t N, int64_t K, const float *bias, void *y,
-                      int64_t y_stride, int y_dtype, float *wide_x);
+                      const void *panels, int w_dtype, int64_t N, int64_t K, const float *bias,
+                      void *y, int64_t y_stride, int y_dtype, float *wide_x);
+
+/* panel_linear.c: bf16 x [M, K] against bf16 weights [N, K] packed into panels
+   (headrace_pack_panels), as every thread of a region runs it; only where the CPU has
+   AVX512-BF16. */
+void hr_panel_linear(const void *x, int64_t x_stride, int64_t M, const void *panels, int64_t N,
+                     int64_t K, const float *bias, void *y, int64_t y_stride, int y_dtype);
 
 /* Scratch floats hr_skinny_linear needs for M rows of K: x widened to float32, or (bf16 on
    AMX tiles) x repacked into tiles of 16 rows. */
@@ -143,8 +176,9 @@ void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num
 
 /* ---- A matrix as the one-call stacks hold it (decode_stack.c, moe_experts.c) ------------- */
 
-/* A matrix as data pointers in a table: its data, then (quantized) its scales and offsets, 0
-   where it has none. */
+/* A matrix as data pointers in a table: its data, then (quantized) its scales and offsets, or
+   (bf16 where the CPU has AVX512-BF16) its panels (headrace_pack_panels); 0 where it has
+   none. */
 #define MATRIX_SLOTS 3
 
 /* How a stack's matrices hold their weights: bits 0 (the activations' dtype), 8 or 4; groups
@@ -164,7 +198,8 @@ static inline void hr_matmul(const void *x, int64_t T, const int64_t *matrix, Ma
     const void *data = (const void *)matrix[0];
     const int64_t group_size = w.group_size ? w.group_size : K;
     if (w.bits == 0) {
-        hr_skinny_linear(x, K, dtype, T, data, dtype, N, K, NULL, y, N, dtype, wide);
+        hr_skinny_linear(x, K, dtype, T, data, (const void *)matrix[1], dtype, N, K, NULL, y, N,
+                         dtype, wide);
     } else if (w.int8_activations) {
         hr_quantized_linear_a8(x, K, dtype, T, data, w.bits, N, K, group_size,
                                (const float *)matrix[1], (const float *)matrix[2], NULL, y, N,

@@ -20,6 +20,7 @@ import pytest
 import torch
 from headrace.kernels import cpu_ops, native, reference, select_kernels
 from headrace.kernels.attention import AttentionMetadata, window_first_blocks
+from torch import nn
 
 from tests.kernels import needs_c_compiler
 from tests.kernels.paged import build_paged_batch, contiguous_attention
@@ -788,6 +789,68 @@ def test_bf16_against_bf16_sums_are_the_dot_instructions_or_float32s(
     want = pair_sums(x, weight) if pairs else cpu_ops.linear(x.float(), weight.float())
     assert torch.equal(got, want)
     assert torch.equal(cpu_ops.linear(x, weight), got.bfloat16())
+
+
+def panel_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K] x [N, K] -> [M, N]
+    """The panels' sums (kernels/csrc/panel_linear.c), modelled in float32 torch ops: each
+    output adds the exact products of its pairs in order, the dot instruction's way (element
+    2j + 1, then 2j, each add rounded; an odd K's last element pairs with a zero)."""
+    products = x.float()[:, None, :] * weight.float()[None, :, :]  # [M, N, K]: exact
+    sums = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(0, x.shape[1], 2):
+        sums = sums + (products[..., k + 1] if k + 1 < x.shape[1] else 0.0)
+        sums = sums + products[..., k]
+    return sums
+
+
+# Panels of 32 weight rows (a part of one, one, two and a part), tiles of 12 rows of x and the
+# rows past them, inner sizes odd and even.
+PANEL_SHAPES = [(1, 7, 16), (2, 32, 37), (5, 40, 37), (12, 33, 64), (13, 64, 1), (30, 96, 101)]
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), PANEL_SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_parameters_multiply_by_their_panels(
+    rows, out_features, in_features, with_bias, reduced_rows_in_kernel
+):
+    """A bf16 weight parameter against bf16 rows, where the CPU has AVX512-BF16: its panels'
+    sums bit for bit (+ bias, each output rounded once), and every row's alone as in the
+    batch. Elsewhere no panels are made and the sums are the float32 kernel's. (Where AMX
+    tiles take 3 rows or more, only one and two rows meet the panels.)"""
+    gen = torch.Generator().manual_seed(rows * 11 + in_features)
+    wide_x = torch.randn(rows, in_features + 3, generator=gen).bfloat16()
+    x = wide_x[:, 2 : 2 + in_features]  # rows strided, as a slice of a fused projection
+    weight = nn.Parameter(
+        torch.randn(out_features, in_features, generator=gen).bfloat16(), requires_grad=False
+    )
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    got = cpu_ops.linear(x, weight, bias, out_dtype=torch.float32)
+    pairs = cpu_ops.bf16_pairs()
+    assert (cpu_ops.panel_copy(weight) is not None) == pairs
+    if cpu_ops.amx_tiles() and rows > 2:
+        x, got = x[:2], cpu_ops.linear(x[:2], weight, bias, out_dtype=torch.float32)
+    sums = panel_sums(x, weight) if pairs else cpu_ops.linear(x.float(), weight.detach().float())
+    assert torch.equal(got, sums + (0 if bias is None else bias))
+    assert torch.equal(cpu_ops.linear(x, weight, bias), got.bfloat16())
+    for row in range(x.shape[0]):
+        alone = cpu_ops.linear(x[row : row + 1], weight, bias, out_dtype=torch.float32)
+        assert torch.equal(alone[0], got[row])
+
+
+def test_panels_are_packed_again_after_a_write_to_the_parameter():
+    """A weight update writes through the parameter (its version moves): the next call
+    multiplies the new weights, not the panels packed from the old ones."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    weight = nn.Parameter(torch.randn(48, 64, generator=gen).bfloat16(), requires_grad=False)
+    before = cpu_ops.linear(x, weight, out_dtype=torch.float32)
+    new = torch.randn(48, 64, generator=gen).bfloat16()
+    with torch.no_grad():
+        weight.copy_(new)
+    after = cpu_ops.linear(x, weight, out_dtype=torch.float32)
+    fresh = nn.Parameter(new, requires_grad=False)
+    assert torch.equal(after, cpu_ops.linear(x, fresh, out_dtype=torch.float32))
+    assert not torch.equal(after, before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
