@@ -47,11 +47,12 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PerParameter:
-    """A copy each parameter has made of it (``make(parameter)``), kept in a table keyed
-    weakly by the parameter's identity (it goes when the parameter does) and made again when
-    the parameter's data pointer or version counter moves (every in-place write through it)."""
+    """A copy each parameter has made of it (``make(parameter, previous)``), kept in a table
+    keyed weakly by the parameter's identity (it goes when the parameter does) and made again
+    when the parameter's data pointer or version counter moves (every in-place write through
+    it); ``previous`` is the copy it replaces (None the first time), which make may refill."""
 
-    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, make: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> None:
         self._make = make
         #: parameter -> ((its data pointer, its version), its copy)
         self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -60,7 +61,8 @@ class PerParameter:
         stamp = (parameter.data_ptr(), parameter._version)
         entry = self._copies.get(parameter)
         if entry is None or entry[0] != stamp:
-            entry = self._copies[parameter] = (stamp, self._make(parameter))
+            previous = None if entry is None else entry[1]
+            entry = self._copies[parameter] = (stamp, self._make(parameter, previous))
         return entry[1]
 
 
@@ -116,7 +118,7 @@ def bucket_rows(rows: int) -> int:
 
 #: weight in oneDNN's blocked layout, packed on first use and again after a write.
 packed_copy = PerParameter(
-    lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    lambda weight, _: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 )
 
 

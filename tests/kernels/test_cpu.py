@@ -804,8 +804,17 @@ def panel_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, K]
 
 
 # Panels of 32 weight rows (a part of one, one, two and a part), tiles of 12 rows of x and the
-# rows past them, inner sizes odd and even.
-PANEL_SHAPES = [(1, 7, 16), (2, 32, 37), (5, 40, 37), (12, 33, 64), (13, 64, 1), (30, 96, 101)]
+# rows past them, inner sizes odd and even; rows past the skinny matmul's 64, which the panels
+# take too.
+PANEL_SHAPES = [
+    (1, 7, 16),
+    (2, 32, 37),
+    (5, 40, 37),
+    (12, 33, 64),
+    (13, 64, 1),
+    (30, 96, 101),
+    (130, 40, 37),
+]
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), PANEL_SHAPES)
@@ -839,11 +848,13 @@ def test_bf16_parameters_multiply_by_their_panels(
 
 def test_panels_are_packed_again_after_a_write_to_the_parameter():
     """A weight update writes through the parameter (its version moves): the next call
-    multiplies the new weights, not the panels packed from the old ones."""
+    multiplies the new weights, not the panels packed from the old ones, repacked into the
+    same memory (updates do not grow the process)."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(3, 64, generator=gen).bfloat16()
     weight = nn.Parameter(torch.randn(48, 64, generator=gen).bfloat16(), requires_grad=False)
     before = cpu_ops.linear(x, weight, out_dtype=torch.float32)
+    panels = cpu_ops.panel_copy(weight)
     new = torch.randn(48, 64, generator=gen).bfloat16()
     with torch.no_grad():
         weight.copy_(new)
@@ -851,6 +862,8 @@ def test_panels_are_packed_again_after_a_write_to_the_parameter():
     fresh = nn.Parameter(new, requires_grad=False)
     assert torch.equal(after, cpu_ops.linear(x, fresh, out_dtype=torch.float32))
     assert not torch.equal(after, before)
+    if panels is not None:
+        assert cpu_ops.panel_copy(weight) is panels
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from headrace.kernels import cpu_ops
+from headrace.kernels.huge_pages import HUGE_PAGE_BYTES, HugePageChunks, huge_page_bytes
+from headrace.sdk import GenerationConfig
 from headrace.worker import LLM
-from headrace.worker.execution.host_memory import HUGE_PAGE_BYTES, HugePageArena, huge_page_bytes
+from headrace.worker.execution.host_memory import HugePageArena
 
 from tests.factories import build_checkpoint
 
@@ -139,6 +142,22 @@ def test_huge_page_bytes_are_backed_by_huge_pages() -> None:
     assert huge >= 4 * HUGE_PAGE_BYTES  # (the kernel may fall back where memory is short)
 
 
+def test_chunks_hand_out_separate_aligned_tensors_and_a_large_one_its_own() -> None:
+    chunks = HugePageChunks(HUGE_PAGE_BYTES)
+    small = [chunks.take((3, 5), torch.float32), chunks.take((7,), torch.int8)]
+    large = chunks.take((HUGE_PAGE_BYTES + 1,), torch.uint8)
+    third = chunks.take((100,), torch.bfloat16)
+    assert [t.shape for t in small] == [(3, 5), (7,)] and third.dtype == torch.bfloat16
+    assert small[0].data_ptr() % HUGE_PAGE_BYTES == 0  # the first of a chunk starts it
+    # laid end to end, a cache line apart, in the one chunk; the large tensor elsewhere
+    assert small[1].data_ptr() == small[0].data_ptr() + 64
+    assert third.data_ptr() == small[1].data_ptr() + 64
+    assert not small[0].data_ptr() <= large.data_ptr() < small[0].data_ptr() + HUGE_PAGE_BYTES
+    for i, t in enumerate([*small, third]):
+        t.fill_(i + 1)
+    assert [int(t.float().mean()) for t in [*small, third]] == [1, 2, 3] and not large.any()
+
+
 def test_an_arena_lays_copies_end_to_end_and_refuses_what_does_not_fit() -> None:
     tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int8), torch.randn(4).half()]
     arena = HugePageArena(sum(HugePageArena.footprint(t.shape, t.dtype) for t in tensors))
@@ -179,3 +198,20 @@ def test_a_cpu_runner_keeps_its_weights_and_kv_cache_in_huge_pages(tmp_path, qua
         assert len(tensors) > 2 * runner.model.num_layers
         mappings = _huge_page_mappings()
         assert [t.shape for t in tensors if not _in_huge_pages(t, mappings)] == []
+
+
+@needs_huge_pages
+def test_bf16_weights_panels_lie_in_huge_pages_too(tmp_path) -> None:
+    """The panels the C matmul reads in place of a bf16 weight (`cpu_ops.panel_copy`) are
+    streamed as the weights are, so they are made in huge pages too."""
+    path = build_checkpoint(tmp_path, family="llama")
+    with LLM(str(path), dtype="bfloat16") as llm:
+        llm.generate([[5, 6, 7]], GenerationConfig(max_tokens=2, temperature=0.0))
+        matrices = [p for p in llm.engine.runner.model.parameters() if p.dim() == 2]
+        panels = [cpu_ops.panel_copy(m) for m in matrices]
+    if not cpu_ops.bf16_pairs():
+        assert panels == [None] * len(panels)
+        return
+    assert len(panels) >= 4 * llm.engine.runner.model.num_layers
+    mappings = _huge_page_mappings()
+    assert [p.shape for p in panels if p is None or not _in_huge_pages(p, mappings)] == []

@@ -14,9 +14,9 @@ import time
 from typing import cast
 
 import torch
+from headrace.kernels.huge_pages import huge_page_bytes
 from headrace.kernels.quantized import QuantizedWeight
 from headrace.worker.bench.common import Summary
-from headrace.worker.execution.host_memory import huge_page_bytes
 from headrace.worker.models.interface import LoadableModel
 from torch import nn
 

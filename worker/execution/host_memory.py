@@ -30,10 +30,10 @@ import ctypes
 import gc
 import logging
 import math
-import mmap
 from collections.abc import Sequence
 
 import torch
+from headrace.kernels.huge_pages import TENSOR_ALIGNMENT, huge_page_bytes, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -75,29 +75,6 @@ def freeze_startup_heap() -> None:
     atexit.register(gc.unfreeze)
 
 
-#: A transparent huge page: 2 MiB on x86-64 (and on arm64 with 4 KiB pages).
-HUGE_PAGE_BYTES = 2 << 20
-#: Where each tensor of an arena starts: a cache line, as torch's allocator aligns.
-TENSOR_ALIGNMENT = 64
-
-
-def huge_page_bytes(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of memory (uint8) in a mapping of their own that starts on a huge page and
-    asks for transparent huge pages; each page is faulted in, zeroed, where it is first
-    touched. The tensor keeps the mapping alive; it is unmapped when the last view of it goes.
-    Where the kernel takes no such advice (THP off, not Linux) the pages are plain ones."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    # A huge page more than the whole pages nbytes needs: room to start on one.
-    region = mmap.mmap(-1, _round_up(nbytes, HUGE_PAGE_BYTES) + HUGE_PAGE_BYTES, flags=flags)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):
-        logger.debug("no transparent huge pages: %d bytes in plain pages", nbytes)
-    whole = torch.frombuffer(region, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES
-    return whole[start : start + nbytes]
-
-
 class HugePageArena:
     """Tensors laid end to end in one `huge_page_bytes` mapping, sized for them up front."""
 
@@ -108,7 +85,7 @@ class HugePageArena:
     @staticmethod
     def footprint(shape: Sequence[int], dtype: torch.dtype) -> int:
         """The bytes a tensor of ``shape`` and ``dtype`` takes in an arena."""
-        return _round_up(math.prod(shape) * dtype.itemsize, TENSOR_ALIGNMENT)
+        return round_up(math.prod(shape) * dtype.itemsize, TENSOR_ALIGNMENT)
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The next contiguous tensor of the arena (zeros, where nothing was written)."""
@@ -121,7 +98,3 @@ class HugePageArena:
     def copy_in(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of ``tensor`` in the arena (contiguous)."""
         return self.take(tensor.shape, tensor.dtype).copy_(tensor)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
