@@ -91,8 +91,9 @@ SKINNY_MAX_ROWS_BF16 = 8
 #: same machine, 2 threads, all 121 matmuls of a step, C vs torch: 1 row 9.7 vs 19.4 ms, 8:
 #: 21.2 vs 22.9, 24: 23.8 vs 32.9, 48: 44.3 vs 49.9, 64: 58.7 vs 60.4. (AMX, untested here,
 #: multiplies tiles several times faster than the dot instruction: torch keeps its rows.)
-#: A bf16 weight parameter is multiplied by its panels (`panel_copy`) there since 2026-11-29:
-#: the 120 layer matmuls (no LM head), 2 threads, panels vs oneDNN's packed GEMM, ms: 8 rows
+#: A bf16 weight parameter is multiplied by its panels (`panel_copy`) there since 2026-11-29,
+#: at every row count (`linear`): the 120 layer matmuls (no LM head), 2 threads, panels vs
+#: oneDNN's packed GEMM, ms: 8 rows
 #: 7.1-9.8 vs 11.9-12.5, 16: 11.5 vs 15.0, 32: 19.4 vs 24.3, 48: 29.8 vs 37.3, 64: 34.6 vs
 #: 38.2 (the row-layout kernel: 9.3, 13.6, 24.7, 35.7, 47.9).
 #: Where the CPU has AMX tiles (`amx_tiles`), bf16 rows from 3 to AMX_MAX_ROWS multiply on
