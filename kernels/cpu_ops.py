@@ -93,9 +93,9 @@ SKINNY_MAX_ROWS_BF16 = 8
 #: multiplies tiles several times faster than the dot instruction: torch keeps its rows.)
 #: A bf16 weight parameter is multiplied by its panels (`panel_copy`) there since 2026-11-29,
 #: at every row count (`linear`): the 120 layer matmuls (no LM head), 2 threads, panels vs
-#: oneDNN's packed GEMM, ms: 8 rows
-#: 7.1-9.8 vs 11.9-12.5, 16: 11.5 vs 15.0, 32: 19.4 vs 24.3, 48: 29.8 vs 37.3, 64: 34.6 vs
-#: 38.2 (the row-layout kernel: 9.3, 13.6, 24.7, 35.7, 47.9).
+#: oneDNN's packed GEMM, ms: 8 rows 7.1-9.8 vs 11.9-12.5, 16: 11.5 vs 15.0, 32: 19.4 vs
+#: 24.3, 48: 29.8 vs 37.3, 64: 34.6 vs 38.2 (the row-layout kernel: 9.3, 13.6, 24.7, 35.7,
+#: 47.9), 256: 134.6 vs 136.3, 1024: 535 vs 545, 2048: 1077 vs 1044.
 #: Where the CPU has AMX tiles (`amx_tiles`), bf16 rows from 3 to AMX_MAX_ROWS multiply on
 #: them in C (kernels/csrc/amx_linear.c; 1 and 2 rows keep the vector kernel's row stream).
 #: Measured 2026-11-25 on a 2-core Xeon with AMX, SmolLM2-135M's 30 layers' matmuls and its
@@ -403,10 +403,10 @@ _panel_copies = prepacked.PerParameter(_pack_panels)
 def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """A bf16 weight parameter packed into panels (``kernels/csrc/panel_linear.c``), which
     `linear` multiplies bf16 rows by where the CPU has AVX512-BF16: packed on first use and
-    again after a write, a second copy of the weight in memory (in place of oneDNN's, which
-    such a weight then never needs: the panels run at oneDNN's rate from 64 rows to 2048
-    and faster below). None for any other weight: not bf16, not a parameter (a tensor made
-    per call would be packed per call), or no pair instruction."""
+    again after a write (in place), a second copy of the weight in memory (in place of
+    oneDNN's, which such a weight then never needs: the panels run at oneDNN's rate from 256
+    rows to 2048 and faster below). None for any other weight: not bf16, not a parameter (a
+    tensor made per call would be packed per call), or no pair instruction."""
     takes = isinstance(weight, nn.Parameter) and weight.dtype == torch.bfloat16
     if not (takes and weight.dim() == 2 and weight.is_contiguous() and _panels_here()):
         return None
