@@ -350,11 +350,9 @@ def linear(
     """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`) in the C kernel, float32
     arithmetic over float32, bf16 or float16 weights (each output's sum in a fixed order,
     whatever the other rows), and bf16 rows against a weight's panels at any row count
-    (`panel_copy`, where AMX tiles do not take them); else torch's on the weight packed once
-    (`prepacked.linear`)."""
+    (`panel_copy`); else torch's on the weight packed once (`prepacked.linear`)."""
     panels = panel_copy(weight) if x.dtype == torch.bfloat16 and x.dim() == 2 else None
-    every_row = panels is not None and not amx_tiles()
-    if not (every_row or _takes_skinny(x, weight)):
+    if panels is None and not _takes_skinny(x, weight):
         return prepacked.linear(x, weight, bias, out_dtype)
 
     def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
@@ -406,7 +404,8 @@ def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
     again after a write (in place), a second copy of the weight in memory (in place of
     oneDNN's, which such a weight then never needs: the panels run at oneDNN's rate from 256
     rows to 2048 and faster below). None for any other weight: not bf16, not a parameter (a
-    tensor made per call would be packed per call), or no pair instruction."""
+    tensor made per call would be packed per call), or a CPU without the pair instruction or
+    with AMX tiles (`_panels_here`)."""
     takes = isinstance(weight, nn.Parameter) and weight.dtype == torch.bfloat16
     if not (takes and weight.dim() == 2 and weight.is_contiguous() and _panels_here()):
         return None
@@ -415,7 +414,10 @@ def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 @functools.cache
 def _panels_here() -> bool:
-    return available() and bf16_pairs()
+    """AVX512-BF16 and no AMX tiles: where the CPU has them, the tiles take bf16 rows from 3
+    to AMX_MAX_ROWS on the plain weights and oneDNN more (amx_linear.c), so panels would be a
+    third copy for one and two rows."""
+    return available() and bf16_pairs() and not amx_tiles()
 
 
 def _skinny(
