@@ -405,18 +405,18 @@ def panel_copy(weight: torch.Tensor) -> torch.Tensor | None:
     oneDNN's, which such a weight then never needs: the panels run at oneDNN's rate from 256
     rows to 2048 and faster below). None for any other weight: not bf16, not a parameter (a
     tensor made per call would be packed per call), or a CPU without the pair instruction or
-    with AMX tiles (`_panels_here`)."""
+    with AMX tiles (`makes_panels`)."""
     takes = isinstance(weight, nn.Parameter) and weight.dtype == torch.bfloat16
-    if not (takes and weight.dim() == 2 and weight.is_contiguous() and _panels_here()):
+    if not (takes and weight.dim() == 2 and weight.is_contiguous() and makes_panels()):
         return None
     return _panel_copies(weight)
 
 
 @functools.cache
-def _panels_here() -> bool:
-    """AVX512-BF16 and no AMX tiles: where the CPU has them, the tiles take bf16 rows from 3
-    to AMX_MAX_ROWS on the plain weights and oneDNN more (amx_linear.c), so panels would be a
-    third copy for one and two rows."""
+def makes_panels() -> bool:
+    """Whether bf16 weight parameters get panels here: AVX512-BF16 and no AMX tiles (where
+    the CPU has them, the tiles take bf16 rows from 3 to AMX_MAX_ROWS on the plain weights
+    and oneDNN more, so panels would be a third copy for one and two rows)."""
     return available() and bf16_pairs() and not amx_tiles()
 
 

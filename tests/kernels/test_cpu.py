@@ -831,7 +831,8 @@ def test_bf16_parameters_multiply_by_their_panels(rows, out_features, in_feature
     )
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     panels = cpu_ops.panel_copy(weight) is not None
-    assert panels == (cpu_ops.bf16_pairs() and not cpu_ops.amx_tiles())
+    assert panels == cpu_ops.makes_panels()
+    assert cpu_ops.makes_panels() == (cpu_ops.bf16_pairs() and not cpu_ops.amx_tiles())
     if not panels:
         pytest.skip("no panels here: no AVX512-BF16, or AMX tiles take the rows")
     got = cpu_ops.linear(x, weight, bias, out_dtype=torch.float32)
