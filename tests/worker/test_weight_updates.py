@@ -67,6 +67,26 @@ def test_an_llm_updated_from_disk_and_from_tensors_serves_exactly_the_new_weight
         assert llm.weight_version() == "a-from-tensors"
 
 
+def test_a_bf16_llm_updated_serves_the_new_weights_not_its_old_panels(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """bf16 layers multiply by panels packed from their weights where the CPU makes them
+    (`cpu_ops.panel_copy`): an update must repack them, or the engine would go on serving
+    the old weights' tokens."""
+    want = {}
+    for name, path in zip("AB", checkpoints, strict=True):
+        with LLM(str(path), dtype="bfloat16") as llm:
+            want[name] = tokens(llm)
+    assert want["A"] != want["B"]
+    a, b = checkpoints
+    with LLM(str(a), dtype="bfloat16") as llm:
+        assert tokens(llm) == want["A"]  # the panels now hold A
+        llm.update_weights(str(b), version="b-from-disk")
+        assert tokens(llm) == want["B"]
+        llm.update_weights_from_tensors(tensors_of(a), version="a-from-tensors")
+        assert tokens(llm) == want["A"]
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
