@@ -1778,16 +1778,21 @@ static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
    weights then multiplies instead where the pair instruction runs and AMX tiles do not
    take the rows (panel_linear.c: each output summed over its pairs in order, whatever the
    batch's rows). */
+/* The layout hr_skinny_linear multiplies x_dtype x by w_dtype weights in. */
+static inline int skinny_layout(int x_dtype, int w_dtype) {
+    return HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
+}
+
 void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
                       const void *panels, int w_dtype, int64_t N, int64_t K, const float *bias,
                       void *y, int64_t y_stride, int y_dtype, float *wide_x) {
-    const int layout = HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
-    if (layout == BF16_PAIRS && M > ROW_STREAM_ROWS && hr_amx_takes(M, N, K)) {
-        hr_amx_linear(x, x_stride, M, w, N, K, bias, y, y_stride, y_dtype, wide_x);
+    const int layout = skinny_layout(x_dtype, w_dtype);
+    if (layout == BF16_PAIRS && panels != NULL) { /* (never made where AMX tiles are granted) */
+        hr_panel_linear(x, x_stride, M, panels, N, K, bias, y, y_stride, y_dtype);
         return;
     }
-    if (layout == BF16_PAIRS && panels != NULL) {
-        hr_panel_linear(x, x_stride, M, panels, N, K, bias, y, y_stride, y_dtype);
+    if (layout == BF16_PAIRS && M > ROW_STREAM_ROWS && hr_amx_takes(M, N, K)) {
+        hr_amx_linear(x, x_stride, M, w, N, K, bias, y, y_stride, y_dtype, wide_x);
         return;
     }
     const Skinny s = {.x = x, .x_stride = x_stride, .M = M, .w = w, .N = N, .K = K, .bias = bias,
@@ -1811,8 +1816,9 @@ static float *alloc_wide_x(int x_dtype, int64_t M, int64_t K, int *failed) {
 int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
                            const void *panels, int w_dtype, int64_t N, int64_t K,
                            const float *bias, void *y, int64_t y_stride, int y_dtype) {
-    int failed;
-    float *wide_x = alloc_wide_x(x_dtype, M, K, &failed);
+    int failed = 0; /* panels read x as it is: no widened copy */
+    const int in_panels = skinny_layout(x_dtype, w_dtype) == BF16_PAIRS && panels != NULL;
+    float *wide_x = in_panels ? NULL : alloc_wide_x(x_dtype, M, K, &failed);
     if (failed) return -1;
 #pragma omp parallel if (N * K >= (1 << 15))
     hr_skinny_linear(x, x_stride, x_dtype, M, w, panels, w_dtype, N, K, bias, y, y_stride, y_dtype,

@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from headrace.kernels import cpu_ops
-from headrace.kernels.huge_pages import HUGE_PAGE_BYTES, HugePageChunks, huge_page_bytes
+from headrace.kernels.huge_pages import (
+    HUGE_PAGE_BYTES,
+    HugePageArena,
+    HugePageChunks,
+    huge_page_bytes,
+)
 from headrace.sdk import GenerationConfig
 from headrace.worker import LLM
-from headrace.worker.execution.host_memory import HugePageArena
 
 from tests.factories import build_checkpoint
 

@@ -38,7 +38,7 @@ READ_BUFFER_BYTES = 512 << 20
 def read_bandwidth(repeats: int = 5) -> float:
     """Bytes per second torch's sum reads a float32 buffer of `READ_BUFFER_BYTES` (every
     thread streaming its share), best of ``repeats``. The buffer lies in huge pages, as a
-    CPU runner's weights do (`host_memory.HugePageArena`)."""
+    CPU runner's weights do (`huge_pages.HugePageArena`)."""
     buffer = huge_page_bytes(READ_BUFFER_BYTES).view(torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):

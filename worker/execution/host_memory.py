@@ -14,13 +14,8 @@ heap. What is freed stays with the process (as with jemalloc or tcmalloc, which 
 backend recommends preloading); larger blocks (the KV cache, logits past 32 MiB) are still
 mapped, and those the engine reuses itself.
 
-On a CPU the weights and the KV cache live in transparent huge pages (`HugePageArena`): a
-one-row decode step streams every weight once, and with 4 KiB pages it walks ~130,000 page
-translations a step (on a VM, two-level ones). Where Linux's ``transparent_hugepage`` is
-``madvise`` (as on this project's machines) a process gets huge pages only where it asks
-(`madvise(MADV_HUGEPAGE)`), and neither glibc's malloc nor torch's allocator asks. Measured
-on the 2-core Zen 4 VM, alternating processes: the C matmul read SmolLM2's LM head (113 MB)
-at 27.4-27.9 GB/s from the heap and 30.7-31.3 from huge pages.
+A CPU runner's weights and KV cache live in transparent huge pages, not on the heap
+(`headrace.kernels.huge_pages`).
 """
 
 from __future__ import annotations
@@ -29,11 +24,6 @@ import atexit
 import ctypes
 import gc
 import logging
-import math
-from collections.abc import Sequence
-
-import torch
-from headrace.kernels.huge_pages import TENSOR_ALIGNMENT, huge_page_bytes, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -73,28 +63,3 @@ def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
-
-
-class HugePageArena:
-    """Tensors laid end to end in one `huge_page_bytes` mapping, sized for them up front."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.memory = huge_page_bytes(nbytes)
-        self.used = 0
-
-    @staticmethod
-    def footprint(shape: Sequence[int], dtype: torch.dtype) -> int:
-        """The bytes a tensor of ``shape`` and ``dtype`` takes in an arena."""
-        return round_up(math.prod(shape) * dtype.itemsize, TENSOR_ALIGNMENT)
-
-    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The next contiguous tensor of the arena (zeros, where nothing was written)."""
-        start, nbytes = self.used, math.prod(shape) * dtype.itemsize
-        if start + nbytes > self.memory.numel():
-            raise ValueError(f"{nbytes} bytes past the arena's end ({self.memory.numel()})")
-        self.used += self.footprint(shape, dtype)
-        return self.memory[start : start + nbytes].view(dtype).view(tuple(shape))
-
-    def copy_in(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` in the arena (contiguous)."""
-        return self.take(tensor.shape, tensor.dtype).copy_(tensor)

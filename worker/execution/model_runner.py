@@ -14,6 +14,7 @@ from typing import cast
 import numpy as np
 import torch
 from headrace.kernels import AttentionMetadata
+from headrace.kernels.huge_pages import HugePageArena
 from headrace.kernels.kv_layout import cache_shape
 from headrace.kernels.quantized import QuantizedWeight
 from headrace.worker.distributed.parallel import ParallelConfig
@@ -26,7 +27,6 @@ from headrace.worker.execution.batch import (
     prompt_logprob_rows,
 )
 from headrace.worker.execution.block_tables import BlockTables
-from headrace.worker.execution.host_memory import HugePageArena
 from headrace.worker.layers.quantizable import Quantizable
 from headrace.worker.lora.manager import LoraManager
 from headrace.worker.models.interface import LoadableModel
@@ -153,9 +153,9 @@ class ModelRunner:
         ]
 
     def weights_to_huge_pages(self) -> None:
-        """The weights copied into one `HugePageArena` (`host_memory`: a one-row CPU step
-        streams them all), one by one, so each old copy can go before the next is made. Run
-        before any step: the CPU decode stack keeps the matrices it first sees."""
+        """The weights copied into one `HugePageArena` (`headrace.kernels.huge_pages`: a
+        one-row CPU step streams them all), one by one, so each old copy can go before the next
+        is made. Run before any step: the CPU decode stack keeps the matrices it first sees."""
         # (no list of the weights outlives the sizing: it would keep every old copy alive)
         nbytes = sum(HugePageArena.footprint(t.shape, t.dtype) for t in self.weight_tensors())
         self.place_weights(HugePageArena(nbytes).copy_in)
