@@ -182,25 +182,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "and venv (vllm: vLLM's CPU backend; llama.cpp: llama-cpp-python; `make bench-peers` "
         "makes both): same prompts, greedy, runs alternating with headrace's (--rounds)",
     )
-    add(
-        "--peer-python",
-        metavar="PATH",
-        help="the peer venv's python (default: the venv `make bench-peers` made under "
-        "$HEADRACE_CACHE/peers, ~/.cache/headrace/peers)",
-    )
-    add(
-        "--peer-cpus",
-        type=parse_cpus,
-        metavar="LIST",
-        help="CPUs the peer's threads run on, e.g. 0-1 (default: all this process may use)",
-    )
-    add(
-        "--peer-gguf",
-        metavar="PATH",
-        help="llama.cpp's model: a GGUF file, or 'shipped' for the quantized one the model's "
-        "package ships (default: the GGUF of --dtype that `make bench-peers` converted)",
-    )
-    add("--peer-kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    peer_arguments(parser)
     add("--profile", action="store_true", help="split decode steps into phases")
     add(
         "--sampled",
@@ -295,6 +277,30 @@ def parallel_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="seed of the random prompts")
 
 
+def peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a peer baseline comes from and what it may use (engine and serve)."""
+    add = parser.add_argument
+    add(
+        "--peer-python",
+        metavar="PATH",
+        help="the peer venv's python (default: the venv `make bench-peers` made under "
+        "$HEADRACE_CACHE/peers, ~/.cache/headrace/peers)",
+    )
+    add(
+        "--peer-cpus",
+        type=parse_cpus,
+        metavar="LIST",
+        help="CPUs the peer's threads run on, e.g. 0-1 (default: all this process may use)",
+    )
+    add(
+        "--peer-gguf",
+        metavar="PATH",
+        help="llama.cpp's model: a GGUF file, or 'shipped' for the quantized one the model's "
+        "package ships (default: the GGUF of --dtype that `make bench-peers` converted)",
+    )
+    add("--peer-kv-cache-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+
+
 def serve_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--target", help="HOST:PORT of a running router or worker (default: start our own)")
@@ -327,6 +333,29 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --target: N priority-10 requests mid-load, their TTFT reported apart",
     )
     add("--burst-delay", type=float, default=1.0, help="seconds into the load of the burst")
+    add(
+        "--baseline",
+        choices=["none", "vllm", "llama.cpp"],
+        default="none",
+        help="also start a peer's OpenAI server (vllm: `vllm serve`; llama.cpp: llama-server; "
+        "`make bench-peers` makes both) and load it and headrace's OpenAI door in turns, "
+        "--rounds pairs, the same prompts in a pair and new ones each round (without --target "
+        "headrace starts as `headrace up` does, the model --model or the default one; with it, "
+        "the door at --http-target is loaded)",
+    )
+    peer_arguments(parser)
+    add(
+        "--peer-server",
+        metavar="PATH",
+        help="llama.cpp's llama-server (default: the one `make bench-peers` built under "
+        "$HEADRACE_CACHE/peers)",
+    )
+    add(
+        "--peer-start-timeout",
+        type=float,
+        default=900.0,
+        help="seconds the peer's server may take to come up (vLLM compiles its model)",
+    )
 
 
 def weights_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,6 +52,8 @@ class Report:
     #: Generated tokens of each request, in the workload's order, where the run keeps them
     #: (to compare greedy outputs with a peer's).
     token_ids: list[list[int]] = field(default_factory=list)
+    #: Each request's completion text, where a served load keeps it (`serve_http`).
+    texts: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:

@@ -28,6 +28,7 @@ sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _HERE]
 
 import json  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Iterable  # noqa: E402
 from typing import Any, TextIO  # noqa: E402
 
 
@@ -67,7 +68,7 @@ class VllmPeer:
 
     def __init__(self, setup: dict[str, Any]) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(setup["kv_cache_gib"])
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_ranges(setup["cpus"])
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_ranges(setup["cpus"])
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import vllm
 
@@ -113,8 +114,8 @@ def _vllm_ttfts(outputs: list[Any], wall_start: float) -> list[float] | None:
     return [s.arrival_time - wall_start + s.first_token_latency for s in stats]
 
 
-def _cpu_ranges(cpus: list[int]) -> str:
-    """[0, 1, 2, 5] as "0-2,5" (VLLM_CPU_OMP_THREADS_BIND's form)."""
+def cpu_ranges(cpus: Iterable[int]) -> str:
+    """[0, 1, 2, 5] as "0-2,5" (VLLM_CPU_OMP_THREADS_BIND's form; the served bench's too)."""
     ranges: list[list[int]] = []
     for cpu in sorted(cpus):
         if ranges and cpu == ranges[-1][1] + 1:

@@ -18,7 +18,7 @@ import json
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -244,8 +244,8 @@ def start_peer(python: Path, setup: PeerSetup, driver: Path = DRIVER) -> Iterato
             peer.close()
 
 
-def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
-    """The fraction of requests whose generated tokens are identical."""
+def agreement(ours: Sequence[object], theirs: Sequence[object]) -> float:
+    """The fraction of requests whose generated tokens (or texts) are identical."""
     if len(ours) != len(theirs):
         raise ValueError(f"{len(ours)} requests against {len(theirs)}")
     return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)

@@ -48,6 +48,8 @@ class Timings:
     num_tokens: int = 0
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    #: The completion's text, where the load keeps it (`serve_http`'s ``keep_text``).
+    text: str = ""
 
 
 def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
@@ -119,6 +121,7 @@ def timings_report(name: str, start: float, results: list[Timings]) -> Report:
         sum(r.num_tokens for r in results),
         ttft_s=[r.ttft_s for r in results if r.ttft_s is not None],
         itl_s=[gap for r in results for gap in r.itl_s],
+        texts=[r.text for r in results],
     )
 
 
@@ -149,6 +152,10 @@ HTTP = "router HTTP (OpenAI door)"
 
 
 def run(args: argparse.Namespace) -> Summary:
+    if getattr(args, "baseline", "none") != "none":
+        from headrace.worker.bench.serve_peers import run_against_peer
+
+        return run_against_peer(args)
     if args.target is None:
         from headrace.worker.bench.serve_local import run_local
 
@@ -161,7 +168,7 @@ def run(args: argparse.Namespace) -> Summary:
     if args.api == "openai":
         from headrace.worker.bench.serve_http import run_http_load
 
-        http_target = args.http_target or f"{args.target.rpartition(':')[0]}:8000"
+        http_target = door_target(args)
         report = asyncio.run(run_http_load(http_target, workload, args))
         burst_report = None
     else:
@@ -182,6 +189,11 @@ def run(args: argparse.Namespace) -> Summary:
         print(burst_report.describe())
         summary.update({f"burst_{k}": v for k, v in burst_report.summary().items()})
     return summary
+
+
+def door_target(args: argparse.Namespace) -> str:
+    """The OpenAI door of the server at --target: --http-target, or --target's host, port 8000."""
+    return str(args.http_target or f"{args.target.rpartition(':')[0]}:8000")
 
 
 def _model_info(target: str) -> pb.ModelInfo:

@@ -26,7 +26,9 @@ from headrace.worker.bench.serve import Timings, arrival_offsets, timings_report
 
 DATA = b"data: "
 DONE = b"data: [DONE]"
-USAGE_EVENT = b'"choices":[]'
+#: The usage, in the last event (with a choice of its own in some servers: llama.cpp's).
+USAGE = b'"usage":{'
+CHOICELESS = b'"choices":[]'
 
 
 class _Connection:
@@ -71,7 +73,11 @@ def _body(prompt: list[int], max_tokens: int) -> dict[str, object]:
     }
 
 
-async def _one(connection: _Connection, prompt: list[int], max_tokens: int) -> Timings:
+async def _one(
+    connection: _Connection, prompt: list[int], max_tokens: int, keep_text: bool = False
+) -> Timings:
+    """One streamed completion; with ``keep_text``, its text too (each event parsed: CPU
+    the load client otherwise spares the server's cores)."""
     timings = Timings()
     last = sent = time.perf_counter()
     body = json.dumps(_body(prompt, max_tokens)).encode()
@@ -79,20 +85,29 @@ async def _one(connection: _Connection, prompt: list[int], max_tokens: int) -> T
         if not event.startswith(DATA) or event == DONE:
             continue
         now = time.perf_counter()
-        if USAGE_EVENT in event:
+        if USAGE in event:
             timings.num_tokens = json.loads(event[len(DATA) :])["usage"]["completion_tokens"]
-        elif timings.ttft_s is None:
+        if CHOICELESS in event:  # the usage alone
+            continue
+        if timings.ttft_s is None:
             timings.ttft_s = now - sent
         else:
             timings.itl_s.append(now - last)
+        if keep_text:
+            timings.text += "".join(c["text"] for c in json.loads(event[len(DATA) :])["choices"])
         last = now
     return timings
 
 
 async def run_http_load(
-    target: str, workload: Workload, args: argparse.Namespace, name: str = "load"
+    target: str,
+    workload: Workload,
+    args: argparse.Namespace,
+    name: str = "load",
+    keep_text: bool = False,
 ) -> Report:
-    """Send the workload to the OpenAI door at ``target`` (HOST:PORT)."""
+    """Send the workload to the OpenAI door at ``target`` (HOST:PORT); with ``keep_text`` the
+    report keeps each request's completion text (`Report.texts`)."""
     offsets = arrival_offsets(len(workload.prompts), args.request_rate, args.seed)
     host, _, port = target.rpartition(":")
     num_connections = min(args.max_concurrency or len(workload.prompts), len(workload.prompts))
@@ -104,7 +119,7 @@ async def run_http_load(
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
         connection = await idle.get()
         try:
-            return await _one(connection, workload.prompts[i], workload.max_tokens[i])
+            return await _one(connection, workload.prompts[i], workload.max_tokens[i], keep_text)
         finally:
             idle.put_nowait(connection)
 

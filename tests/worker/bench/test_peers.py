@@ -16,7 +16,7 @@ import pytest
 from headrace.worker.bench.cli import engine_arguments, parse_cpus
 from headrace.worker.bench.common import Report, Workload
 from headrace.worker.bench.engine import _peer_setup, _workload_shape
-from headrace.worker.bench.peer_driver import _cpu_ranges, _prefill_chunks
+from headrace.worker.bench.peer_driver import _prefill_chunks, cpu_ranges
 from headrace.worker.bench.peers import (
     PairedRounds,
     PeerError,
@@ -308,8 +308,8 @@ def test_peer_flags_parse():
 
 
 def test_the_driver_names_cpus_as_vllm_binds_them():
-    assert _cpu_ranges([0, 1]) == "0-1"
-    assert _cpu_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert cpu_ranges([0, 1]) == "0-1"
+    assert cpu_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
 
 
 def test_llama_cpp_prefill_batches_want_logits_only_at_each_prompts_end():
