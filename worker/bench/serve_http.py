@@ -32,23 +32,38 @@ CHOICELESS = b'"choices":[]'
 
 
 class _Connection:
-    """One keep-alive HTTP/1.1 connection to the door."""
+    """One keep-alive HTTP/1.1 connection to the door (opened again where the server closed
+    it between requests: llama.cpp's server does after each streamed answer)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(
+        self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.host, self.port, self.reader, self.writer = host, port, reader, writer
 
     @classmethod
     async def open(cls, host: str, port: int) -> _Connection:
-        return cls(*await asyncio.open_connection(host, port))
+        return cls(host, port, *await asyncio.open_connection(host, port))
 
     def close(self) -> None:
         self.writer.close()
 
+    async def _send(self, request: bytes) -> bytes:
+        """Write the request; the answer's status line (empty: the server had closed)."""
+        if self.reader.at_eof():
+            self.close()
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(request)
+        return await self.reader.readline()
+
     async def events(self, path: str, body: bytes) -> AsyncIterator[bytes]:
         """POST ``body``; the SSE events of the answer (a 200 with a chunked body)."""
         head = f"POST {path} HTTP/1.1\r\nhost: door\r\ncontent-type: application/json\r\n"
-        self.writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
-        status = await self.reader.readline()
+        request = f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
+        status = await self._send(request)
+        if not status:  # closed while the request went out: once more, on a new connection
+            status = await self._send(request)
+        if not status:
+            raise RuntimeError("the server closed the connection without answering")
         if b" 200 " not in status:
             raise RuntimeError(f"the door answered {status.decode().strip()!r}")
         while await self.reader.readline() != b"\r\n":

@@ -110,7 +110,10 @@ def peer_server_command(
         threads = str(len(setup.cpus))
         command = [str(server), "--model", setup.model, "--alias", setup.served_name, *host]
         command += ["--threads", threads, "--threads-batch", threads, "--cont-batching"]
+        # A slot per sequence, and an HTTP thread per connection (its HTTP library holds a
+        # thread for each open keep-alive connection; the load opens one per request).
         command += ["--parallel", str(setup.max_num_seqs)]
+        command += ["--threads-http", str(setup.max_num_seqs)]
         # The context is shared by the slots: each gets a whole sequence.
         command += ["--ctx-size", str(setup.max_num_seqs * setup.max_model_len)]
         command += ["--batch-size", str(setup.max_num_batched_tokens)]

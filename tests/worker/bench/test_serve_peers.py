@@ -139,7 +139,7 @@ def test_llama_server_gets_a_slot_per_sequence_and_a_thread_per_cpu() -> None:
         return command[command.index(name) + 1]
 
     assert (flag("--threads"), flag("--threads-batch")) == ("3", "3")
-    assert flag("--parallel") == "256"
+    assert flag("--parallel") == flag("--threads-http") == "256"
     assert flag("--ctx-size") == str(256 * 192)  # every slot a whole sequence
     assert (flag("--batch-size"), flag("--ubatch-size")) == ("1024", "1024")
     assert "--cont-batching" in command
