@@ -62,6 +62,8 @@ from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 #: How long a peer's server may take to answer its first /v1/models (vLLM compiles its model
 #: at start: 1.5-3 minutes on two busy cores).
 PEER_START_TIMEOUT_S = 900.0
+#: Cores of other processes' work below which the machine counts as quiet between turns.
+QUIET_CORES = 0.1
 #: The peer's key in summary keys.
 SUMMARY_KEYS = {"vllm": "vllm", "llama.cpp": "llama_cpp"}
 
@@ -355,10 +357,30 @@ def _alternate(args: argparse.Namespace, door: str, peer_door: str, vocab: int) 
         round_args = argparse.Namespace(**{**vars(args), "seed": seed})
         turns = (("headrace", door, pairs.ours), (args.baseline, peer_door, pairs.theirs))
         for name, target, reports in turns:
+            wait_until_quiet()
             report = asyncio.run(run_http_load(target, workload, round_args, name, True))
             print(report.describe())
             reports.append(report)
     return pairs
+
+
+def wait_until_quiet(
+    limit_cores: float = QUIET_CORES, window_s: float = 0.5, timeout_s: float = 30.0
+) -> float:
+    """Wait for the CPUs to go quiet before a turn (at most ``timeout_s``): a server goes on
+    working for a moment after its last token (vLLM's engine for a second or more), and a
+    load started meanwhile meets it as a neighbour (in one measurement, headrace's turns right
+    after vLLM's had a TTFT p50 of 4.7-5.0 s against 3.7 s for the first). Returns the cores
+    others used in the last window."""
+    from headrace.worker.execution.cpu_threads import allowed_cpus, others_cores, sample
+
+    cpus, deadline = allowed_cpus(), time.monotonic() + timeout_s
+    while True:
+        before = sample(cpus)
+        time.sleep(window_s)
+        busy = others_cores(before, sample(cpus))
+        if busy < limit_cores or time.monotonic() > deadline:
+            return busy
 
 
 def vocab_size(model: Path) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -24,6 +25,7 @@ from headrace.worker.bench.serve_peers import (
     run_against_peer,
     start_peer_server,
     vocab_size,
+    wait_until_quiet,
 )
 from headrace.worker.config import CPU_STEP_TOKENS
 
@@ -240,3 +242,26 @@ def test_served_against_a_peer_same_prompts_each_pair_new_ones_each_round(
     assert summary["vllm_agreement"] == 0.0  # a tiny random model's text is not the fake's
     out = capsys.readouterr().out
     assert "headrace / vllm tok/s" in out and "headrace / vllm TTFT p50" in out
+
+
+def test_a_turn_waits_for_a_busy_process_to_finish() -> None:
+    """A process that keeps a core busy for a while: the wait returns only once it is gone
+    (what the turn after a server's last token waits for), and reports the quiet it found."""
+    busy = subprocess.Popen(
+        [sys.executable, "-c", BUSY_FOR_A_WHILE], stdout=subprocess.PIPE, text=True
+    )
+    assert busy.stdout is not None and busy.stdout.readline() == "busy\n"
+    others = wait_until_quiet(limit_cores=0.5, window_s=0.3, timeout_s=120)
+    assert busy.poll() == 0
+    assert others < 0.5
+
+
+#: Busy for two seconds of its own CPU time, saying so when it starts.
+BUSY_FOR_A_WHILE = textwrap.dedent(
+    """
+    import time
+    print("busy", flush=True)
+    while time.process_time() < 2.0:
+        pass
+    """
+)
