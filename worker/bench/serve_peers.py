@@ -48,6 +48,7 @@ from headrace.worker.bench.common import Report, Summary, make_workload, quantil
 from headrace.worker.bench.peer_driver import cpu_ranges
 from headrace.worker.bench.peers import (
     PeerError,
+    PeerSetup,
     agreement,
     default_peer_python,
     peer_model,
@@ -64,27 +65,6 @@ from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 PEER_START_TIMEOUT_S = 900.0
 #: Cores of other processes' work below which the machine counts as quiet between turns.
 QUIET_CORES = 0.1
-#: The peer's key in summary keys.
-SUMMARY_KEYS = {"vllm": "vllm", "llama.cpp": "llama_cpp"}
-
-
-@dataclass(frozen=True, slots=True)
-class PeerServerSetup:
-    """What the peer's server is started with."""
-
-    #: "vllm" or "llama.cpp".
-    peer: str
-    #: A checkpoint folder (vLLM) or a GGUF file (llama.cpp).
-    model: str
-    #: The model's name in requests (``model`` of /v1/completions).
-    served_name: str
-    dtype: str
-    cpus: tuple[int, ...]
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    #: The longest sequence: prompt and new tokens.
-    max_model_len: int
-    kv_cache_gib: int = 4
 
 
 def default_peer_server() -> Path:
@@ -93,13 +73,15 @@ def default_peer_server() -> Path:
 
 
 def peer_server_command(
-    setup: PeerServerSetup, port: int, python: Path, server: Path
+    setup: PeerSetup, served_name: str, port: int, python: Path, server: Path
 ) -> tuple[list[str], dict[str, str]]:
-    """The peer's server command line on ``port``, and the environment variables it adds."""
+    """The peer's server command line on ``port``, serving the model as ``served_name``,
+    and the environment variables it adds. ``setup.max_model_len`` is the workload's longest
+    sequence (llama.cpp's slots share a context of that many each)."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if setup.peer == "vllm":
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", setup.model]
-        command += ["--served-model-name", setup.served_name, "--dtype", setup.dtype, *host]
+        command += ["--served-model-name", served_name, "--dtype", setup.dtype, *host]
         command += ["--max-num-seqs", str(setup.max_num_seqs)]
         command += ["--max-num-batched-tokens", str(setup.max_num_batched_tokens)]
         command += ["--max-model-len", str(setup.max_model_len)]
@@ -110,7 +92,7 @@ def peer_server_command(
         return command, environment
     if setup.peer == "llama.cpp":
         threads = str(len(setup.cpus))
-        command = [str(server), "--model", setup.model, "--alias", setup.served_name, *host]
+        command = [str(server), "--model", setup.model, "--alias", served_name, *host]
         command += ["--threads", threads, "--threads-batch", threads, "--cont-batching"]
         # A slot per sequence, and an HTTP thread per connection (its HTTP library holds a
         # thread for each open keep-alive connection; the load opens one per request).
@@ -205,7 +187,8 @@ class PeerServer:
 
 @contextlib.contextmanager
 def start_peer_server(
-    setup: PeerServerSetup,
+    setup: PeerSetup,
+    served_name: str,
     python: Path,
     server: Path,
     timeout_s: float = PEER_START_TIMEOUT_S,
@@ -218,7 +201,7 @@ def start_peer_server(
             f"or give --peer-server PATH"
         )
     port = free_port()
-    command, environment = peer_server_command(setup, port, python, server)
+    command, environment = peer_server_command(setup, served_name, port, python, server)
     with tempfile.TemporaryDirectory(prefix="headrace-peer-server-") as workdir:
         peer = PeerServer(command, environment, port, setup.cpus, Path(workdir), timeout_s)
         try:
@@ -308,10 +291,9 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
     # The workload's longest sequence: llama.cpp's slots share a context of this many each.
     max_model_len = args.prompt_lens[1] + args.output_lens[1]
     name = model.name
-    setup = PeerServerSetup(
+    setup = PeerSetup(
         args.baseline,
         peer_model(args.baseline, model, name, args.dtype, args.peer_gguf),
-        name,
         args.dtype,
         tuple(args.peer_cpus or sorted(os.sched_getaffinity(0))),
         max_num_seqs,
@@ -339,7 +321,7 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
             door = f"127.0.0.1:{router.http_port}"
         started = time.perf_counter()
         peer = stack.enter_context(
-            start_peer_server(setup, python, server, args.peer_start_timeout)
+            start_peer_server(setup, name, python, server, args.peer_start_timeout)
         )
         print(f"{args.baseline} server up in {time.perf_counter() - started:.0f} s")
         pairs = _alternate(args, door, peer.target, vocab_size(model))
@@ -350,14 +332,15 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
 
 
 def _alternate(args: argparse.Namespace, door: str, peer_door: str, vocab: int) -> ServedPairs:
-    pairs = ServedPairs(SUMMARY_KEYS[args.baseline], [], [])
+    pairs = ServedPairs(args.baseline.replace(".", "_"), [], [])
     for round_no in range(args.rounds):
         seed = args.seed + round_no
         workload = make_workload(vocab, args.num_requests, args.prompt_lens, args.output_lens, seed)
         round_args = argparse.Namespace(**{**vars(args), "seed": seed})
         turns = (("headrace", door, pairs.ours), (args.baseline, peer_door, pairs.theirs))
         for name, target, reports in turns:
-            wait_until_quiet()
+            if (busy := wait_until_quiet()) >= QUIET_CORES:
+                print(f"(other processes kept {busy:.2f} cores busy before {name}'s turn)")
             report = asyncio.run(run_http_load(target, workload, round_args, name, True))
             print(report.describe())
             reports.append(report)

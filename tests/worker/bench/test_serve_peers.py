@@ -17,9 +17,8 @@ import pytest
 from headrace.worker.bench.cli import serve_arguments
 from headrace.worker.bench.common import Report, build_tiny_checkpoint, make_workload
 from headrace.worker.bench.peer_driver import cpu_ranges
-from headrace.worker.bench.peers import PeerError
+from headrace.worker.bench.peers import PeerError, PeerSetup
 from headrace.worker.bench.serve_peers import (
-    PeerServerSetup,
     ServedPairs,
     peer_server_command,
     run_against_peer,
@@ -107,12 +106,12 @@ def records(tmp_path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in lines]
 
 
-def setup(peer: str = "vllm", cpus: tuple[int, ...] = (0, 1)) -> PeerServerSetup:
-    return PeerServerSetup(peer, "/models/m", "m", "bfloat16", cpus, 256, 1024, 192, 3)
+def setup(peer: str = "vllm", cpus: tuple[int, ...] = (0, 1)) -> PeerSetup:
+    return PeerSetup(peer, "/models/m", "bfloat16", cpus, 256, 1024, 192, 3)
 
 
 def test_vllm_serves_the_same_model_limits_and_cpus() -> None:
-    command, env = peer_server_command(setup(), 8123, Path("/venv/bin/python"), Path("/none"))
+    command, env = peer_server_command(setup(), "m", 8123, Path("/venv/bin/python"), Path("/none"))
     assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
 
     def flag(name: str) -> str:
@@ -134,7 +133,7 @@ def test_vllm_serves_the_same_model_limits_and_cpus() -> None:
 
 def test_llama_server_gets_a_slot_per_sequence_and_a_thread_per_cpu() -> None:
     server = Path("/peers/llamacpp/bin/llama-server")
-    command, env = peer_server_command(setup("llama.cpp", (0, 1, 2)), 8124, Path("/p"), server)
+    command, env = peer_server_command(setup("llama.cpp", (0, 1, 2)), "m", 8124, Path("/p"), server)
     assert command[0] == str(server) and env == {}
 
     def flag(name: str) -> str:
@@ -180,17 +179,17 @@ def test_a_peer_server_that_exits_is_an_error_with_its_log(
     fake_python: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_MODE", "exit")
-    server = start_peer_server(setup(cpus=(0,)), fake_python, Path("/none"), timeout_s=60)
+    server = start_peer_server(setup(cpus=(0,)), "m", fake_python, Path("/none"), timeout_s=60)
     with pytest.raises(PeerError, match="exited with code 2") as error, server:
         pass
     assert "cannot load the model: no such file" in str(error.value)
 
 
 def test_a_missing_peer_is_an_error_naming_how_to_make_it(tmp_path: Path) -> None:
-    vllm = start_peer_server(setup(), tmp_path / "no" / "python", Path("/none"))
+    vllm = start_peer_server(setup(), "m", tmp_path / "no" / "python", Path("/none"))
     with pytest.raises(PeerError, match="make bench-peers"), vllm:
         pass
-    llama = start_peer_server(setup("llama.cpp"), Path("/p"), tmp_path / "llama-server")
+    llama = start_peer_server(setup("llama.cpp"), "m", Path("/p"), tmp_path / "llama-server")
     with pytest.raises(PeerError, match="llama-server"), llama:
         pass
 
