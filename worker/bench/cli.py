@@ -310,7 +310,11 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     add("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
     add("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
-    add("--model", help="without --target: the worker's model (default: a tiny random one)")
+    add(
+        "--model",
+        help="without --target: the worker's model (default: a tiny random one; with "
+        f"--baseline, {DEFAULT_MODEL})",
+    )
     add("--dtype", default="float32", help="without --target: the worker's dtype")
     add("--rounds", type=int, default=3, help="without --target: rounds of each path")
     add(
@@ -341,7 +345,7 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
         "`make bench-peers` makes both) and load it and headrace's OpenAI door in turns, "
         "--rounds pairs, the same prompts in a pair and new ones each round (without --target "
         "headrace starts as `headrace up` does, the model --model or the default one; with it, "
-        "the door at --http-target is loaded)",
+        "the door at --http-target is loaded, and the peer gets a default worker's limits)",
     )
     peer_arguments(parser)
     add(
