@@ -2307,6 +2307,28 @@ static void rms_norm_half_row(const uint16_t *x, const uint16_t *residual, const
         _mm256_storeu_si256((__m256i *)(out + i), narrow_half(w * normed, dtype));
     }
 }
+
+/* hr_rms_norm's row for float32 rows of whole vectors, read and written where they lie: the
+   same add, the same sum of squares in the same order and the same products as the buffered
+   loop, without its copies of the row, the residual and the weight into float buffers (a
+   float32 prefill step's rms_norm and silu_and_mul spent 3% of the step in those copies). */
+static void rms_norm_f32_row(const float *x, const float *residual, const float *weight,
+                             float eps, float *out, float *sum, int64_t cols) {
+    v16 squares = splat(0.0f);
+    for (int64_t i = 0; i < cols; i += LANES) {
+        v16 v = *(const v16u *)(x + i);
+        if (residual != NULL) {
+            v = v + *(const v16u *)(residual + i);
+            *(v16u *)(sum + i) = v;
+        }
+        squares += v * v;
+    }
+    const float scale = 1.0f / sqrtf(hsum(squares) / (float)cols + eps);
+    const float *row = residual != NULL ? sum : x;
+    for (int64_t i = 0; i < cols; i += LANES) {
+        *(v16u *)(out + i) = *(const v16u *)(weight + i) * (*(const v16u *)(row + i) * scale);
+    }
+}
 #endif
 
 /* out = weight * normalised(x + residual), and sum = x + residual, row by row, rounding as
@@ -2327,6 +2349,16 @@ void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t 
             uint16_t *total = sum == NULL ? NULL : (uint16_t *)sum + r * cols;
             rms_norm_half_row((const uint16_t *)x + r * x_stride, res, (const uint16_t *)weight, eps,
                               (uint16_t *)out + r * cols, total, cols, dtype);
+        }
+        return;
+    }
+    if (dtype == F32 && cols % LANES == 0) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; r++) {
+            const float *res = residual == NULL ? NULL : (const float *)residual + r * residual_stride;
+            float *total = sum == NULL ? NULL : (float *)sum + r * cols;
+            rms_norm_f32_row((const float *)x + r * x_stride, res, (const float *)weight, eps,
+                             (float *)out + r * cols, total, cols);
         }
         return;
     }
@@ -2546,6 +2578,16 @@ static void silu_and_mul_half_row(const uint16_t *gate, const uint16_t *up, uint
         _mm256_mask_storeu_epi16(out + i, m, narrow_half(silu * u, dtype));
     }
 }
+
+/* silu_and_mul_row's float32 row read and written where it lies (the same silu and product,
+   16 values a step, the last masked), without its copies into float buffers. */
+static void silu_and_mul_f32_row(const float *gate, const float *up, float *out, int64_t cols) {
+    for (int64_t i = 0; i < cols; i += LANES) {
+        const __mmask16 m = lanes_from(i, cols);
+        const v16 silu = silu_rounded((v16)_mm512_maskz_loadu_ps(m, gate + i));
+        _mm512_mask_storeu_ps(out + i, m, (__m512)(silu * (v16)_mm512_maskz_loadu_ps(m, up + i)));
+    }
+}
 #endif
 
 #endif
@@ -2585,6 +2627,14 @@ void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num
         for (int64_t r = 0; r < num_rows; r++) {
             const uint16_t *row = (const uint16_t *)gate_up + r * stride;
             silu_and_mul_half_row(row, row + cols, (uint16_t *)out + r * cols, cols, dtype);
+        }
+        return;
+    }
+    if (dtype == F32) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; r++) {
+            const float *row = (const float *)gate_up + r * stride;
+            silu_and_mul_f32_row(row, row + cols, (float *)out + r * cols, cols);
         }
         return;
     }
