@@ -29,7 +29,8 @@ from headrace.worker.bench.serve_peers import (
 from headrace.worker.config import CPU_STEP_TOKENS
 
 #: An OpenAI-style server: /v1/models, and streamed /v1/completions whose text is the prompt's
-#: last id + 1, + 2, ... as " <id>" pieces, then a usage event, then [DONE]. It records its
+#: last id + 1, + 2, ... as " <id>" pieces, then a usage event, then [DONE], and then it closes
+#: the connection (so the load client must open another for its next request). It records its
 #: command line, the environment the bench gave it and every request's body in RECORD (a
 #: JSON line each); MODE "exit" leaves at once, as a server that cannot load its model.
 FAKE_SERVER = textwrap.dedent(
@@ -81,6 +82,7 @@ FAKE_SERVER = textwrap.dedent(
             self.chunk(json.dumps({"choices": [], "usage": usage}, separators=(",", ":")).encode())
             self.chunk(b"[DONE]")
             self.wfile.write(b"0\\r\\n\\r\\n")
+            self.close_connection = True  # as llama-server does, keep-alive header or not
 
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
     """
