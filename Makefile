@@ -109,7 +109,7 @@ LLAMA_SERVER_BUILD := $(PEERS_DIR)/llama-server-build
 $(PEERS_DIR)/llamacpp/bin/llama-server: $(LLAMA_CPP_SRC)/pyproject.toml
 	cmake -S $(LLAMA_CPP_SRC)/vendor/llama.cpp -B $(LLAMA_SERVER_BUILD) -DCMAKE_BUILD_TYPE=Release \
 		-DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-		-DLLAMA_CURL=OFF
+		-DLLAMA_OPENSSL=OFF
 	cmake --build $(LLAMA_SERVER_BUILD) --target llama-server -j$$(nproc)
 	ln -sf $(LLAMA_SERVER_BUILD)/bin/llama-server $@
 
