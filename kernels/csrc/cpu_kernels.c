@@ -1765,6 +1765,16 @@ static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
     for (int64_t i = 0; i < items; i++) work(&s, i);
 }
 
+/* The layout hr_skinny_linear multiplies x_dtype x by w_dtype weights in. */
+static inline int skinny_layout(int x_dtype, int w_dtype) {
+    return HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
+}
+
+/* Whether hr_skinny_linear multiplies by the panels (which read x as it is). */
+static inline int takes_panels(int x_dtype, int w_dtype, const void *panels) {
+    return skinny_layout(x_dtype, w_dtype) == BF16_PAIRS && panels != NULL;
+}
+
 /* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]) in float32 for the few rows of a decode step:
    each weight is read from memory once (float32, or bf16 / float16 widened in registers);
    its tile of 4 rows meets every row of x from cache. Every output is lane sums over k mod
@@ -1775,22 +1785,17 @@ static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
    y_dtype as it is stored. Rows of x and y may be strided; w is contiguous. wide_x: room for
    M * K floats where x is widened (else unused). Called by every thread of a region.
    panels: NULL, or w packed into panels (headrace_pack_panels), which bf16 x against bf16
-   weights then multiplies instead where the pair instruction runs and AMX tiles do not
-   take the rows (panel_linear.c: each output summed over its pairs in order, whatever the
-   batch's rows). */
-/* The layout hr_skinny_linear multiplies x_dtype x by w_dtype weights in. */
-static inline int skinny_layout(int x_dtype, int w_dtype) {
-    return HAVE_BF16_PAIRS && x_dtype == BF16 && w_dtype == BF16 ? BF16_PAIRS : w_dtype;
-}
-
+   weights then multiplies instead where the pair instruction runs (panel_linear.c: each
+   output summed over its pairs in order, whatever the batch's rows; never made where AMX
+   tiles are granted). */
 void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
                       const void *panels, int w_dtype, int64_t N, int64_t K, const float *bias,
                       void *y, int64_t y_stride, int y_dtype, float *wide_x) {
-    const int layout = skinny_layout(x_dtype, w_dtype);
-    if (layout == BF16_PAIRS && panels != NULL) { /* (never made where AMX tiles are granted) */
+    if (takes_panels(x_dtype, w_dtype, panels)) {
         hr_panel_linear(x, x_stride, M, panels, N, K, bias, y, y_stride, y_dtype);
         return;
     }
+    const int layout = skinny_layout(x_dtype, w_dtype);
     if (layout == BF16_PAIRS && M > ROW_STREAM_ROWS && hr_amx_takes(M, N, K)) {
         hr_amx_linear(x, x_stride, M, w, N, K, bias, y, y_stride, y_dtype, wide_x);
         return;
@@ -1816,8 +1821,8 @@ static float *alloc_wide_x(int x_dtype, int64_t M, int64_t K, int *failed) {
 int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
                            const void *panels, int w_dtype, int64_t N, int64_t K,
                            const float *bias, void *y, int64_t y_stride, int y_dtype) {
-    int failed = 0; /* panels read x as it is: no widened copy */
-    const int in_panels = skinny_layout(x_dtype, w_dtype) == BF16_PAIRS && panels != NULL;
+    int failed = 0;
+    const int in_panels = takes_panels(x_dtype, w_dtype, panels); /* x read as it is */
     float *wide_x = in_panels ? NULL : alloc_wide_x(x_dtype, M, K, &failed);
     if (failed) return -1;
 #pragma omp parallel if (N * K >= (1 << 15))

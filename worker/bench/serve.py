@@ -155,7 +155,7 @@ HTTP = "router HTTP (OpenAI door)"
 
 
 def run(args: argparse.Namespace) -> Summary:
-    if getattr(args, "baseline", "none") != "none":
+    if args.baseline != "none":
         from headrace.worker.bench.serve_peers import run_against_peer
 
         return run_against_peer(args)

@@ -58,6 +58,7 @@ from headrace.worker.bench.peers import (
 from headrace.worker.bench.serve import describe_workload, door_target
 from headrace.worker.bench.serve_http import run_http_load
 from headrace.worker.config import EngineConfig
+from headrace.worker.execution.cpu_threads import allowed_cpus, others_cores, sample
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 #: How long a peer's server may take to answer its first /v1/models (vLLM compiles its model
@@ -355,8 +356,6 @@ def wait_until_quiet(
     load started meanwhile meets it as a neighbour (in one measurement, headrace's turns right
     after vLLM's had a TTFT p50 of 4.7-5.0 s against 3.7 s for the first). Returns the cores
     others used in the last window."""
-    from headrace.worker.execution.cpu_threads import allowed_cpus, others_cores, sample
-
     cpus, deadline = allowed_cpus(), time.monotonic() + timeout_s
     while True:
         before = sample(cpus)
