@@ -106,6 +106,20 @@ SKINNY_MAX_ROWS_BF16 = 8
 #: the slower matmuls: 64 requests of 32-512 tokens, 128 new: decode step 78-80 -> 63 ms,
 #: 576-591 -> 678 tok/s; 24 requests of 32-256, 64 new: 45 -> 23 ms, 421-430 -> 691-706.
 AMX_MAX_ROWS = 64
+#: Float32 rows past SKINNY_MAX_ROWS go to oneDNN's packed GEMM, which pads them to a bucket
+#: (`prepacked.bucket_rows`: up to a quarter more rows) and computes the padding too. Where
+#: the bucket is more than PADDING_SKIPPED larger than the rows, the C kernel takes them,
+#: up to PADDING_MAX_ROWS: a weight tile stays in L1 while it meets every row, so its rate
+#: holds to a few hundred rows. Measured 2026-11-29 on the 2-core Zen 4 (AVX512-BF16, no
+#: AMX), SmolLM2-135M's 120 layer matmuls (30 distinct weights each, 2 threads), oneDNN
+#: padded / oneDNN at the exact row count (a kernel per count: ~0.6 MB each, which is why
+#: there are buckets) / the C kernel, ms: 70 rows 96.7 / 85.3 / 81.7; 129: 184 / 143 / 148;
+#: 161: 214 / 177 / 183; 200: 261 / 240 / 249; 256 (a bucket): 281 / 274 / 300; 300: 347 /
+#: 320 / 337; 400: 479 / 413 / 467; 1024: 1042 / 1029 / 1225. The LM head (49152 x 576)
+#: likewise: 161 rows 60.8 / 43.6 / 48.8. A step of one 128-token prompt and 1 to 63 decodes
+#: (the shape of a served step at a request rate) ran 1.10x faster (median of the pairs).
+PADDING_SKIPPED = 0.08
+PADDING_MAX_ROWS = 320
 
 
 #: Rows up to which `quantized_linear` runs the C kernel, by bits: past them, torch's GEMM on
@@ -349,7 +363,8 @@ def linear(
 ) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
     """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`) in the C kernel, float32
     arithmetic over float32, bf16 or float16 weights (each output's sum in a fixed order,
-    whatever the other rows), and bf16 rows against a weight's panels at any row count
+    whatever the other rows), as are float32 rows the packed GEMM would pad too much
+    (`PADDING_SKIPPED`), and bf16 rows against a weight's panels at any row count
     (`panel_copy`); else torch's on the weight packed once (`prepacked.linear`)."""
     panels = panel_copy(weight) if x.dtype == torch.bfloat16 and x.dim() == 2 else None
     if panels is None and not _takes_skinny(x, weight):
@@ -540,8 +555,17 @@ def _pairs_beat_torch() -> bool:
 def _takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     on_cpu = x.device.type == weight.device.type == "cpu"
     rows = x.shape[0] if x.dim() == 2 else 0
-    in_kernel = on_cpu and x.dtype in _DTYPE_CODES and weight.is_contiguous()
-    return in_kernel and 0 < rows <= skinny_max_rows(weight.dtype)
+    in_kernel = on_cpu and x.dtype in _DTYPE_CODES and weight.is_contiguous() and rows > 0
+    return in_kernel and (rows <= skinny_max_rows(weight.dtype) or _skips_padding(x, weight))
+
+
+def _skips_padding(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether float32 rows that oneDNN's packed GEMM would pad by more than PADDING_SKIPPED
+    run in the C kernel instead (up to PADDING_MAX_ROWS)."""
+    rows = x.shape[0]
+    if weight.dtype != torch.float32 or rows > PADDING_MAX_ROWS or not prepacked.packs(x, weight):
+        return False
+    return prepacked.bucket_rows(rows) > rows * (1 + PADDING_SKIPPED)
 
 
 #: Widest row `rms_norm` takes in C (its row buffer lives on the stack); wider go to torch.

@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from headrace.kernels import cpu_ops, native, reference, select_kernels
+from headrace.kernels import cpu_ops, native, prepacked, reference, select_kernels
 from headrace.kernels.attention import AttentionMetadata, window_first_blocks
 from torch import nn
 
@@ -931,18 +931,31 @@ def test_bf16_rows_on_amx_tiles_do_not_depend_on_the_rest_of_the_batch():
     assert not torch.equal(batched[:2], cpu_ops.linear(x[:2], weight, out_dtype=torch.float32))
 
 
-def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
+@pytest.fixture
+def skinny_calls(monkeypatch) -> list[int]:
+    """The row count of every call into the C matmul (``headrace_skinny_linear``)."""
     calls: list[int] = []
     library = cpu_ops.library()
 
     class Counting:
         def __getattr__(self, name):
-            if name == "headrace_skinny_linear":
-                calls.append(1)
-            return getattr(library, name)
+            kernel = getattr(library, name)
+            if name != "headrace_skinny_linear":
+                return kernel
+
+            def counted(*args):
+                calls.append(args[3])  # M
+                return kernel(*args)
+
+            return counted
 
     monkeypatch.setattr(cpu_ops, "library", Counting)
-    weight = torch.randn(8, 32)
+    return calls
+
+
+def test_linear_hands_larger_batches_and_other_dtypes_to_torch(skinny_calls):
+    calls = skinny_calls
+    weight = torch.randn(8, 32)  # not a parameter: never packed, never padded
     cpu_ops.linear(torch.randn(cpu_ops.SKINNY_MAX_ROWS, 32), weight)
     assert len(calls) == 1
     big = torch.randn(cpu_ops.SKINNY_MAX_ROWS + 1, 32)
@@ -956,6 +969,30 @@ def test_linear_hands_larger_batches_and_other_dtypes_to_torch(monkeypatch):
     big_half = torch.randn(cpu_ops.skinny_max_rows(torch.bfloat16) + 1, 32, dtype=torch.bfloat16)
     cpu_ops.linear(big_half, weight.bfloat16())
     assert len(calls) == 2
+
+
+@pytest.mark.skipif(not prepacked.available(), reason="torch without oneDNN's packed linear")
+def test_float32_rows_the_packed_gemm_would_pad_much_run_in_the_c_kernel(skinny_calls):
+    """oneDNN's packed GEMM pads a call's rows to a bucket and computes the padding too: float32
+    rows it would pad by more than PADDING_SKIPPED run in the C kernel up to
+    PADDING_MAX_ROWS, where each row's sums are its bits alone."""
+    assert [prepacked.bucket_rows(r) for r in (65, 128, 150, 161, 321)] == [80, 128, 160, 192, 384]
+    gen = torch.Generator().manual_seed(11)
+    weight = nn.Parameter(torch.randn(40, 64, generator=gen), requires_grad=False)
+    x = torch.randn(cpu_ops.PADDING_MAX_ROWS + 1, 64, generator=gen)
+    in_c = {65: True, 128: False, 150: False, 161: True, cpu_ops.PADDING_MAX_ROWS + 1: False}
+    for rows, wanted in in_c.items():
+        skinny_calls.clear()
+        got = cpu_ops.linear(x[:rows], weight)
+        assert skinny_calls == ([rows] if wanted else []), rows
+        want = (x[:rows].double() @ weight.double().T).float()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    batched = cpu_ops.linear(x[:161], weight)
+    for row in (0, 64, 100, 160):
+        assert torch.equal(cpu_ops.linear(x[row : row + 1], weight)[0], batched[row])
+    skinny_calls.clear()
+    cpu_ops.linear(x[:161], weight.detach().clone())  # not a parameter: torch's, unpadded
+    assert skinny_calls == []
 
 
 def test_reduced_weights_take_the_float32_bound_where_torch_would_widen_them(monkeypatch):
