@@ -38,7 +38,7 @@ from headrace.worker.engine.draft import DraftModelProposer, draft_config
 from headrace.worker.engine.generation_control import GenerationControl
 from headrace.worker.engine.intake import EngineRequest, RequestIntake
 from headrace.worker.engine.model_spec import ModelSpec
-from headrace.worker.engine.outputs import EngineLoad, RequestOutput
+from headrace.worker.engine.outputs import EngineLoad, RequestOutput, StepStats
 from headrace.worker.engine.speculation import SpeculationStats, accept
 from headrace.worker.execution.batch import StepResult
 from headrace.worker.execution.executor import start_executor
@@ -119,6 +119,8 @@ class Engine:
         self._requests: dict[str, EngineRequest] = {}
         #: Speculative decoding's proposals made and kept (config.num_speculative_tokens).
         self.speculation = SpeculationStats()
+        #: Steps run and their time (metrics).
+        self.step_stats = StepStats()
         #: The plan of the step whose outputs the last `step()` returned (benchmarks, metrics).
         self.last_step: SchedulerOutput | None = None
         #: Submitted steps not yet collected, oldest first (at most one per pipeline stage).
@@ -251,7 +253,12 @@ class Engine:
     def load(self) -> EngineLoad:
         seqs = [request.seqs for request in self._requests.values()]
         return EngineLoad.measure(
-            seqs, self.block_manager, self.scheduler, self.control, self.speculation.snapshot()
+            seqs,
+            self.block_manager,
+            self.scheduler,
+            self.control,
+            self.speculation.snapshot(),
+            self.step_stats.snapshot(),
         )
 
     # --- generation control (between steps: `settle` first) ----------------------------
@@ -331,11 +338,17 @@ class Engine:
         (each over sequences no other in-flight step holds), then finishes the oldest, so
         stage 0 computes step k + 1 while later stages finish step k.
         """
+        start_s = time.monotonic()
         outputs: Outputs = {}
         self._schedule_and_submit(outputs)
-        if self._in_flight:
+        finishes = bool(self._in_flight)
+        if finishes:
             self._finish_oldest_step(outputs)
-        return self._report(outputs)
+        reported = self._report(outputs)
+        if finishes:
+            assert self.last_step is not None
+            self.step_stats.record(self.last_step, time.monotonic() - start_s)
+        return reported
 
     def _finish_oldest_step(self, outputs: Outputs) -> None:
         """Collect the oldest step in flight, sample, and apply it: the scheduler updates the
@@ -391,7 +404,7 @@ class Engine:
     def _mark_scheduled(self, step: SchedulerOutput) -> None:
         now = time.monotonic()
         for chunk in step.chunks:
-            if chunk.start < chunk.seq.num_prompt_tokens:  # a prompt chunk; decodes ran before
+            if chunk.computes_prompt:  # decodes ran before
                 times = self._requests[chunk.seq.request_id].times
                 if times.first_scheduled_s is None:
                     times.first_scheduled_s = now

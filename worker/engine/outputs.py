@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from headrace.sdk.errors import HeadraceError
@@ -15,6 +15,7 @@ from headrace.worker.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     from headrace.worker.engine.generation_control import GenerationControl
     from headrace.worker.scheduling.block_manager import BlockManager
+    from headrace.worker.scheduling.output import SchedulerOutput
     from headrace.worker.scheduling.scheduler import Scheduler
 
 
@@ -56,6 +57,38 @@ class RequestOutput:
     weight_version: str = ""
 
 
+@dataclass(slots=True)
+class StepStats:
+    """Engine steps since the engine started, and their wall time (`Engine.step` calls that
+    finished one), by kind: steps that computed prompt tokens (alone or beside decodes) and
+    steps of decodes alone. Their time over wall time is how busy the engine is; at a
+    request rate, a prompt's time to first token is about the rest of the step in progress
+    plus one prompt step (docs/observability.md)."""
+
+    num_prompt_steps: int = 0
+    num_decode_steps: int = 0
+    prompt_step_s: float = 0.0
+    decode_step_s: float = 0.0
+    #: Tokens the steps computed: of prompts, and the rest (decodes, proposals checked).
+    num_prompt_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def record(self, step: SchedulerOutput, seconds: float) -> None:
+        num_prompt_tokens = sum(c.num_new_tokens for c in step.chunks if c.computes_prompt)
+        self.num_prompt_tokens += num_prompt_tokens
+        self.num_decode_tokens += step.num_batched_tokens - num_prompt_tokens
+        if num_prompt_tokens:
+            self.num_prompt_steps += 1
+            self.prompt_step_s += seconds
+        else:
+            self.num_decode_steps += 1
+            self.decode_step_s += seconds
+
+    def snapshot(self) -> StepStats:
+        """A copy that later steps do not change (load reports, metrics)."""
+        return replace(self)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """A snapshot of how busy the engine is (for load reports and routing)."""
@@ -81,6 +114,8 @@ class EngineLoad:
     rank_offset: int = 0
     #: Speculative decoding's proposals made and kept so far (a copy).
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    #: Steps run and their time so far (a copy).
+    steps: StepStats = field(default_factory=StepStats)
 
     @classmethod
     def measure(
@@ -90,6 +125,7 @@ class EngineLoad:
         scheduler: Scheduler,
         control: GenerationControl,
         speculation: SpeculationStats | None = None,
+        steps: StepStats | None = None,
     ) -> EngineLoad:
         """The load of an engine holding ``requests`` (each request's sequences)."""
         num_running = num_queued_tokens = 0
@@ -112,4 +148,5 @@ class EngineLoad:
             state=control.state,
             rank_offset=control.rank_offset,
             speculation=speculation or SpeculationStats(),
+            steps=steps or StepStats(),
         )

@@ -28,6 +28,11 @@ class ScheduledChunk:
     #: chunk (num_new_tokens counts them) so the step can check each (`proposals.py`).
     draft_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def computes_prompt(self) -> bool:
+        """The chunk computes prompt tokens (a prefill chunk; decodes start past the prompt)."""
+        return self.start < self.seq.num_prompt_tokens
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

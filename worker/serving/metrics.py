@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from headrace.sdk.telemetry import NAMESPACE, RequestMetrics
+from headrace.sdk.telemetry import NAMESPACE, TTFT_BUCKETS, RequestMetrics
 from headrace.worker.engine.async_engine import AsyncEngine
-from prometheus_client import CollectorRegistry
+from headrace.worker.engine.outputs import StepStats
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +26,16 @@ class WorkerMetrics:
     def __init__(self, engine: AsyncEngine, model: str, state: Draining) -> None:
         self.registry = CollectorRegistry()
         self.requests = RequestMetrics(self.registry, SUBSYSTEM, {"model": model})
+        #: The worker's own part of a request's time to first token after its queue.
+        self.prefill_time = Histogram(
+            "request_prefill_time_seconds",
+            "From a request's first step until its first token.",
+            ["model"],
+            namespace=NAMESPACE,
+            subsystem=SUBSYSTEM,
+            registry=self.registry,
+            buckets=TTFT_BUCKETS,
+        ).labels(model=model)
         self.registry.register(_EngineCollector(engine, model, state))
 
 
@@ -73,6 +84,7 @@ class _EngineCollector(Collector):
             load.num_prefix_hit_blocks,
         )
         yield counter("preemptions", "Sequences preempted to free KV blocks.", load.num_preemptions)
+        yield from _step_counters(self._model, load.steps)
         spec = load.speculation
         yield counter(
             "speculative_proposed_tokens",
@@ -102,3 +114,30 @@ class _EngineCollector(Collector):
         yield gauge(
             "draining", "1 while the worker drains (takes no new requests).", self._state.draining
         )
+
+
+def _step_counters(model: str, steps: StepStats) -> Iterator[Metric]:
+    """The engine's steps, their seconds and their tokens, by kind: ``prompt`` (steps that
+    computed prompt tokens) and ``decode`` (decodes alone)."""
+    series = (
+        ("steps", "Engine steps run.", steps.num_prompt_steps, steps.num_decode_steps),
+        (
+            "step_seconds",
+            "Wall time of engine steps (its rate: the share of time the engine computes).",
+            steps.prompt_step_s,
+            steps.decode_step_s,
+        ),
+        (
+            "step_tokens",
+            "Tokens engine steps computed: prompt tokens, and the rest (decodes).",
+            steps.num_prompt_tokens,
+            steps.num_decode_tokens,
+        ),
+    )
+    for name, doc, prompt, decode in series:
+        family = CounterMetricFamily(
+            f"{NAMESPACE}_{SUBSYSTEM}_{name}", doc, labels=["model", "kind"]
+        )
+        family.add_metric([model, "prompt"], prompt)
+        family.add_metric([model, "decode"], decode)
+        yield family

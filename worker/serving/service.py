@@ -79,8 +79,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         spans, from the engine's times) and its log line."""
         queue_s = None
         if times is not None and times.first_scheduled_s is not None:
+            # From the worker's arrival, not the engine's: a request waits for the step in
+            # progress before the engine takes it in.
             requests = self.metrics.requests
-            queue_s = telemetry.queued(times.arrival_s, times.first_scheduled_s, requests)
+            arrival_s = telemetry.clock.arrival_s
+            queue_s = telemetry.queued(arrival_s, times.first_scheduled_s, requests)
+            if times.first_token_s is not None:
+                self.metrics.prefill_time.observe(times.first_token_s - times.first_scheduled_s)
             if telemetry.span.is_recording():
                 _phase_spans(telemetry, times)
         telemetry.finish(
