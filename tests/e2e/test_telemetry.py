@@ -311,15 +311,11 @@ def test_metrics_count_requests_on_worker_and_router(
         assert moved(before, after, f"{prefix}_inter_token_latency_seconds_count", **labels) == (
             num_tokens - num_requests
         )
-    assert (
-        moved(
-            worker_before,
-            worker_after,
-            "headrace_worker_request_prefill_time_seconds_count",
-            **model,
-        )
-        == num_requests
-    )
+
+    def worker_moved(name: str, **labels: str) -> float:
+        return moved(worker_before, worker_after, f"headrace_worker_{name}", **model, **labels)
+
+    assert worker_moved("request_prefill_time_seconds_count") == num_requests
     # One request at a time: a prompt step each, then a decode step per later token. The
     # second prompt's two shared blocks (32 tokens) come from the prefix cache.
     steps = {
@@ -329,21 +325,9 @@ def test_metrics_count_requests_on_worker_and_router(
         ("step_tokens_total", "decode"): num_tokens - num_requests,
     }
     for (name, kind), count in steps.items():
-        assert (
-            moved(worker_before, worker_after, f"headrace_worker_{name}", **model, kind=kind)
-            == count
-        )
+        assert worker_moved(name, kind=kind) == count
     for kind in ("prompt", "decode"):
-        assert (
-            moved(
-                worker_before,
-                worker_after,
-                "headrace_worker_step_seconds_total",
-                **model,
-                kind=kind,
-            )
-            > 0
-        )
+        assert worker_moved("step_seconds_total", kind=kind) > 0
     # Blocks looked up: 2 + 2 + 0 full blocks (one token always left to compute); found: 2.
     prefix = "headrace_worker_prefix_cache"
     assert moved(worker_before, worker_after, f"{prefix}_queried_blocks_total", **model) == 4
