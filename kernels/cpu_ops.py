@@ -118,6 +118,8 @@ AMX_MAX_ROWS = 64
 #: 320 / 337; 400: 479 / 413 / 467; 1024: 1042 / 1029 / 1225. The LM head (49152 x 576)
 #: likewise: 161 rows 60.8 / 43.6 / 48.8. A step of one 128-token prompt and 1 to 63 decodes
 #: (the shape of a served step at a request rate) ran 1.10x faster (median of the pairs).
+#: Up to 320 rows the C kernel ran 3-9% behind oneDNN's exact count, so it wins where the
+#: padding adds more than 8%; from 400 rows it fell 13-19% behind.
 PADDING_SKIPPED = 0.08
 PADDING_MAX_ROWS = 320
 
