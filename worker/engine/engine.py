@@ -341,18 +341,17 @@ class Engine:
         start_s = time.monotonic()
         outputs: Outputs = {}
         self._schedule_and_submit(outputs)
-        finishes = bool(self._in_flight)
-        if finishes:
-            self._finish_oldest_step(outputs)
+        if not self._in_flight:
+            return self._report(outputs)
+        step = self._finish_oldest_step(outputs)
         reported = self._report(outputs)
-        if finishes:
-            assert self.last_step is not None
-            self.step_stats.record(self.last_step, time.monotonic() - start_s)
+        self.step_stats.record(step, time.monotonic() - start_s)
         return reported
 
-    def _finish_oldest_step(self, outputs: Outputs) -> None:
+    def _finish_oldest_step(self, outputs: Outputs) -> SchedulerOutput:
         """Collect the oldest step in flight, sample, and apply it: the scheduler updates the
-        sequences (tokens, stops, status, blocks); the outputs report what it did."""
+        sequences (tokens, stops, status, blocks); the outputs report what it did. Returns
+        the step's plan."""
         in_flight = self._in_flight.popleft()
         step = self.last_step = in_flight.step
         try:
@@ -361,12 +360,13 @@ class Engine:
         except Exception as exc:  # a fault in the step fails its requests, not the engine
             logger.exception("engine step failed")
             self._fail_step(step, InternalError(f"engine step failed: {exc!r}"), outputs)
-            return
+            return step
         for span in result.prompt_spans:
             span.record()
         self.scheduler.update_from_output(step, picks.sampled)
         self._report_tokens(picks.sampled, outputs)
         self._advance_beams(picks.beams, outputs)
+        return step
 
     # --- schedule and submit ----------------------------------------------------------------
 
