@@ -19,7 +19,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from headrace.worker.bench.common import Report, Workload
 from headrace.worker.bench.serve import Timings, arrival_offsets, timings_report
@@ -120,9 +120,12 @@ async def run_http_load(
     args: argparse.Namespace,
     name: str = "load",
     keep_text: bool = False,
+    at_start: Callable[[], object] | None = None,
 ) -> Report:
     """Send the workload to the OpenAI door at ``target`` (HOST:PORT); with ``keep_text`` the
-    report keeps each request's completion text (`Report.texts`)."""
+    report keeps each request's completion text (`Report.texts`). ``at_start`` runs when the
+    connections are warm, right before the load starts (`serve_metrics` reads the servers'
+    metrics there)."""
     offsets = arrival_offsets(len(workload.prompts), args.request_rate, args.seed)
     host, _, port = target.rpartition(":")
     num_connections = min(args.max_concurrency or len(workload.prompts), len(workload.prompts))
@@ -140,6 +143,8 @@ async def run_http_load(
 
     # Warm every connection up with a one-token request, as the gRPC load opens its stream.
     await asyncio.gather(*(one_token(idle) for _ in range(num_connections)))
+    if at_start is not None:
+        at_start()
     start = time.perf_counter()
     results = await asyncio.gather(*(one(i, start) for i in range(len(offsets))))
     report = timings_report(name, start, results)

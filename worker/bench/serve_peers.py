@@ -23,7 +23,9 @@ prefix either server cached from an earlier one, and within a round both get the
 The load is `serve_http`'s client: streamed ``/v1/completions`` with token-id prompts,
 greedy, ``ignore_eos``. Printed per pair and as medians: tok/s (headrace's over the peer's)
 and TTFT p50 (headrace's over the peer's: below 1 is faster), and the share of requests
-whose completion text is identical in both (greedy agreement).
+whose completion text is identical in both (greedy agreement). After each load, what the
+servers' metrics say of it (`serve_metrics`): the worker's steps by kind and how busy its
+engine was, and each server's mean TTFT as queue plus prefill (vLLM's too).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from headrace.sdk.launch import start_router, start_worker
@@ -57,6 +59,7 @@ from headrace.worker.bench.peers import (
 )
 from headrace.worker.bench.serve import describe_workload, door_target
 from headrace.worker.bench.serve_http import run_http_load
+from headrace.worker.bench.serve_metrics import VLLM, WORKER, LoadMetrics, ServerSplit
 from headrace.worker.config import EngineConfig
 from headrace.worker.execution.cpu_threads import allowed_cpus, others_cores, sample
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
@@ -218,6 +221,10 @@ class ServedPairs:
     key: str
     ours: list[Report]
     theirs: list[Report]
+    #: What the worker's metrics said of each of headrace's loads (where the bench started
+    #: the worker), and the peer's of each of its loads (where it exports them: vLLM).
+    our_servers: list[ServerSplit] = field(default_factory=list)
+    their_servers: list[ServerSplit] = field(default_factory=list)
 
     @property
     def ratios(self) -> list[float]:
@@ -237,10 +244,15 @@ class ServedPairs:
         return list(zip(self.ours, self.theirs, strict=True))
 
     def summary(self) -> Summary:
-        """headrace's median round (by tok/s), and the pairs' ratios and the peer's figures."""
-        ours = sorted(self.ours, key=lambda r: r.tokens_per_s)[len(self.ours) // 2]
+        """headrace's median round (by tok/s) with its worker's split, the pairs' ratios, and
+        the peer's figures (its split from the same round)."""
+        median = self._median_round()
         key = self.key
-        out: Summary = dict(ours.summary())
+        out: Summary = dict(self.ours[median].summary())
+        if self.our_servers:
+            out.update(self.our_servers[median].summary("worker"))
+        if self.their_servers:
+            out.update(self.their_servers[median].summary(key))
         out.update(
             {
                 f"ratio_{key}": round(quantile(self.ratios, 0.5), 3),
@@ -255,6 +267,11 @@ class ServedPairs:
             }
         )
         return out
+
+    def _median_round(self) -> int:
+        """headrace's median round by tok/s."""
+        order = sorted(range(len(self.ours)), key=lambda i: self.ours[i].tokens_per_s)
+        return order[len(order) // 2]
 
     def describe(self) -> str:
         name = self.theirs[0].name
@@ -311,40 +328,83 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
     )
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         door = door_target(args) if args.target else None
+        ours = None
         if door is None:
             worker_args = ["--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs)]
             worker = stack.enter_context(
-                start_worker(model, *worker_args, log_path=Path(tmp) / "worker.log")
+                start_worker(
+                    model, *worker_args, "--metrics-port", "0", log_path=Path(tmp) / "worker.log"
+                )
             )
             router = stack.enter_context(
                 start_router([worker.target], "--http-port", "0", log_path=Path(tmp) / "router.log")
             )
             door = f"127.0.0.1:{router.http_port}"
+            ours = LoadMetrics(
+                f"http://127.0.0.1:{worker.metrics_port}/metrics", WORKER, steps=True
+            )
         started = time.perf_counter()
         peer = stack.enter_context(
             start_peer_server(setup, name, python, server, args.peer_start_timeout)
         )
         print(f"{args.baseline} server up in {time.perf_counter() - started:.0f} s")
-        pairs = _alternate(args, door, peer.target, vocab_size(model))
+        pairs = _alternate(
+            args, door, peer.target, vocab_size(model), (ours, _peer_metrics(peer, setup))
+        )
     print(pairs.describe())
     summary: Summary = {"bench": "serve", "model": name, "baseline": args.baseline}
     summary.update(pairs.summary())
     return summary
 
 
-def _alternate(args: argparse.Namespace, door: str, peer_door: str, vocab: int) -> ServedPairs:
+@dataclass(frozen=True, slots=True)
+class _Side:
+    """One side of the pairs: its name, its OpenAI door, its metrics (if read), and where
+    its figures go."""
+
+    name: str
+    door: str
+    metrics: LoadMetrics | None
+    reports: list[Report]
+    servers: list[ServerSplit]
+
+
+def _peer_metrics(peer: PeerServer, setup: PeerSetup) -> LoadMetrics | None:
+    """vLLM's OpenAI server exports its metrics on its own port (llama-server only when
+    started with ``--metrics``, and under names of its own)."""
+    if setup.peer != "vllm":
+        return None
+    return LoadMetrics(f"http://{peer.target}/metrics", VLLM, steps=False)
+
+
+def _alternate(
+    args: argparse.Namespace,
+    door: str,
+    peer_door: str,
+    vocab: int,
+    metrics: tuple[LoadMetrics | None, LoadMetrics | None],
+) -> ServedPairs:
     pairs = ServedPairs(args.baseline.replace(".", "_"), [], [])
+    sides = (
+        _Side("headrace", door, metrics[0], pairs.ours, pairs.our_servers),
+        _Side(args.baseline, peer_door, metrics[1], pairs.theirs, pairs.their_servers),
+    )
     for round_no in range(args.rounds):
         seed = args.seed + round_no
         workload = make_workload(vocab, args.num_requests, args.prompt_lens, args.output_lens, seed)
         round_args = argparse.Namespace(**{**vars(args), "seed": seed})
-        turns = (("headrace", door, pairs.ours), (args.baseline, peer_door, pairs.theirs))
-        for name, target, reports in turns:
+        for side in sides:
             if (busy := wait_until_quiet()) >= QUIET_CORES:
-                print(f"(other processes kept {busy:.2f} cores busy before {name}'s turn)")
-            report = asyncio.run(run_http_load(target, workload, round_args, name, True))
+                print(f"(other processes kept {busy:.2f} cores busy before {side.name}'s turn)")
+            start = None if side.metrics is None else side.metrics.start
+            report = asyncio.run(
+                run_http_load(side.door, workload, round_args, side.name, True, start)
+            )
             print(report.describe())
-            reports.append(report)
+            side.reports.append(report)
+            if side.metrics is not None:
+                side.servers.append(side.metrics.finish(report.seconds))
+                print(side.servers[-1].describe())
     return pairs
 
 

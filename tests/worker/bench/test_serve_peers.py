@@ -30,12 +30,14 @@ from headrace.worker.config import CPU_STEP_TOKENS
 
 #: An OpenAI-style server: /v1/models, and streamed /v1/completions whose text is the prompt's
 #: last id + 1, + 2, ... as " <id>" pieces, then a usage event, then [DONE], and then it closes
-#: the connection (so the load client must open another for its next request). It records its
+#: the connection (so the load client must open another for its next request); /metrics has
+#: vLLM's TTFT, queue and prefill histograms' sums and counts, as if every request it answered
+#: had waited 10 ms and prefilled for 20 of a 50 ms TTFT. It records its
 #: command line, the environment the bench gave it and every request's body in RECORD (a
 #: JSON line each); MODE "exit" leaves at once, as a server that cannot load its model.
 FAKE_SERVER = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     record = open(os.environ["FAKE_RECORD"], "a")
@@ -49,6 +51,15 @@ FAKE_SERVER = textwrap.dedent(
         print("cannot load the model: no such file", flush=True)
         sys.exit(2)
     port = int(sys.argv[sys.argv.index("--port") + 1])
+    answered, lock = [0], threading.Lock()
+    TIMES = {"time_to_first_token": 0.05, "request_queue_time": 0.01, "request_prefill_time": 0.02}
+
+    def metrics():
+        lines = []
+        for name, each in TIMES.items():
+            series = f'vllm:{name}_seconds_%s{{model_name="fake"}} %r'
+            lines += [series % ("count", answered[0]), series % ("sum", each * answered[0])]
+        return ("\\n".join(lines) + "\\n").encode()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -58,6 +69,8 @@ FAKE_SERVER = textwrap.dedent(
 
         def do_GET(self):
             body = json.dumps({"data": [{"id": "fake"}]}).encode()
+            if self.path == "/metrics":
+                body = metrics()
             self.send_response(200)
             self.send_header("content-length", str(len(body)))
             self.end_headers()
@@ -80,6 +93,8 @@ FAKE_SERVER = textwrap.dedent(
                 self.chunk(json.dumps({"choices": [choice]}, separators=(",", ":")).encode())
             usage = {"completion_tokens": body["max_tokens"]}
             self.chunk(json.dumps({"choices": [], "usage": usage}, separators=(",", ":")).encode())
+            with lock:  # before the client can see the end
+                answered[0] += 1
             self.chunk(b"[DONE]")
             self.wfile.write(b"0\\r\\n\\r\\n")
             self.close_connection = True  # as llama-server does, keep-alive header or not
@@ -240,6 +255,15 @@ def test_served_against_a_peer_same_prompts_each_pair_new_ones_each_round(
 
     assert summary["baseline"] == "vllm" and summary["num_tokens"] == 4 * 5
     assert len(summary["ratio_vllm_rounds"]) == 2
+    # Each side's metrics, read around its load: its four requests, not the warm-up's.
+    assert summary["vllm_server_requests"] == summary["worker_server_requests"] == 4
+    assert (summary["vllm_queue_mean_ms"], summary["vllm_prefill_mean_ms"]) == (10.0, 20.0)
+    assert summary["vllm_server_ttft_mean_ms"] == 50.0
+    queue, prefill = summary["worker_queue_mean_ms"], summary["worker_prefill_mean_ms"]
+    assert 0 < queue + prefill <= summary["worker_server_ttft_mean_ms"]
+    # Four 5-token requests: a prompt step for each at most, and 4 decode steps at least.
+    assert 1 <= summary["worker_prompt_steps"] <= 4 and summary["worker_decode_steps"] >= 4
+    assert 0 < summary["worker_busy"] <= 1
     assert summary["vllm_agreement"] == 0.0  # a tiny random model's text is not the fake's
     out = capsys.readouterr().out
     assert "headrace / vllm tok/s" in out and "headrace / vllm TTFT p50" in out
