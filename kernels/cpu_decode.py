@@ -3,11 +3,14 @@
 At a decode step's few rows the per-op path costs about as much between its ~300 kernel
 calls (Python wrappers, ctypes, an OpenMP region each) as the weights take to read; this
 runs the same C ops back to back in one region, so every value is the per-op path's, bit for
-bit. It serves Llama-shaped stacks (fused qkv, neox rotary, gated SiLU MLP, no biases, no
-q/k norm) on one rank without LoRA, in one dtype shared by activations, weights and the KV
-cache, for steps of few enough rows for the skinny matmul (decodes, and short chunks: a
-speculating sequence's proposals, a short prompt); the model asks `DecoderStack.fits` and
-keeps to the per-op path otherwise. The four matrices of every
+bit. A step with prompt chunks saves the same time, a smaller share of it (a 128-token
+prompt beside decodes in float32: about a tenth). It serves Llama-shaped stacks (fused qkv,
+neox rotary, gated SiLU MLP, no biases, no q/k norm) on one rank without LoRA, in one dtype
+shared by activations, weights and the KV cache, for steps of no more rows than the per-op
+path multiplies in C (`max_rows`: decodes and a speculating sequence's proposals; in
+float32 up to a few hundred, prompt chunks too; bf16 weights on panels, any) whose chunks
+the per-op path attends to in C; the model asks `DecoderStack.fits` and keeps to the per-op
+path otherwise. The four matrices of every
 layer may instead be quantized alike (`headrace.kernels.quantized`: the same bits, and groups
 of one size or one per row), and the KV cache may be int8 (`headrace.kernels.kv_layout`).
 Each layer attends within its own sliding window, or to every key.
@@ -15,6 +18,7 @@ Each layer attends within its own sliding window, or to every key.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +108,10 @@ class DecoderStack:
         )
         norms_in_kernel = all(in_kernel(t, self.dtype) for t in norms)
         self.usable = cpu_ops.available() and norms_in_kernel and self.weights is not None
+        #: Whether every matrix has panels, which the per-op path multiplies at any row count.
+        self.paneled = all(
+            isinstance(m, torch.Tensor) and cpu_ops.panel_copy(m) is not None for m in matrices
+        )
 
     def fits(
         self,
@@ -111,10 +119,11 @@ class DecoderStack:
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> bool:
-        """Whether this step can run in one call: few enough rows for the skinny matmul
-        (decodes, and chunks of a few tokens: a speculating sequence's proposals, a short
-        prompt), the stack's dtype throughout (the caches in it, or all int8), and every
-        chunk one the per-op path attends to in the C kernel."""
+        """Whether this step can run in one call: no more rows than the per-op path
+        multiplies in the C kernel (`max_rows`: decodes, a speculating sequence's proposals,
+        and in float32, or bf16 on panels, prompt chunks beside them), the stack's dtype
+        throughout (the caches in it, or all int8), and every chunk one the per-op path
+        attends to in the C kernel."""
         rows = hidden.shape[0]
         if not self.usable or hidden.dtype != self.dtype or not rows <= self._max_rows():
             return False
@@ -142,6 +151,8 @@ class DecoderStack:
         return decode_layers(hidden, table, self, kv_caches[0].dtype, cos, sin, metadata)
 
     def _max_rows(self) -> int:
+        if self.paneled:  # no cap of its own: the chunks' attention decides (`fits`)
+            return sys.maxsize
         return max_rows(self.weights or (0, 0, 0), self.dtype)
 
 

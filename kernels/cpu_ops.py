@@ -70,8 +70,9 @@ AMX_MIN_QUERIES = 32
 AMX_MIN_SCORES = 128 * 128
 
 
-#: Rows up to which `linear` runs the C kernel: it reads each weight from memory once and
-#: meets every row there, where torch's GEMM is slower on few rows. Measured on SmolLM2-135M's
+#: Rows up to which `linear` runs the C kernel (float32 weights: up to FLOAT32_MAX_ROWS, below):
+#: it reads each weight from memory once and meets every row there, where torch's GEMM is
+#: slower on few rows. Measured on SmolLM2-135M's
 #: 120 matmuls of a step (2 cores, float32): 1 row 16.6 ms, torch 16.6; 4: 18.1 vs 28.0;
 #: 24: 26.9 vs 44.5; 64: 61.3 vs 60.4. Up to 64 rows, where the two tie, so that a decode
 #: step of 64 sequences runs its layers in one C call (`cpu_decode`): 64 requests of 32-512
@@ -106,22 +107,26 @@ SKINNY_MAX_ROWS_BF16 = 8
 #: the slower matmuls: 64 requests of 32-512 tokens, 128 new: decode step 78-80 -> 63 ms,
 #: 576-591 -> 678 tok/s; 24 requests of 32-256, 64 new: 45 -> 23 ms, 421-430 -> 691-706.
 AMX_MAX_ROWS = 64
-#: Float32 rows past SKINNY_MAX_ROWS go to oneDNN's packed GEMM, which pads them to a bucket
-#: (`prepacked.bucket_rows`: up to a quarter more rows) and computes the padding too. Where
-#: the bucket is more than PADDING_SKIPPED larger than the rows, the C kernel takes them,
-#: up to PADDING_MAX_ROWS: a weight tile stays in L1 while it meets every row, so its rate
-#: holds to a few hundred rows. Measured 2026-11-29 on the 2-core Zen 4 (AVX512-BF16, no
-#: AMX), SmolLM2-135M's 120 layer matmuls (30 distinct weights each, 2 threads), oneDNN
-#: padded / oneDNN at the exact row count (a kernel per count: ~0.6 MB each, which is why
-#: there are buckets) / the C kernel, ms: 70 rows 96.7 / 85.3 / 81.7; 129: 184 / 143 / 148;
-#: 161: 214 / 177 / 183; 200: 261 / 240 / 249; 256 (a bucket): 281 / 274 / 300; 300: 347 /
-#: 320 / 337; 400: 479 / 413 / 467; 1024: 1042 / 1029 / 1225. The LM head (49152 x 576)
-#: likewise: 161 rows 60.8 / 43.6 / 48.8. A step of one 128-token prompt and 1 to 63 decodes
-#: (the shape of a served step at a request rate) ran 1.10x faster (median of the pairs).
-#: Up to 320 rows the C kernel ran 3-9% behind oneDNN's exact count, so it wins where the
-#: padding adds more than 8%; from 400 rows it fell 13-19% behind.
-PADDING_SKIPPED = 0.08
-PADDING_MAX_ROWS = 320
+#: Float32 rows up to FLOAT32_MAX_ROWS run in the C kernel too, past SKINNY_MAX_ROWS: a weight
+#: tile stays in L1 while it meets every row, so its rate holds to a few hundred rows, and a
+#: step of that many rows then runs its layers in one C call (`cpu_decode`), which saves
+#: more than oneDNN's GEMM would. Past it the rows go to oneDNN's packed GEMM, which pads
+#: them to a bucket (`prepacked.bucket_rows`: up to a quarter more rows) and computes the
+#: padding too. Measured 2026-11-29 on the 2-core Zen 4 (AVX512-BF16, no AMX), SmolLM2-135M's
+#: 120 layer matmuls (30 distinct weights each, 2 threads), oneDNN padded / oneDNN at the
+#: exact row count (a kernel per count: ~0.6 MB each, which is why there are buckets) / the C
+#: kernel, ms: 70 rows 96.7 / 85.3 / 81.7; 129: 184 / 143 / 148; 161: 214 / 177 / 183; 200:
+#: 261 / 240 / 249; 256 (a bucket): 281 / 274 / 300; 300: 347 / 320 / 337; 400: 479 / 413 /
+#: 467; 1024: 1042 / 1029 / 1225. The LM head (49152 x 576) likewise: 161 rows 60.8 / 43.6 /
+#: 48.8. So up to 320 rows the C kernel runs within 3-9% of oneDNN's exact count, and ahead
+#: of its buckets wherever they pad; from 400 rows it falls 13-19% behind. Steps of one or
+#: two 128-token prompts beside 1 to 63 decodes, the shape of a served step at a request
+#: rate, in one process, each way in turn: layer by layer with oneDNN past 64 rows where its
+#: bucket pads by 8% or less and C elsewhere (the rule before this one) / layer by layer
+#: with C up to 320 / in one call: one prompt 314 / 307 / 277 ms mean (the one call 1.14x
+#: faster than the old rule, median of the steps' ratios), two 506 / 521 / 465 (1.07x).
+#: Layer by layer the two rules tie (1.02x and 0.98x).
+FLOAT32_MAX_ROWS = 320
 
 
 #: Rows up to which `quantized_linear` runs the C kernel, by bits: past them, torch's GEMM on
@@ -363,11 +368,11 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
-    """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`) in the C kernel, float32
-    arithmetic over float32, bf16 or float16 weights (each output's sum in a fixed order,
-    whatever the other rows), as are float32 rows the packed GEMM would pad too much
-    (`PADDING_SKIPPED`), and bf16 rows against a weight's panels at any row count
-    (`panel_copy`); else torch's on the weight packed once (`prepacked.linear`)."""
+    """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`; float32 up to a few hundred) in
+    the C kernel, float32 arithmetic over float32, bf16 or float16 weights (each output's sum
+    in a fixed order, whatever the other rows), and bf16 rows against a weight's panels at
+    any row count (`panel_copy`); else torch's on the weight packed once
+    (`prepacked.linear`)."""
     panels = panel_copy(weight) if x.dtype == torch.bfloat16 and x.dim() == 2 else None
     if panels is None and not _takes_skinny(x, weight):
         return prepacked.linear(x, weight, bias, out_dtype)
@@ -541,6 +546,8 @@ def skinny_max_rows(weight_dtype: torch.dtype) -> int:
     """Rows up to which `linear` runs the C kernel for weights of this dtype (0: never)."""
     if weight_dtype not in _DTYPE_CODES:
         return 0
+    if weight_dtype == torch.float32:
+        return FLOAT32_MAX_ROWS
     if weight_dtype == torch.bfloat16 and amx_tiles():
         return AMX_MAX_ROWS
     in_float32 = compute_dtype(weight_dtype, torch.device("cpu")) == torch.float32
@@ -558,16 +565,7 @@ def _takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     on_cpu = x.device.type == weight.device.type == "cpu"
     rows = x.shape[0] if x.dim() == 2 else 0
     in_kernel = on_cpu and x.dtype in _DTYPE_CODES and weight.is_contiguous() and rows > 0
-    return in_kernel and (rows <= skinny_max_rows(weight.dtype) or _skips_padding(x, weight))
-
-
-def _skips_padding(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether float32 rows that oneDNN's packed GEMM would pad by more than PADDING_SKIPPED
-    run in the C kernel instead (up to PADDING_MAX_ROWS)."""
-    rows = x.shape[0]
-    if weight.dtype != torch.float32 or rows > PADDING_MAX_ROWS or not prepacked.packs(x, weight):
-        return False
-    return prepacked.bucket_rows(rows) > rows * (1 + PADDING_SKIPPED)
+    return in_kernel and rows <= skinny_max_rows(weight.dtype)
 
 
 #: Widest row `rms_norm` takes in C (its row buffer lives on the stack); wider go to torch.

@@ -12,9 +12,10 @@
    MLP with fused gate/up, no biases, one rank. Activations and the norms share one dtype,
    the KV cache is in it too or int8 (kv_dtype); the four matrices of every layer are in it
    too, or all quantized alike (kernels/quantized.py: the same bits and group size). The
-   caller checks that a step fits (few enough rows for the skinny matmul: decodes, and short
-   chunks, whose attention is the same paged-attention call as the per-op path's) and keeps
-   to the per-op path otherwise. Each layer attends within its own sliding window, or to all
+   caller checks that a step fits (no more rows than the per-op path multiplies in C:
+   decodes, and in float32 or on bf16 panels prompt chunks beside them, whose attention is
+   the same paged-attention call as the per-op path's) and keeps to the per-op path
+   otherwise. Each layer attends within its own sliding window, or to all
    keys (sliding_windows). */
 
 #include <stdlib.h>

@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from headrace.kernels import cpu_ops, native, prepacked, reference, select_kernels
+from headrace.kernels import cpu_ops, native, reference, select_kernels
 from headrace.kernels.attention import AttentionMetadata, window_first_blocks
 from torch import nn
 
@@ -956,9 +956,9 @@ def skinny_calls(monkeypatch) -> list[int]:
 def test_linear_hands_larger_batches_and_other_dtypes_to_torch(skinny_calls):
     calls = skinny_calls
     weight = torch.randn(8, 32)  # not a parameter: never packed, never padded
-    cpu_ops.linear(torch.randn(cpu_ops.SKINNY_MAX_ROWS, 32), weight)
+    cpu_ops.linear(torch.randn(cpu_ops.FLOAT32_MAX_ROWS, 32), weight)
     assert len(calls) == 1
-    big = torch.randn(cpu_ops.SKINNY_MAX_ROWS + 1, 32)
+    big = torch.randn(cpu_ops.FLOAT32_MAX_ROWS + 1, 32)
     torch.testing.assert_close(cpu_ops.linear(big, weight), big @ weight.T)
     wide = cpu_ops.linear(torch.randn(3, 32, dtype=torch.float64), weight.double())
     assert wide.dtype == torch.float64
@@ -971,34 +971,28 @@ def test_linear_hands_larger_batches_and_other_dtypes_to_torch(skinny_calls):
     assert len(calls) == 2
 
 
-def test_float32_rows_the_packed_gemm_would_pad_much_run_in_the_c_kernel(skinny_calls):
-    """oneDNN's packed GEMM pads a call's rows to a bucket and computes the padding too: float32
-    rows it would pad by more than PADDING_SKIPPED run in the C kernel up to
-    PADDING_MAX_ROWS, where each row's sums are its bits alone. A torch without the packed
-    GEMM pads nothing, so there every row past SKINNY_MAX_ROWS stays with torch."""
-    assert [prepacked.bucket_rows(r) for r in (65, 128, 150, 161, 321)] == [80, 128, 160, 192, 384]
-    pads = prepacked.available()
+def test_float32_rows_up_to_a_few_hundred_run_in_the_c_kernel(skinny_calls):
+    """float32 rows past SKINNY_MAX_ROWS stay in the C kernel up to FLOAT32_MAX_ROWS, whether
+    or not oneDNN's packed GEMM would pad them to a bucket (128 would not, 161 would), each
+    row's sums its bits alone; past it, torch's GEMM takes them."""
     gen = torch.Generator().manual_seed(11)
     weight = nn.Parameter(torch.randn(40, 64, generator=gen), requires_grad=False)
-    x = torch.randn(cpu_ops.PADDING_MAX_ROWS + 1, 64, generator=gen)
-    in_c = {65: pads, 128: False, 150: False, 161: pads, cpu_ops.PADDING_MAX_ROWS + 1: False}
+    x = torch.randn(cpu_ops.FLOAT32_MAX_ROWS + 1, 64, generator=gen)
+    in_c = {65: True, 128: True, 161: True, cpu_ops.FLOAT32_MAX_ROWS: True}
+    in_c[cpu_ops.FLOAT32_MAX_ROWS + 1] = False
     for rows, wanted in in_c.items():
         skinny_calls.clear()
         got = cpu_ops.linear(x[:rows], weight)
         assert skinny_calls == ([rows] if wanted else []), rows
         want = (x[:rows].double() @ weight.double().T).float()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    if pads:
-        batched = cpu_ops.linear(x[:161], weight)
-        for row in (0, 64, 100, 160):
-            assert torch.equal(cpu_ops.linear(x[row : row + 1], weight)[0], batched[row])
-    skinny_calls.clear()
-    cpu_ops.linear(x[:161], weight.detach().clone())  # not a parameter: torch's, unpadded
-    assert skinny_calls == []
+    batched = cpu_ops.linear(x[: cpu_ops.FLOAT32_MAX_ROWS], weight)
+    for row in (0, 64, 100, 160, cpu_ops.FLOAT32_MAX_ROWS - 1):
+        assert torch.equal(cpu_ops.linear(x[row : row + 1], weight)[0], batched[row])
 
 
 def test_reduced_weights_take_the_float32_bound_where_torch_would_widen_them(monkeypatch):
-    assert cpu_ops.skinny_max_rows(torch.float32) == cpu_ops.SKINNY_MAX_ROWS
+    assert cpu_ops.skinny_max_rows(torch.float32) == cpu_ops.FLOAT32_MAX_ROWS
     assert cpu_ops.skinny_max_rows(torch.float64) == 0
     monkeypatch.setattr(cpu_ops, "compute_dtype", lambda dtype, device: dtype)
     monkeypatch.setattr(cpu_ops, "amx_tiles", lambda: False)

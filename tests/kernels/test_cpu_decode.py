@@ -4,10 +4,11 @@ Both run the same C ops, so every value must match bit for bit: the same greedy 
 the same logprobs (floats compared exactly) in every dtype the kernels take, one row and
 three, with grouped-query attention and a head size that is not a whole vector, with the KV
 cache in the model's dtype or in int8, and 4- and 8-bit weights against int8 activations;
-the prompts' steps too, whose chunks are short enough for the call. Steps it does not take
-(more rows than the skinny matmul's, LoRA) keep to the per-op path. Each layer's own sliding
-window (a stack built from `DecoderLayerWeights` directly, against the same ops called one by
-one) gives the per-op bits too, without reading the blocks freed before the windows.
+the prompts' steps too, of up to a few hundred rows where the per-op path multiplies them
+in C. Steps it does not take (more rows than that, LoRA) keep to the per-op path. Each
+layer's own sliding window (a stack built from `DecoderLayerWeights` directly, against the
+same ops called one by one) gives the per-op bits too, without reading the blocks freed
+before the windows.
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def test_decode_in_one_call_is_the_per_op_forward_bit_for_bit(monkeypatch, dtype
 
 def test_short_chunks_run_in_the_call_and_long_steps_layer_by_layer(monkeypatch):
     """A short prompt's chunk, alone or beside a decode, runs in the one call (as a
-    speculating sequence's proposals do); a step of more rows than the skinny matmul takes
-    runs per op."""
+    speculating sequence's proposals do); a step of more rows than the per-op path
+    multiplies in C (float32: FLOAT32_MAX_ROWS) runs per op."""
     path = str(cached_checkpoint(family="llama", num_layers=2))
     calls = Calls(monkeypatch)
     e = Engine(EngineConfig(path, dtype="float32", kernel_backend="cpu"))
@@ -110,10 +111,29 @@ def test_short_chunks_run_in_the_call_and_long_steps_layer_by_layer(monkeypatch)
     e.add_request("b", PROMPTS[1], config)
     e.step()  # b's 37-token prompt beside a's decode
     assert calls.rows == [5, 1, 38]
-    e.add_request("c", list(range(3, 3 + 200)), config)
-    e.step()  # c's prompt: past the skinny matmul's rows, per op
+    e.add_request("c", list(range(100, 100 + cpu_ops.FLOAT32_MAX_ROWS)), config)  # no cached prefix
+    e.step()  # c's prompt beside two decodes: past the C matmul's rows, per op
     assert calls.rows == [5, 1, 38]
     e.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_steps_of_hundreds_of_rows_run_in_the_call_where_the_per_op_path_is_c(
+    monkeypatch, dtype
+):
+    """A step with a 150-token prompt beside the others' (212 rows) runs in one call in
+    float32 (the per-op path's C matmul takes up to FLOAT32_MAX_ROWS) and in bf16 where the
+    weights have panels (which it multiplies at any row count), else per op; either way the
+    tokens and logprobs are the per-op forward's, bit for bit."""
+    path = str(cached_checkpoint(family="llama", num_layers=3, num_heads=4, num_kv_heads=2))
+    prompts = [*PROMPTS, list(range(3, 153))]
+    with monkeypatch.context() as patch:
+        calls = Calls(patch)
+        fused = generate(path, dtype, prompts)
+    num_prompt_rows = sum(len(p) for p in prompts)
+    assert (num_prompt_rows in calls.rows) == (dtype == "float32" or cpu_ops.makes_panels())
+    per_op(monkeypatch)
+    assert fused == generate(path, dtype, prompts)
 
 
 def test_models_it_does_not_serve_run_layer_by_layer(monkeypatch):
