@@ -5,8 +5,10 @@ the connections' warm-up requests) and right after. What the counters moved in b
 
 - the engine's steps by kind (`StepSplit`): how many steps computed prompt tokens and how
   many decodes alone, their mean times, and the share of the load's wall time the engine
-  computed. Near 1, the engine is saturated and a new request waits for the step in progress
-  and then shares its own step with the others' prompts;
+  computed. That share is near 1 whenever requests are in flight (a step follows the last);
+  whether the engine keeps up shows in the queue time below and in the prompt steps' length
+  (saturated, a new request waits for the step in progress, then shares its own step with
+  the prompts that gathered meanwhile);
 - the mean time to first token as the server saw it, split into queue (arrival until the
   request's first step) and prefill (first step until its first token) (`TtftSplit`). vLLM's
   server exports the same three histograms, so a peer's split comes out the same way, but
