@@ -108,10 +108,7 @@ class DecoderStack:
         )
         norms_in_kernel = all(in_kernel(t, self.dtype) for t in norms)
         self.usable = cpu_ops.available() and norms_in_kernel and self.weights is not None
-        #: Whether every matrix has panels, which the per-op path multiplies at any row count.
-        self.paneled = all(
-            isinstance(m, torch.Tensor) and cpu_ops.panel_copy(m) is not None for m in matrices
-        )
+        self.paneled = paneled(matrices)
 
     def fits(
         self,
@@ -151,18 +148,25 @@ class DecoderStack:
         return decode_layers(hidden, table, self, kv_caches[0].dtype, cos, sin, metadata)
 
     def _max_rows(self) -> int:
-        if self.paneled:  # no cap of its own: the chunks' attention decides (`fits`)
-            return sys.maxsize
-        return max_rows(self.weights or (0, 0, 0), self.dtype)
+        return max_rows(self.weights or (0, 0, 0), self.dtype, self.paneled)
 
 
-def max_rows(layout: tuple[int, int, int], dtype: torch.dtype) -> int:
+def max_rows(layout: tuple[int, int, int], dtype: torch.dtype, paneled: bool = False) -> int:
     """Rows up to which the per-op path multiplies matrices of this layout (`common_layout`'s)
-    in the C kernel a one-call stack calls (int8 activations': any, capped as the 8 bits')."""
+    in the C kernel a one-call stack calls (int8 activations': any, capped as the 8 bits';
+    float matrices that all have panels (`paneled`): any, the chunks' attention decides)."""
     bits, _, int8_activations = layout
     if int8_activations:  # its kernel takes any rows, as the per-op path does
         return cpu_ops.QUANTIZED_MAX_ROWS[8]
-    return cpu_ops.QUANTIZED_MAX_ROWS[bits] if bits else cpu_ops.skinny_max_rows(dtype)
+    if bits:
+        return cpu_ops.QUANTIZED_MAX_ROWS[bits]
+    return sys.maxsize if paneled else cpu_ops.skinny_max_rows(dtype)
+
+
+def paneled(matrices: list[Matrix]) -> bool:
+    """Whether every matrix is a float weight with panels (`cpu_ops.panel_copy`), which the
+    per-op path multiplies at any row count."""
+    return all(isinstance(m, torch.Tensor) and cpu_ops.panel_copy(m) is not None for m in matrices)
 
 
 def in_kernel(tensor: torch.Tensor, dtype: torch.dtype) -> bool:

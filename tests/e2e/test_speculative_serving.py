@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import urllib.request
 from pathlib import Path
 
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import ServerProcess, start_router
+from headrace.worker.bench.serve_metrics import moved, scrape
 from headrace.worker.engine.llm import LLM
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.processes import load_report, start_worker, wait_serving
 
@@ -33,14 +32,7 @@ def _worker(model: Path, logs: Path, name: str) -> ServerProcess:
 
 def _counter(port: int | None, name: str) -> float:
     assert port is not None
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
+    return moved({}, scrape(f"http://127.0.0.1:{port}/metrics"), name)
 
 
 def test_a_failover_between_speculating_workers_repeats_and_loses_nothing(

@@ -8,7 +8,6 @@ collector this test runs; the SDK, in this process, records its spans in memory.
 from __future__ import annotations
 
 import threading
-import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -22,12 +21,12 @@ from headrace.protos import generation_pb2_grpc
 from headrace.sdk.client import Client
 from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import start_router
+from headrace.worker.bench.serve_metrics import Snapshot, scrape
 from opentelemetry import trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.processes import ServerProcess, start_worker, wait_all_blocks_free, wait_serving
 
@@ -254,15 +253,9 @@ def _names(collector: Collector, trace_id: str) -> set[str]:
     return {span.name for span in collector.in_trace(trace_id)}
 
 
-def _scrape(port: int | None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def _scrape(port: int | None) -> Snapshot:
     assert port is not None
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    return scrape(f"http://127.0.0.1:{port}/metrics")
 
 
 def _value(metrics: dict, name: str, **labels: str) -> float:

@@ -71,10 +71,14 @@ class StepSplit:
     decode_step_s: float
 
     @classmethod
-    def between(cls, before: Snapshot, after: Snapshot, wall_s: float) -> StepSplit:
+    def between(cls, before: Snapshot, after: Snapshot, wall_s: float) -> StepSplit | None:
+        """The steps from the worker's step counters; None where the server has none (vLLM's)."""
+
         def of(name: str, kind: str) -> float:
             return moved(before, after, f"{WORKER}{name}_total", kind=kind)
 
+        if not any(name == f"{WORKER}steps_total" for name, _ in after):
+            return None
         return cls(
             wall_s,
             round(of("steps", "prompt")),
@@ -182,11 +186,9 @@ class LoadMetrics:
     """A server's metrics endpoint, read when a load starts (`start`) and when it has
     finished (`finish`)."""
 
-    def __init__(self, url: str, prefix: str, steps: bool) -> None:
+    def __init__(self, url: str, prefix: str) -> None:
         self.url = url
         self.prefix = prefix
-        #: Whether the server counts its steps (the worker does; vLLM's server does not).
-        self.steps = steps
         self._before: Snapshot | None = None
 
     def start(self) -> None:
@@ -197,5 +199,6 @@ class LoadMetrics:
         assert self._before is not None, "finish() without start()"
         before, after = self._before, scrape(self.url)
         self._before = None
-        steps = StepSplit.between(before, after, wall_s) if self.steps else None
-        return ServerSplit(steps, TtftSplit.between(before, after, self.prefix))
+        return ServerSplit(
+            StepSplit.between(before, after, wall_s), TtftSplit.between(before, after, self.prefix)
+        )

@@ -340,9 +340,7 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
                 start_router([worker.target], "--http-port", "0", log_path=Path(tmp) / "router.log")
             )
             door = f"127.0.0.1:{router.http_port}"
-            ours = LoadMetrics(
-                f"http://127.0.0.1:{worker.metrics_port}/metrics", WORKER, steps=True
-            )
+            ours = LoadMetrics(f"http://127.0.0.1:{worker.metrics_port}/metrics", WORKER)
         started = time.perf_counter()
         peer = stack.enter_context(
             start_peer_server(setup, name, python, server, args.peer_start_timeout)
@@ -374,7 +372,7 @@ def _peer_metrics(peer: PeerServer, setup: PeerSetup) -> LoadMetrics | None:
     started with ``--metrics``, and under names of its own)."""
     if setup.peer != "vllm":
         return None
-    return LoadMetrics(f"http://{peer.target}/metrics", VLLM, steps=False)
+    return LoadMetrics(f"http://{peer.target}/metrics", VLLM)
 
 
 def _alternate(

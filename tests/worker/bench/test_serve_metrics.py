@@ -43,6 +43,7 @@ def test_steps_are_what_each_kind_moved() -> None:
     before = snapshot(steps((3, 1.0), (10, 0.5)), model="m")
     after = snapshot(steps((5, 1.6), (30, 1.7)), model="m")
     split = StepSplit.between(before, after, wall_s=2.0)
+    assert split is not None
     assert (split.num_prompt_steps, split.num_decode_steps) == (2, 20)
     assert (split.prompt_step_s, split.decode_step_s) == pytest.approx((0.6, 1.2))
     assert split.busy == pytest.approx(0.9)
@@ -55,6 +56,7 @@ def test_steps_are_what_each_kind_moved() -> None:
 def test_a_kind_without_steps_has_no_mean() -> None:
     before = snapshot(steps((0, 0.0), (0, 0.0)))
     split = StepSplit.between(before, snapshot(steps((0, 0.0), (4, 0.2))), wall_s=1.0)
+    assert split is not None
     assert split.describe().startswith("engine steps: 0 with prompts, 4 decodes alone (50 ms")
 
 
@@ -98,6 +100,7 @@ def test_no_ttft_split_without_requests_or_histograms() -> None:
     same = snapshot(ttft_histograms(WORKER, 2, 1.0, 0.4, 0.5))
     assert TtftSplit.between(same, same, WORKER) is None
     assert TtftSplit.between(same, same, VLLM) is None  # another server's names
+    assert StepSplit.between(same, same, wall_s=1.0) is None  # no step counters (vLLM's)
 
 
 @pytest.fixture
