@@ -126,6 +126,11 @@ AMX_MAX_ROWS = 64
 #: with C up to 320 / in one call: one prompt 314 / 307 / 277 ms mean (the one call 1.14x
 #: faster than the old rule, median of the steps' ratios), two 506 / 521 / 465 (1.07x).
 #: Layer by layer the two rules tie (1.02x and 0.98x).
+#: That holds for AVX-512's tiles only (`wide_tiles`). With 8-lane registers (AVX2) a tile is
+#: one row against 4 weights and falls behind oneDNN sooner: the same 120 matmuls on a 2-core
+#: AVX2 Zen 3 (2026-11-29), C / oneDNN packed, ms: 1 row 28.9 / 57.1; 8: 42.4 / 85.1; 24:
+#: 105.5 / 147.1; 64: 247-277 / 194-269; 128: 480-552 / 355-395; 320: 1331 / 757. There
+#: float32 keeps to SKINNY_MAX_ROWS.
 FLOAT32_MAX_ROWS = 320
 
 
@@ -542,12 +547,19 @@ def amx_tiles() -> bool:
     return available() and bool(library().headrace_amx_init())
 
 
+@functools.cache
+def wide_tiles() -> bool:
+    """Whether the C matmul was compiled for 16-lane registers (AVX-512), whose tiles keep
+    their rate to a few hundred rows (`FLOAT32_MAX_ROWS`)."""
+    return available() and library().headrace_skinny_part_lanes() == 16
+
+
 def skinny_max_rows(weight_dtype: torch.dtype) -> int:
     """Rows up to which `linear` runs the C kernel for weights of this dtype (0: never)."""
     if weight_dtype not in _DTYPE_CODES:
         return 0
     if weight_dtype == torch.float32:
-        return FLOAT32_MAX_ROWS
+        return FLOAT32_MAX_ROWS if wide_tiles() else SKINNY_MAX_ROWS
     if weight_dtype == torch.bfloat16 and amx_tiles():
         return AMX_MAX_ROWS
     in_float32 = compute_dtype(weight_dtype, torch.device("cpu")) == torch.float32

@@ -80,6 +80,7 @@ _SIGNATURES = {
     "headrace_panel_elements": ([_I64, _I64], _I64),
     "headrace_pack_panels": ([_P, _I64, _I64, _P], None),
     "headrace_skinny_bf16_pairs": ([], _INT),
+    "headrace_skinny_part_lanes": ([], _INT),
     "headrace_amx_init": ([], _INT),
     "headrace_quantized_linear": (
         [_P, _I64, _INT, _I64, _P, _INT, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _INT],

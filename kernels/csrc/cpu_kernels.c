@@ -1373,10 +1373,37 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 
 /* ---- skinny linear ------------------------------------------------------------------------ */
 
-/* A tile: this many rows of x against this many weight rows, 24 accumulators of 16 lanes plus
-   the tile's 4 weight vectors and one x vector in 32 vector registers. */
+/* The matmul's vector: a step's 16 lanes in one register where the CPU has AVX-512, else in
+   PARTS = 2 registers of 8 lanes (gcc keeps a 64-byte vector in memory where no register holds
+   one: on an AVX2 Zen 3 the tile's every v16 operation became loads and stores, and it ran
+   5-10x slower than oneDNN). Lane i of a step holds element k + i either way, so every sum
+   is the same. */
+#ifdef __AVX512F__
+#define PART_LANES 16
+#else
+#define PART_LANES 8
+#endif
+#define PARTS (LANES / PART_LANES)
+typedef float vp __attribute__((vector_size(PART_LANES * 4)));
+typedef int32_t vpi __attribute__((vector_size(PART_LANES * 4)));
+typedef uint32_t vpw __attribute__((vector_size(PART_LANES * 4)));
+typedef float vpu __attribute__((vector_size(PART_LANES * 4), aligned(1)));
+typedef uint16_t vph __attribute__((vector_size(PART_LANES * 2), aligned(2)));
+typedef _Float16 vpf16 __attribute__((vector_size(PART_LANES * 2), aligned(2)));
+
+/* A tile: this many rows of x against this many weight rows. With AVX-512, 24 accumulators
+   plus the tile's 4 weight vectors and one x vector in 32 registers. With 16 registers of 8
+   lanes, one row against 4 weights: 8 accumulators (two parts each), 4 weight parts and an x
+   part. Measured on the AVX2 Zen 3 (2026-11-29, SmolLM2-135M's 120 layer matmuls, 2
+   threads, alternating processes, ms at 16 / 64 / 128 rows): 1 x 4 72 / 247-253 / 480-483;
+   2 x 3 69 / 253-255 / 502-519; 3 x 2 74-100 / 279-290 / 520-539; 2 x 2 78 / 284 / 652. */
+#if PARTS == 1
 #define SKINNY_ROWS 6
 #define SKINNY_COLS 4
+#else
+#define SKINNY_ROWS 1
+#define SKINNY_COLS 4
+#endif
 
 /* The weight layouts a tile is compiled for: the dtype codes, and BF16_PAIRS, bf16 weights
    against bf16 x where the CPU has AVX512-BF16: each step takes 32 elements, and lane i adds
@@ -1389,10 +1416,6 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 #define Q8 4
 #define Q4 5
 
-/* 16 bf16 or float16 values from any 2-byte-aligned address; 64 bytes from any. */
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
-typedef float v16any __attribute__((vector_size(64), aligned(1)));
 
 /* The address of element i of an array of dtype. */
 static inline const void *element(const void *base, int64_t i, int dtype) {
@@ -1429,13 +1452,15 @@ static inline const void *weight_address(const Skinny *s, int64_t n, int64_t k, 
     return element(s->w, n * s->K + k, layout == BF16_PAIRS ? BF16 : layout);
 }
 
-/* Weights (n, [k, k + 16)) of a quantized row, k a multiple of 16: q * scale (+ offset),
-   each operation rounded on its own (the _round_ forms are never fused into one). */
-static inline __attribute__((always_inline)) v16 dequantize_step(const Skinny *s, int64_t n,
-                                                                 int64_t k, int layout) {
+/* Weights (n, [k + h * PART_LANES, ...)) of a quantized row, part h of the step at k (a
+   multiple of 16): q * scale (+ offset), each operation rounded on its own (the _round_ forms
+   are never fused into one). */
+static inline __attribute__((always_inline)) vp dequantize_part(const Skinny *s, int64_t n,
+                                                                int64_t k, int h, int layout) {
     const int shift = s->group_shift; /* (a division per step cost more than the arithmetic) */
     const int64_t group = shift < 0 ? n : n * (s->K >> shift) + (k >> shift);
-    const void *address = weight_address(s, n, k, layout);
+    /* Q8: the step's bytes; Q4: its 32-block's, low nibbles for k % 32 < 16, else high */
+    const uint8_t *address = (const uint8_t *)weight_address(s, n, k, layout) + h * PART_LANES;
 #ifdef __AVX512F__
     const __m128i bytes = _mm_loadu_si128((const __m128i *)address);
     __m512i q;
@@ -1448,93 +1473,98 @@ static inline __attribute__((always_inline)) v16 dequantize_step(const Skinny *s
     const int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     __m512 w = _mm512_mul_round_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s->scales[group]), round);
     if (layout == Q4) w = _mm512_add_round_ps(w, _mm512_set1_ps(s->offsets[group]), round);
-    return (v16)w;
+    return (vp)w;
 #else
-    typedef int8_t v16b __attribute__((vector_size(16), aligned(1)));
-    typedef uint8_t v16ub __attribute__((vector_size(16), aligned(1)));
-    v16i q = layout == Q8 ? __builtin_convertvector(*(const v16b *)address, v16i)
-                          : __builtin_convertvector(*(const v16ub *)address, v16i);
+    typedef int8_t vpb __attribute__((vector_size(PART_LANES), aligned(1)));
+    typedef uint8_t vpub __attribute__((vector_size(PART_LANES), aligned(1)));
+    vpi q = layout == Q8 ? __builtin_convertvector(*(const vpb *)address, vpi)
+                         : __builtin_convertvector(*(const vpub *)address, vpi);
     if (layout == Q4) q = (k & 16) ? q >> 4 : q & 15;
-    v16 w = __builtin_convertvector(q, v16) * splat(s->scales[group]);
+    vp w = __builtin_convertvector(q, vp) * ((vp){0} + s->scales[group]);
     if (layout == Q4) {
         __asm__ volatile("" : "+m"(w)); /* the product rounded before the sum: no fused op */
-        w = w + splat(s->offsets[group]);
+        w = w + ((vp){0} + s->offsets[group]);
     }
     return w;
 #endif
 }
 
 
-/* The weight loader: elements [i, i + 16) of weights stored in dtype, widened to float32
-   exactly (bf16 is a float32's top half: a shift; float16 converts in one instruction where
-   there is F16C). Reduced-precision products are never formed: the sums are float32's. */
-static inline __attribute__((always_inline)) v16 load_weights(const void *w, int64_t i, int dtype) {
-    if (dtype == F32) return *(const v16u *)element(w, i, F32);
+/* The weight loader: elements [i, i + PART_LANES) of weights stored in dtype, widened to
+   float32 exactly (bf16 is a float32's top half: a shift; float16 converts in one instruction
+   where there is F16C). Reduced-precision products are never formed: the sums are float32's. */
+static inline __attribute__((always_inline)) vp load_weights(const void *w, int64_t i, int dtype) {
+    if (dtype == F32) return *(const vpu *)element(w, i, F32);
 #ifdef __AVX512F__ /* gcc widens the generic forms below in 256-bit halves (or lane by lane) */
     const __m256i halves = _mm256_loadu_si256((const __m256i *)element(w, i, dtype));
-    if (dtype == BF16) return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
-    return (v16)_mm512_cvtph_ps(halves);
+    if (dtype == BF16) return (vp)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+    return (vp)_mm512_cvtph_ps(halves);
 #else
-    if (dtype == BF16) return (v16)(__builtin_convertvector(*(const v16h *)element(w, i, BF16), v16w) << 16);
-    return __builtin_convertvector(*(const v16f16 *)element(w, i, F16), v16);
+    if (dtype == BF16) return (vp)(__builtin_convertvector(*(const vph *)element(w, i, BF16), vpw) << 16);
+    return __builtin_convertvector(*(const vpf16 *)element(w, i, F16), vp);
 #endif
 }
 
-/* A step's weight vector: weights (n, [k, k + step)) (BF16_PAIRS: the 32 bf16 as they are). */
-static inline __attribute__((always_inline)) v16 load_step(const Skinny *s, int64_t n, int64_t k,
-                                                           int layout) {
-    if (layout == BF16_PAIRS) return *(const v16any *)weight_address(s, n, k, layout);
-    if (layout == Q8 || layout == Q4) return dequantize_step(s, n, k, layout);
-    return load_weights(s->w, n * s->K + k, layout);
+/* Part h of a step's weight vector: weights (n, [k, k + step)) (BF16_PAIRS, where PARTS is 1:
+   the 32 bf16 as they are). */
+static inline __attribute__((always_inline)) vp load_step(const Skinny *s, int64_t n, int64_t k,
+                                                          int h, int layout) {
+    if (layout == BF16_PAIRS) return *(const vpu *)weight_address(s, n, k, layout);
+    if (layout == Q8 || layout == Q4) return dequantize_part(s, n, k, h, layout);
+    return load_weights(s->w, n * s->K + k + h * PART_LANES, layout);
 }
 
-/* The first width (< step) of those weights, the other lanes zero. Never quantized: their
-   rows are whole groups of 32 (kernels/quantized.py), so every step is whole. */
-static inline v16 load_step_partial(const Skinny *s, int64_t n, int64_t k, int64_t width,
-                                    int layout) {
+/* Part h of the first width (< step) of those weights, the other lanes zero. Never
+   quantized: their rows are whole groups of 32 (kernels/quantized.py), so every step is whole. */
+static inline vp load_step_partial(const Skinny *s, int64_t n, int64_t k, int64_t width, int h,
+                                   int layout) {
     float lanes[LANES] = {0};
     const void *address = weight_address(s, n, k, layout);
     if (layout == BF16_PAIRS) memcpy(lanes, address, (size_t)width * 2);
     else if (layout < BF16_PAIRS) load_row(address, layout, lanes, (int)width);
-    return *(const v16u *)lanes;
+    return *(const vpu *)(lanes + h * PART_LANES);
 }
 
 /* The same for x, whose rows are float32 (bf16 for BF16_PAIRS). */
-static inline __attribute__((always_inline)) v16 load_x(const void *x, int64_t i, int layout) {
-    return *(const v16any *)element(x, i, layout == BF16_PAIRS ? BF16 : F32);
+static inline __attribute__((always_inline)) vp load_x(const void *x, int64_t i, int h, int layout) {
+    return *(const vpu *)element(x, i + h * PART_LANES, layout == BF16_PAIRS ? BF16 : F32);
 }
 
-static inline v16 load_x_partial(const void *x, int64_t i, int64_t width, int layout) {
+static inline vp load_x_partial(const void *x, int64_t i, int64_t width, int h, int layout) {
     float lanes[LANES] = {0};
     const int dtype = layout == BF16_PAIRS ? BF16 : F32;
     memcpy(lanes, element(x, i, dtype), (size_t)width * dtype_size(dtype));
-    return *(const v16u *)lanes;
+    return *(const vpu *)(lanes + h * PART_LANES);
 }
 
 /* acc + the step's products: lane by lane, or (BF16_PAIRS) each lane's pair. */
-static inline __attribute__((always_inline)) v16 multiply_add(v16 acc, v16 x, v16 w, int layout) {
+static inline __attribute__((always_inline)) vp multiply_add(vp acc, vp x, vp w, int layout) {
 #if HAVE_BF16_PAIRS
-    if (layout == BF16_PAIRS) return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
+    if (layout == BF16_PAIRS) return (vp)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)w);
 #endif
     return acc + x * w;
 }
 
-/* The sum of an accumulator's 16 lanes in the order `store_totals` adds them: lanes i and
-   i + 8, then neighbours, then pairs of pairs, then the two halves. */
-static inline float lane_total(v16 a) {
+/* The sum of an accumulator's 16 lanes (its parts) in the order `store_totals` adds them:
+   lanes i and i + 8, then neighbours, then pairs of pairs, then the two halves. */
+static inline float lane_total(const vp a[PARTS]) {
     float t[8];
-    for (int i = 0; i < 8; i++) t[i] = a[i] + a[i + 8];
+#if PARTS == 1
+    for (int i = 0; i < 8; i++) t[i] = a[0][i] + a[0][i + 8];
+#else
+    for (int i = 0; i < 8; i++) t[i] = a[0][i] + a[1][i];
+#endif
     return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 
-/* lane_total of 4 accumulators at once, into y[0..4) (+ bias[0..4) unless NULL). */
-static inline void store_totals(v16 a, v16 b, v16 c, v16 d, const float *bias, float *y) {
-#ifdef __AVX512F__
+/* lane_total of a tile row's accumulators at once, into y[0..SKINNY_COLS) (+ bias unless
+   NULL). */
+static inline void store_totals(const vp acc[SKINNY_COLS][PARTS], const float *bias, float *y) {
+#if defined(__AVX512F__) && SKINNY_COLS == 4
     __m256 half[4];
-    const v16 acc[4] = {a, b, c, d};
     for (int i = 0; i < 4; i++) {
-        half[i] = _mm256_add_ps(_mm512_castps512_ps256((__m512)acc[i]),
-                                _mm512_extractf32x8_ps((__m512)acc[i], 1));
+        half[i] = _mm256_add_ps(_mm512_castps512_ps256((__m512)acc[i][0]),
+                                _mm512_extractf32x8_ps((__m512)acc[i][0], 1));
     }
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half[0], half[1]),
                                     _mm256_hadd_ps(half[2], half[3]));
@@ -1542,8 +1572,7 @@ static inline void store_totals(v16 a, v16 b, v16 c, v16 d, const float *bias, f
     if (bias != NULL) sums = _mm_add_ps(sums, _mm_loadu_ps(bias));
     _mm_storeu_ps(y, sums);
 #else
-    const v16 acc[4] = {a, b, c, d};
-    for (int i = 0; i < 4; i++) y[i] = lane_total(acc[i]) + (bias != NULL ? bias[i] : 0.0f);
+    for (int i = 0; i < SKINNY_COLS; i++) y[i] = lane_total(acc[i]) + (bias != NULL ? bias[i] : 0.0f);
 #endif
 }
 
@@ -1560,29 +1589,33 @@ static inline __attribute__((always_inline)) void prefetch_weights(const Skinny 
     for (int c = 0; c < rows; c++) prefetch_stream(weight_address(s, next + c, k, layout));
 }
 
-/* A whole tile: rows [m0, m0 + 6) of x against weight rows [n0, n0 + 4), into y (+ bias).
-   While it computes, it prefetches prefetch_rows rows of the weights that come next (from
-   weight row `next`): the weights stream from memory once, so their reads must overlap the
-   arithmetic. */
+/* A whole tile: rows [m0, m0 + SKINNY_ROWS) of x against weight rows [n0, n0 + SKINNY_COLS),
+   into y (+ bias). While it computes, it prefetches prefetch_rows rows of the weights that
+   come next (from weight row `next`): the weights stream from memory once, so their reads
+   must overlap the arithmetic. */
 static inline __attribute__((always_inline)) void skinny_full_tile(
     const Skinny *s, int64_t m0, int64_t n0, int64_t next, int prefetch_rows, int layout) {
     const int64_t K = s->K;
-    v16 acc[SKINNY_ROWS][SKINNY_COLS];
+    vp acc[SKINNY_ROWS][SKINNY_COLS][PARTS];
     for (int m = 0; m < SKINNY_ROWS; m++)
-        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
+        for (int c = 0; c < SKINNY_COLS; c++)
+            for (int h = 0; h < PARTS; h++) acc[m][c][h] = (vp){0};
     for (int64_t k = 0; k < K; k += step_of(layout)) { /* K % step == 0 (full_blocks' test) */
-        v16 wv[SKINNY_COLS];
-        for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_step(s, n0 + c, k, layout);
         prefetch_weights(s, next, prefetch_rows, k, layout);
-        for (int m = 0; m < SKINNY_ROWS; m++) {
-            const v16 xv = load_x(s->x, (m0 + m) * s->x_stride + k, layout);
-            for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = multiply_add(acc[m][c], xv, wv[c], layout);
+        for (int h = 0; h < PARTS; h++) { /* a part at a time: the tile's registers hold it */
+            vp wv[SKINNY_COLS];
+            for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_step(s, n0 + c, k, h, layout);
+            for (int m = 0; m < SKINNY_ROWS; m++) {
+                const vp xv = load_x(s->x, (m0 + m) * s->x_stride + k, h, layout);
+                for (int c = 0; c < SKINNY_COLS; c++)
+                    acc[m][c][h] = multiply_add(acc[m][c][h], xv, wv[c], layout);
+            }
         }
     }
     const float *bias = s->bias != NULL ? s->bias + n0 : NULL;
     for (int m = 0; m < SKINNY_ROWS; m++) {
         float sums[SKINNY_COLS];
-        store_totals(acc[m][0], acc[m][1], acc[m][2], acc[m][3], bias, sums);
+        store_totals(acc[m], bias, sums);
         store_outputs(s, m0 + m, n0, sums, SKINNY_COLS);
     }
 }
@@ -1591,19 +1624,22 @@ static inline __attribute__((always_inline)) void skinny_full_tile(
    step; missing lanes, rows and columns add zeros), prefetching as the whole tile. */
 static inline __attribute__((always_inline)) void skinny_edge_step(
     const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t k, int64_t width,
-    int64_t next, int prefetch_rows, int layout, v16 acc[SKINNY_ROWS][SKINNY_COLS]) {
+    int64_t next, int prefetch_rows, int layout, vp acc[SKINNY_ROWS][SKINNY_COLS][PARTS]) {
     const int whole = width == step_of(layout);
     prefetch_weights(s, next, prefetch_rows, k, layout);
-    v16 wv[SKINNY_COLS];
-    for (int c = 0; c < SKINNY_COLS; c++) {
-        wv[c] = c >= cols ? splat(0.0f)
-                : whole   ? load_step(s, n0 + c, k, layout)
-                          : load_step_partial(s, n0 + c, k, width, layout);
-    }
-    for (int m = 0; m < rows; m++) {
-        const int64_t i = (m0 + m) * s->x_stride + k;
-        const v16 xv = whole ? load_x(s->x, i, layout) : load_x_partial(s->x, i, width, layout);
-        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = multiply_add(acc[m][c], xv, wv[c], layout);
+    for (int h = 0; h < PARTS; h++) {
+        vp wv[SKINNY_COLS];
+        for (int c = 0; c < SKINNY_COLS; c++) {
+            wv[c] = c >= cols ? (vp){0}
+                    : whole   ? load_step(s, n0 + c, k, h, layout)
+                              : load_step_partial(s, n0 + c, k, width, h, layout);
+        }
+        for (int m = 0; m < rows; m++) {
+            const int64_t i = (m0 + m) * s->x_stride + k;
+            const vp xv = whole ? load_x(s->x, i, h, layout) : load_x_partial(s->x, i, width, h, layout);
+            for (int c = 0; c < SKINNY_COLS; c++)
+                acc[m][c][h] = multiply_add(acc[m][c][h], xv, wv[c], layout);
+        }
     }
 }
 
@@ -1613,15 +1649,16 @@ static inline __attribute__((always_inline)) void skinny_edge_tile(
     const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t next, int prefetch_rows,
     int layout) {
     const int64_t K = s->K, step = step_of(layout);
-    v16 acc[SKINNY_ROWS][SKINNY_COLS];
+    vp acc[SKINNY_ROWS][SKINNY_COLS][PARTS];
     for (int m = 0; m < SKINNY_ROWS; m++)
-        for (int c = 0; c < SKINNY_COLS; c++) acc[m][c] = splat(0.0f);
+        for (int c = 0; c < SKINNY_COLS; c++)
+            for (int h = 0; h < PARTS; h++) acc[m][c][h] = (vp){0};
     int64_t k = 0;
     for (; k + step <= K; k += step)
         skinny_edge_step(s, m0, rows, n0, cols, k, step, next, prefetch_rows, layout, acc);
     if (k < K) skinny_edge_step(s, m0, rows, n0, cols, k, K - k, next, prefetch_rows, layout, acc);
     for (int m = 0; m < rows; m++) {
-        float sums[SKINNY_COLS]; /* all 4 (constant indices keep acc in registers) */
+        float sums[SKINNY_COLS]; /* all of them (constant indices keep acc in registers) */
         for (int c = 0; c < SKINNY_COLS; c++) sums[c] = lane_total(acc[m][c]);
         for (int c = 0; c < cols; c++) sums[c] += s->bias != NULL ? s->bias[n0 + c] : 0.0f;
         store_outputs(s, m0 + m, n0, sums, cols);
@@ -1635,10 +1672,18 @@ static inline __attribute__((always_inline)) void skinny_edge_rows(
     int layout) {
     switch (rows) {
     case 1: skinny_edge_tile(s, m0, 1, n0, cols, next, prefetch_rows, layout); break;
+#if SKINNY_ROWS > 2
     case 2: skinny_edge_tile(s, m0, 2, n0, cols, next, prefetch_rows, layout); break;
+#endif
+#if SKINNY_ROWS > 3
     case 3: skinny_edge_tile(s, m0, 3, n0, cols, next, prefetch_rows, layout); break;
+#endif
+#if SKINNY_ROWS > 4
     case 4: skinny_edge_tile(s, m0, 4, n0, cols, next, prefetch_rows, layout); break;
+#endif
+#if SKINNY_ROWS > 5
     case 5: skinny_edge_tile(s, m0, 5, n0, cols, next, prefetch_rows, layout); break;
+#endif
     default: skinny_edge_tile(s, m0, SKINNY_ROWS, n0, cols, next, prefetch_rows, layout);
     }
 }
@@ -1696,22 +1741,25 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
 static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, int64_t n, int rows,
                                                              int layout) {
     const int64_t K = s->K, step = step_of(layout);
-    v16 acc[ROW_STREAM_ROWS];
+    vp acc[ROW_STREAM_ROWS][PARTS];
     const char *end = (const char *)weight_address(s, s->N, 0, layout); /* the matrix's end */
-    for (int m = 0; m < rows; m++) acc[m] = splat(0.0f);
+    for (int m = 0; m < rows; m++)
+        for (int h = 0; h < PARTS; h++) acc[m][h] = (vp){0};
     int64_t k = 0;
     for (; k + step <= K; k += step) {
-        const v16 wv = load_step(s, n, k, layout);
         const char *ahead = (const char *)weight_address(s, n, k, layout) + ROW_PREFETCH_BYTES;
         if (prefetch_to_l1 && ahead < end) __builtin_prefetch(ahead, 0, 3);
-        for (int m = 0; m < rows; m++)
-            acc[m] = multiply_add(acc[m], load_x(s->x, m * s->x_stride + k, layout), wv, layout);
+        for (int h = 0; h < PARTS; h++) {
+            const vp wv = load_step(s, n, k, h, layout);
+            for (int m = 0; m < rows; m++)
+                acc[m][h] = multiply_add(acc[m][h], load_x(s->x, m * s->x_stride + k, h, layout), wv, layout);
+        }
     }
-    if (k < K) {
-        const v16 wv = load_step_partial(s, n, k, K - k, layout);
+    for (int h = 0; h < PARTS && k < K; h++) {
+        const vp wv = load_step_partial(s, n, k, K - k, h, layout);
         for (int m = 0; m < rows; m++) {
-            const v16 xv = load_x_partial(s->x, m * s->x_stride + k, K - k, layout);
-            acc[m] = multiply_add(acc[m], xv, wv, layout);
+            const vp xv = load_x_partial(s->x, m * s->x_stride + k, K - k, h, layout);
+            acc[m][h] = multiply_add(acc[m][h], xv, wv, layout);
         }
     }
     for (int m = 0; m < rows; m++) {
@@ -1807,6 +1855,9 @@ void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, c
 
 /* Whether bf16 x against bf16 weights takes the pair path (BF16_PAIRS). */
 int headrace_skinny_bf16_pairs(void) { return HAVE_BF16_PAIRS; }
+
+/* Lanes of the matmul's registers: 16 (AVX-512's tiles of 6 rows x 4 weights) or 8. */
+int headrace_skinny_part_lanes(void) { return PART_LANES; }
 
 /* Room for x widened to float32 (NULL when x is float32 or empty: malloc(0) may return NULL);
    *failed set when it could not be allocated. */
@@ -1962,9 +2013,11 @@ static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, A8
 
 /* sum_i a[i] * b[i] over n floats, 16 lanes at a time then the lanes (one fixed order). */
 static inline float a8_dot(const float *a, const float *b, int64_t n) {
-    v16 acc = splat(0.0f);
+    vp acc[PARTS] = {0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) acc = acc + *(const v16u *)(a + i) * *(const v16u *)(b + i);
+    for (; i + LANES <= n; i += LANES)
+        for (int h = 0; h < PARTS; h++)
+            acc[h] = acc[h] + *(const vpu *)(a + i + h * PART_LANES) * *(const vpu *)(b + i + h * PART_LANES);
     float total = lane_total(acc);
     for (; i < n; i++) total += a[i] * b[i];
     return total;
@@ -2194,9 +2247,11 @@ void headrace_dequantize(const void *w, int bits, int64_t N, int64_t K, int64_t 
 #pragma omp parallel for schedule(static) if (N * K >= (1 << 15))
     for (int64_t n = 0; n < N; n++) {
         for (int64_t k = 0; k < K; k += LANES) {
-            const v16 values = dequantize_step(&s, n, k, layout);
-            store_row((char *)out + (n * K + k) * (int64_t)dtype_size(out_dtype), out_dtype,
-                      (const float *)&values, LANES);
+            for (int h = 0; h < PARTS; h++) {
+                const vp values = dequantize_part(&s, n, k, h, layout);
+                store_row((char *)out + (n * K + k + h * PART_LANES) * (int64_t)dtype_size(out_dtype),
+                          out_dtype, (const float *)&values, PART_LANES);
+            }
         }
     }
 }

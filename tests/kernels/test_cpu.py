@@ -956,9 +956,10 @@ def skinny_calls(monkeypatch) -> list[int]:
 def test_linear_hands_larger_batches_and_other_dtypes_to_torch(skinny_calls):
     calls = skinny_calls
     weight = torch.randn(8, 32)  # not a parameter: never packed, never padded
-    cpu_ops.linear(torch.randn(cpu_ops.FLOAT32_MAX_ROWS, 32), weight)
+    limit = cpu_ops.skinny_max_rows(torch.float32)
+    cpu_ops.linear(torch.randn(limit, 32), weight)
     assert len(calls) == 1
-    big = torch.randn(cpu_ops.FLOAT32_MAX_ROWS + 1, 32)
+    big = torch.randn(limit + 1, 32)
     torch.testing.assert_close(cpu_ops.linear(big, weight), big @ weight.T)
     wide = cpu_ops.linear(torch.randn(3, 32, dtype=torch.float64), weight.double())
     assert wide.dtype == torch.float64
@@ -972,27 +973,39 @@ def test_linear_hands_larger_batches_and_other_dtypes_to_torch(skinny_calls):
 
 
 def test_float32_rows_up_to_a_few_hundred_run_in_the_c_kernel(skinny_calls):
-    """float32 rows past SKINNY_MAX_ROWS stay in the C kernel up to FLOAT32_MAX_ROWS, whether
-    or not oneDNN's packed GEMM would pad them to a bucket (128 would not, 161 would), each
-    row's sums its bits alone; past it, torch's GEMM takes them."""
+    """With AVX-512's tiles, float32 rows past SKINNY_MAX_ROWS stay in the C kernel up to
+    FLOAT32_MAX_ROWS, whether or not oneDNN's packed GEMM would pad them to a bucket (128
+    would not, 161 would), each row's sums its bits alone; past it (with 8-lane tiles, past
+    SKINNY_MAX_ROWS), torch's GEMM takes them."""
     gen = torch.Generator().manual_seed(11)
     weight = nn.Parameter(torch.randn(40, 64, generator=gen), requires_grad=False)
     x = torch.randn(cpu_ops.FLOAT32_MAX_ROWS + 1, 64, generator=gen)
-    in_c = {65: True, 128: True, 161: True, cpu_ops.FLOAT32_MAX_ROWS: True}
-    in_c[cpu_ops.FLOAT32_MAX_ROWS + 1] = False
+    wide = cpu_ops.wide_tiles()
+    in_c = {cpu_ops.SKINNY_MAX_ROWS: True, 65: wide, 128: wide, 161: wide}
+    in_c |= {cpu_ops.FLOAT32_MAX_ROWS: wide, cpu_ops.FLOAT32_MAX_ROWS + 1: False}
     for rows, wanted in in_c.items():
         skinny_calls.clear()
         got = cpu_ops.linear(x[:rows], weight)
         assert skinny_calls == ([rows] if wanted else []), rows
         want = (x[:rows].double() @ weight.double().T).float()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    batched = cpu_ops.linear(x[: cpu_ops.FLOAT32_MAX_ROWS], weight)
-    for row in (0, 64, 100, 160, cpu_ops.FLOAT32_MAX_ROWS - 1):
+    limit = cpu_ops.skinny_max_rows(torch.float32)
+    batched = cpu_ops.linear(x[:limit], weight)
+    for row in {0, 63, 100, 160, limit - 1} & set(range(limit)):
         assert torch.equal(cpu_ops.linear(x[row : row + 1], weight)[0], batched[row])
 
 
+def test_the_matmul_tiles_fit_the_cpus_registers():
+    """16-lane tiles where the CPU has AVX-512; elsewhere 8-lane parts (a 16-lane vector
+    that no register holds lives in memory: on AVX2 such tiles ran 5-10x slower)."""
+    assert cpu_ops.wide_tiles() == cpu_ops.cpu_has_flag("avx512f")
+
+
 def test_reduced_weights_take_the_float32_bound_where_torch_would_widen_them(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "wide_tiles", lambda: True)
     assert cpu_ops.skinny_max_rows(torch.float32) == cpu_ops.FLOAT32_MAX_ROWS
+    monkeypatch.setattr(cpu_ops, "wide_tiles", lambda: False)  # AVX2's 8-lane tiles
+    assert cpu_ops.skinny_max_rows(torch.float32) == cpu_ops.SKINNY_MAX_ROWS
     assert cpu_ops.skinny_max_rows(torch.float64) == 0
     monkeypatch.setattr(cpu_ops, "compute_dtype", lambda dtype, device: dtype)
     monkeypatch.setattr(cpu_ops, "amx_tiles", lambda: False)

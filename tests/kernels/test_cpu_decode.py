@@ -99,7 +99,7 @@ def test_decode_in_one_call_is_the_per_op_forward_bit_for_bit(monkeypatch, dtype
 def test_short_chunks_run_in_the_call_and_long_steps_layer_by_layer(monkeypatch):
     """A short prompt's chunk, alone or beside a decode, runs in the one call (as a
     speculating sequence's proposals do); a step of more rows than the per-op path
-    multiplies in C (float32: FLOAT32_MAX_ROWS) runs per op."""
+    multiplies in C (float32: `skinny_max_rows`) runs per op."""
     path = str(cached_checkpoint(family="llama", num_layers=2))
     calls = Calls(monkeypatch)
     e = Engine(EngineConfig(path, dtype="float32", kernel_backend="cpu"))
@@ -111,7 +111,8 @@ def test_short_chunks_run_in_the_call_and_long_steps_layer_by_layer(monkeypatch)
     e.add_request("b", PROMPTS[1], config)
     e.step()  # b's 37-token prompt beside a's decode
     assert calls.rows == [5, 1, 38]
-    e.add_request("c", list(range(100, 100 + cpu_ops.FLOAT32_MAX_ROWS)), config)  # no cached prefix
+    limit = cpu_ops.skinny_max_rows(torch.float32)
+    e.add_request("c", list(range(100, 100 + limit)), config)  # no cached prefix
     e.step()  # c's prompt beside two decodes: past the C matmul's rows, per op
     assert calls.rows == [5, 1, 38]
     e.close()
@@ -122,16 +123,18 @@ def test_prompt_steps_of_hundreds_of_rows_run_in_the_call_where_the_per_op_path_
     monkeypatch, dtype
 ):
     """A step with a 150-token prompt beside the others' (212 rows) runs in one call in
-    float32 (the per-op path's C matmul takes up to FLOAT32_MAX_ROWS) and in bf16 where the
-    weights have panels (which it multiplies at any row count), else per op; either way the
-    tokens and logprobs are the per-op forward's, bit for bit."""
+    float32 where the per-op path's C matmul takes that many rows (AVX-512's tiles: up to
+    FLOAT32_MAX_ROWS) and in bf16 where the weights have panels (which it multiplies at any
+    row count), else per op; either way the tokens and logprobs are the per-op forward's, bit
+    for bit."""
     path = str(cached_checkpoint(family="llama", num_layers=3, num_heads=4, num_kv_heads=2))
     prompts = [*PROMPTS, list(range(3, 153))]
     with monkeypatch.context() as patch:
         calls = Calls(patch)
         fused = generate(path, dtype, prompts)
     num_prompt_rows = sum(len(p) for p in prompts)
-    assert (num_prompt_rows in calls.rows) == (dtype == "float32" or cpu_ops.makes_panels())
+    in_call = cpu_ops.wide_tiles() if dtype == "float32" else cpu_ops.makes_panels()
+    assert (num_prompt_rows in calls.rows) == in_call
     per_op(monkeypatch)
     assert fused == generate(path, dtype, prompts)
 
