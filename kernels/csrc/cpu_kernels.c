@@ -90,6 +90,24 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 /* A v16 loaded from or stored to any float-aligned address. */
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
+/* The register a hot loop works in: 16 lanes where the CPU has AVX-512, else a v16 as
+   PARTS = 2 registers of 8 lanes (gcc keeps a 64-byte vector in memory where no register holds
+   one: on an AVX2 Zen 3 the matmul tile's every v16 operation became loads and stores, and it
+   ran 5-10x slower than oneDNN). Lane i of a step holds element k + i either way, so every
+   sum is the same. */
+#ifdef __AVX512F__
+#define PART_LANES 16
+#else
+#define PART_LANES 8
+#endif
+#define PARTS (LANES / PART_LANES)
+typedef float vp __attribute__((vector_size(PART_LANES * 4)));
+typedef int32_t vpi __attribute__((vector_size(PART_LANES * 4)));
+typedef uint32_t vpw __attribute__((vector_size(PART_LANES * 4)));
+typedef float vpu __attribute__((vector_size(PART_LANES * 4), aligned(1)));
+typedef uint16_t vph __attribute__((vector_size(PART_LANES * 2), aligned(2)));
+typedef _Float16 vpf16 __attribute__((vector_size(PART_LANES * 2), aligned(2)));
+
 static const v16i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* Whether the CPU has AVX512-BF16's pair dot instruction (vdpbf16ps): lane i adds the
@@ -404,6 +422,13 @@ static inline __attribute__((always_inline)) v16 row_chunk(const char *row, int 
 #endif
 }
 
+/* Part h of row_chunk(row, c, bf16). */
+static inline __attribute__((always_inline)) vp row_part(const char *row, int c, int h, int bf16) {
+    const int64_t i = (int64_t)c * LANES + h * PART_LANES;
+    if (!bf16) return *(const vpu *)(row + i * 4);
+    return (vp)(__builtin_convertvector(*(const vph *)(row + i * 2), vpw) << 16);
+}
+
 /* scores[r] lane j = q_r . k_j for rows [row0, rows) (0 for j >= count): per row, 16
    dot products in lanes, then all 16 lane sums at once. A whole tile runs the 16 keys' sums
    side by side (16 independent chains, each a chunk of q loaded once); each key's chunks add
@@ -413,6 +438,7 @@ static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, in
     for (int r = row0; r < rows; r++) {
         const float *q = s->queries + (int64_t)r * a->padded_dim;
         v16 sums[LANES];
+#if PARTS == 1
         for (int j = 0; j < LANES; j++) sums[j] = splat(0.0f);
         if (count == LANES) {
             for (int c = 0; c < chunks; c++) {
@@ -424,6 +450,15 @@ static void score_by_dots(const Attention *a, Scratch *s, int row0, int rows, in
                 for (int c = 0; c < chunks; c++)
                     sums[j] += *(const v16 *)(q + c * LANES) * row_chunk(s->keys[j], c, bf16);
         }
+#else /* a key at a time, in parts (16 keys' chains side by side would live in memory) */
+        for (int j = 0; j < LANES; j++) {
+            vp acc[PARTS] = {0};
+            for (int c = 0; j < count && c < chunks; c++)
+                for (int h = 0; h < PARTS; h++)
+                    acc[h] += *(const vpu *)(q + c * LANES + h * PART_LANES) * row_part(s->keys[j], c, h, bf16);
+            memcpy(&sums[j], acc, sizeof sums[j]);
+        }
+#endif
         s->scores[r] = sum_lanes_16(sums);
     }
 }
@@ -636,6 +671,27 @@ static inline __attribute__((always_inline)) void accumulate_four_chunks(
         for (int k = 0; k < 4; k++) acc[i][k] = sum[i][k];
 }
 
+/* accumulate_four_chunks for one chunk, in parts: 6 accumulators of 8 lanes and a value
+   chunk's 2 parts in registers (four chunks' would not fit 16 registers of 8 lanes). Each
+   lane adds the same products in the same order. */
+static inline __attribute__((always_inline)) void accumulate_chunk_parts(
+    Scratch *s, int Dp, const int r[ACC_ROWS], int c, int count, int bf16) {
+    vp sum[ACC_ROWS][PARTS];
+    for (int i = 0; i < ACC_ROWS; i++)
+        for (int h = 0; h < PARTS; h++) sum[i][h] = *(const vpu *)(s->acc + (int64_t)r[i] * Dp + c * LANES + h * PART_LANES);
+    for (int j = 0; j < count; j++) {
+        vp chunk[PARTS];
+        for (int h = 0; h < PARTS; h++) chunk[h] = row_part(s->values[j], c, h, bf16);
+        for (int i = 0; i < ACC_ROWS; i++) {
+            const float p = s->scores[r[i]][j];
+            for (int h = 0; h < PARTS; h++) sum[i][h] += p * chunk[h];
+        }
+    }
+    for (int i = 0; i < ACC_ROWS; i++)
+        for (int h = 0; h < PARTS; h++)
+            memcpy(s->acc + (int64_t)r[i] * Dp + c * LANES + h * PART_LANES, &sum[i][h], sizeof sum[i][h]);
+}
+
 /* acc_r += sum_j p_rj v_j for rows [row0, rows), three rows and four v16 chunks at a time. */
 static inline __attribute__((always_inline)) void accumulate_rows(const Attention *a, Scratch *s,
                                                                   int row0, int rows, int count,
@@ -645,7 +701,11 @@ static inline __attribute__((always_inline)) void accumulate_rows(const Attentio
     for (int r0 = row0; r0 < rows; r0 += ACC_ROWS) {
         int r[ACC_ROWS];
         group_rows(s, r0, rows, r);
+#if PARTS == 1
         for (int c = 0; c < whole; c += 4) accumulate_four_chunks(s, Dp, r, c, count, bf16);
+#else
+        for (int c = 0; c < whole; c++) accumulate_chunk_parts(s, Dp, r, c, count, bf16);
+#endif
         for (int rr = r0; rr < r0 + ACC_ROWS && rr < rows; rr++) {
             v16 *acc = (v16 *)(s->acc + (int64_t)rr * Dp);
             for (int j = 0; j < count; j++) {
@@ -1373,23 +1433,6 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 
 /* ---- skinny linear ------------------------------------------------------------------------ */
 
-/* The matmul's vector: a step's 16 lanes in one register where the CPU has AVX-512, else in
-   PARTS = 2 registers of 8 lanes (gcc keeps a 64-byte vector in memory where no register holds
-   one: on an AVX2 Zen 3 the tile's every v16 operation became loads and stores, and it ran
-   5-10x slower than oneDNN). Lane i of a step holds element k + i either way, so every sum
-   is the same. */
-#ifdef __AVX512F__
-#define PART_LANES 16
-#else
-#define PART_LANES 8
-#endif
-#define PARTS (LANES / PART_LANES)
-typedef float vp __attribute__((vector_size(PART_LANES * 4)));
-typedef int32_t vpi __attribute__((vector_size(PART_LANES * 4)));
-typedef uint32_t vpw __attribute__((vector_size(PART_LANES * 4)));
-typedef float vpu __attribute__((vector_size(PART_LANES * 4), aligned(1)));
-typedef uint16_t vph __attribute__((vector_size(PART_LANES * 2), aligned(2)));
-typedef _Float16 vpf16 __attribute__((vector_size(PART_LANES * 2), aligned(2)));
 
 /* A tile: this many rows of x against this many weight rows. With AVX-512, 24 accumulators
    plus the tile's 4 weight vectors and one x vector in 32 registers. With 16 registers of 8
