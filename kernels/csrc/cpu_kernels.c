@@ -2054,18 +2054,6 @@ static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, A8
     }
 }
 
-/* sum_i a[i] * b[i] over n floats, 16 lanes at a time then the lanes (one fixed order). */
-static inline float a8_dot(const float *a, const float *b, int64_t n) {
-    vp acc[PARTS] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int h = 0; h < PARTS; h++)
-            acc[h] = acc[h] + *(const vpu *)(a + i + h * PART_LANES) * *(const vpu *)(b + i + h * PART_LANES);
-    float total = lane_total(acc);
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
-}
-
 /* Weight row n's bytes: K / 2 of nibbles, or K of int8. */
 static inline const uint8_t *a8_weight(const Skinny *s, int64_t n, int bits) {
     return (const uint8_t *)s->w + n * (bits == 8 ? s->K : s->K / 2);
@@ -2172,6 +2160,42 @@ static inline __attribute__((always_inline)) void a8_weight_rows16(const Skinny 
 }
 #endif
 
+#ifndef __AVX512VNNI__
+/* Without VNNI: a8_lanes and _mm512_reduce_add_ps's sum of them, lane by lane in scalar code,
+   with the same roundings in the same order (each lane's four exact products, its factor
+   rounded once, a fused multiply-add, the offsets' fused terms, then lane i + lane i + 8, + the
+   sum 4 on, + the sum 2 on, the two left), so a CPU without VNNI gives a row the bits one
+   with it gives. (Summing whole blocks instead moved int4 models' greedy tokens on an AVX2
+   machine away from the reference's, where AVX-512's met them.) */
+static inline float a8_lanes_emulated(const uint8_t *row, const float *scales,
+                                      const float *offsets, A8Row r, int64_t B, int64_t G,
+                                      int shift, int bits) {
+    float acc[16] = {0};
+    for (int64_t p = 0; p < a8_pairs(B * 32); p++) {
+        const float s0 = scales[(2 * p) >> shift];
+        const float s1 = 2 * p + 1 < B ? scales[(2 * p + 1) >> shift] : s0;
+        for (int l = 0; l < 16; l++) { /* lane l: 4 elements of block 2p (+1 for lanes 4-7, 12-15) */
+            const int64_t b = 2 * p + ((l >> 2) & 1);
+            const int first = (l >= 8 ? 16 : 0) + (l & 3) * 4; /* the block's element */
+            int32_t dot = 0;
+            for (int i = 0; b < B && i < 4; i++) {
+                const int e = first + i;
+                const int32_t w = bits == 8 ? (int8_t)row[32 * b + e]
+                                            : (e < 16 ? row[16 * b + e] & 15 : row[16 * b + e - 16] >> 4);
+                dot += w * r.xq[64 * p + 4 * l + i];
+            }
+            const float factor = ((l >> 2) & 1 ? s1 : s0) * r.sxv[16 * p + l];
+            acc[l] = fmaf((float)dot, factor, acc[l]);
+        }
+    }
+    for (int64_t g = 0; bits == 4 && g < G; g++) acc[g % 16] = fmaf(offsets[g], r.S[g], acc[g % 16]);
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = acc[i] + acc[i + 8];
+    for (int i = 0; i < 4; i++) t[i] = t[i] + t[i + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+#endif
+
 /* Weight row n against every row of x (prepared: each row's scratch, `row_floats` apart):
    per row, the pairs in order, then the offsets' term, then one sum of the lanes (as
    a8_lanes forms them); the weight row's pairs are unpacked once for all rows of x. */
@@ -2198,18 +2222,7 @@ static inline __attribute__((always_inline)) void a8_weight_row(const Skinny *s,
         for (int64_t p = 0; p < P; p++) acc = a8_pair_sum(acc, bytes[p], lane_scales[p], r, p, bits);
         float sum = _mm512_reduce_add_ps(bits == 8 ? acc : a8_offset_sum(acc, offsets, r.S, G));
 #else
-        float sum = 0.0f;
-        for (int64_t b = 0; b < B; b++) {
-            const int8_t *first = r.xq + (b / 2) * 64 + (b % 2) * 16, *second = first + 32;
-            int32_t dot = 0;
-            for (int i = 0; i < 16; i++) {
-                dot += bits == 8 ? (int8_t)row[32 * b + i] * first[i] +
-                                       (int8_t)row[32 * b + 16 + i] * second[i]
-                                 : (row[16 * b + i] & 15) * first[i] + (row[16 * b + i] >> 4) * second[i];
-            }
-            sum += (float)dot * (scales[b >> shift] * r.sxv[(b / 2) * 16 + (b % 2) * 4]);
-        }
-        if (bits == 4) sum += a8_dot(offsets, r.S, G);
+        float sum = a8_lanes_emulated(row, scales, offsets, r, B, G, shift, bits);
 #endif
         sum += s->bias != NULL ? s->bias[n] : 0.0f;
         store_outputs(s, m, n, &sum, 1);
