@@ -70,9 +70,9 @@ AMX_MIN_QUERIES = 32
 AMX_MIN_SCORES = 128 * 128
 
 
-#: Rows up to which `linear` runs the C kernel (float32 weights: up to FLOAT32_MAX_ROWS, below):
-#: it reads each weight from memory once and meets every row there, where torch's GEMM is
-#: slower on few rows. Measured on SmolLM2-135M's
+#: Rows up to which `linear` runs the C kernel (float32 weights with AVX-512's tiles: up to
+#: FLOAT32_MAX_ROWS, below): it reads each weight from memory once and meets every row there,
+#: where torch's GEMM is slower on few rows. Measured on SmolLM2-135M's
 #: 120 matmuls of a step (2 cores, float32): 1 row 16.6 ms, torch 16.6; 4: 18.1 vs 28.0;
 #: 24: 26.9 vs 44.5; 64: 61.3 vs 60.4. Up to 64 rows, where the two tie, so that a decode
 #: step of 64 sequences runs its layers in one C call (`cpu_decode`): 64 requests of 32-512
@@ -373,10 +373,10 @@ def linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [T, out] in out_dtype (default: x's dtype)
-    """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`; float32 up to a few hundred) in
-    the C kernel, float32 arithmetic over float32, bf16 or float16 weights (each output's sum
-    in a fixed order, whatever the other rows), and bf16 rows against a weight's panels at
-    any row count (`panel_copy`); else torch's on the weight packed once
+    """x Wᵀ + b: a decode step's few rows (`skinny_max_rows`; float32 up to a few hundred with
+    AVX-512) in the C kernel, float32 arithmetic over float32, bf16 or float16 weights (each
+    output's sum in a fixed order, whatever the other rows), and bf16 rows against a weight's
+    panels at any row count (`panel_copy`); else torch's on the weight packed once
     (`prepacked.linear`)."""
     panels = panel_copy(weight) if x.dtype == torch.bfloat16 and x.dim() == 2 else None
     if panels is None and not _takes_skinny(x, weight):
