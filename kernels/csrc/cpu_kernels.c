@@ -93,8 +93,8 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 /* The register a hot loop works in: 16 lanes where the CPU has AVX-512, else a v16 as
    PARTS = 2 registers of 8 lanes (gcc keeps a 64-byte vector in memory where no register holds
    one: on an AVX2 Zen 3 the matmul tile's every v16 operation became loads and stores, and it
-   ran 5-10x slower than oneDNN). Lane i of a step holds element k + i either way, so every
-   sum is the same. */
+   ran 2-11x slower than oneDNN at 8 to 320 rows). Lane i of a step holds element k + i either
+   way, so every sum is the same. */
 #ifdef __AVX512F__
 #define PART_LANES 16
 #else
@@ -107,6 +107,26 @@ typedef uint32_t vpw __attribute__((vector_size(PART_LANES * 4)));
 typedef float vpu __attribute__((vector_size(PART_LANES * 4), aligned(1)));
 typedef uint16_t vph __attribute__((vector_size(PART_LANES * 2), aligned(2)));
 typedef _Float16 vpf16 __attribute__((vector_size(PART_LANES * 2), aligned(2)));
+
+/* The address of element i of an array of dtype. */
+static inline const void *element(const void *base, int64_t i, int dtype) {
+    return (const char *)base + i * (int64_t)dtype_size(dtype);
+}
+
+/* The loader of weights (and of K / V rows): elements [i, i + PART_LANES) of an array stored
+   in dtype, widened to float32 exactly (bf16 is a float32's top half: a shift; float16 converts in one instruction
+   where there is F16C). Reduced-precision products are never formed: the sums are float32's. */
+static inline __attribute__((always_inline)) vp load_weights(const void *w, int64_t i, int dtype) {
+    if (dtype == F32) return *(const vpu *)element(w, i, F32);
+#ifdef __AVX512F__ /* gcc widens the generic forms below in 256-bit halves (or lane by lane) */
+    const __m256i halves = _mm256_loadu_si256((const __m256i *)element(w, i, dtype));
+    if (dtype == BF16) return (vp)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+    return (vp)_mm512_cvtph_ps(halves);
+#else
+    if (dtype == BF16) return (vp)(__builtin_convertvector(*(const vph *)element(w, i, BF16), vpw) << 16);
+    return __builtin_convertvector(*(const vpf16 *)element(w, i, F16), vp);
+#endif
+}
 
 static const v16i LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
@@ -424,9 +444,7 @@ static inline __attribute__((always_inline)) v16 row_chunk(const char *row, int 
 
 /* Part h of row_chunk(row, c, bf16). */
 static inline __attribute__((always_inline)) vp row_part(const char *row, int c, int h, int bf16) {
-    const int64_t i = (int64_t)c * LANES + h * PART_LANES;
-    if (!bf16) return *(const vpu *)(row + i * 4);
-    return (vp)(__builtin_convertvector(*(const vph *)(row + i * 2), vpw) << 16);
+    return load_weights(row, (int64_t)c * LANES + h * PART_LANES, bf16 ? BF16 : F32);
 }
 
 /* scores[r] lane j = q_r . k_j for rows [row0, rows) (0 for j >= count): per row, 16
@@ -1433,7 +1451,6 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 
 /* ---- skinny linear ------------------------------------------------------------------------ */
 
-
 /* A tile: this many rows of x against this many weight rows. With AVX-512, 24 accumulators
    plus the tile's 4 weight vectors and one x vector in 32 registers. With 16 registers of 8
    lanes, one row against 4 weights: 8 accumulators (two parts each), 4 weight parts and an x
@@ -1458,12 +1475,6 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
    as `dequantize` forms them, then multiplied as float32 weights are. */
 #define Q8 4
 #define Q4 5
-
-
-/* The address of element i of an array of dtype. */
-static inline const void *element(const void *base, int64_t i, int dtype) {
-    return (const char *)base + i * (int64_t)dtype_size(dtype);
-}
 
 /* Elements of x and w per step of a tile's loop. */
 static inline int step_of(int layout) { return layout == BF16_PAIRS ? 2 * LANES : LANES; }
@@ -1532,21 +1543,6 @@ static inline __attribute__((always_inline)) vp dequantize_part(const Skinny *s,
 #endif
 }
 
-
-/* The weight loader: elements [i, i + PART_LANES) of weights stored in dtype, widened to
-   float32 exactly (bf16 is a float32's top half: a shift; float16 converts in one instruction
-   where there is F16C). Reduced-precision products are never formed: the sums are float32's. */
-static inline __attribute__((always_inline)) vp load_weights(const void *w, int64_t i, int dtype) {
-    if (dtype == F32) return *(const vpu *)element(w, i, F32);
-#ifdef __AVX512F__ /* gcc widens the generic forms below in 256-bit halves (or lane by lane) */
-    const __m256i halves = _mm256_loadu_si256((const __m256i *)element(w, i, dtype));
-    if (dtype == BF16) return (vp)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
-    return (vp)_mm512_cvtph_ps(halves);
-#else
-    if (dtype == BF16) return (vp)(__builtin_convertvector(*(const vph *)element(w, i, BF16), vpw) << 16);
-    return __builtin_convertvector(*(const vpf16 *)element(w, i, F16), vp);
-#endif
-}
 
 /* Part h of a step's weight vector: weights (n, [k, k + step)) (BF16_PAIRS, where PARTS is 1:
    the 32 bf16 as they are). */
