@@ -37,7 +37,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -165,41 +165,88 @@ static inline float hmax(v16 x) {
 #endif
 }
 
+/* Lanes of a where mask is set (all ones), else lanes of b: one part. */
+static inline vp select_part(vpi mask, vp a, vp b) {
+    return (vp)(((vpi)a & mask) | ((vpi)b & ~mask));
+}
+
+/* Part h of a v16 (on AVX2 the v16 is in memory: a load). */
+static inline vp part_of(v16 x, int h) {
+    vp out;
+    memcpy(&out, (const char *)&x + h * sizeof out, sizeof out);
+    return out;
+}
+
+/* The largest lane of a v16's parts (hmax's). */
+static inline float parts_max(const vp best[PARTS]) {
+#if PARTS == 1
+    return hmax(best[0]);
+#else
+    float top = best[0][0];
+    for (int h = 0; h < PARTS; h++)
+        for (int k = 0; k < PART_LANES; k++) top = best[h][k] > top ? best[h][k] : top;
+    return top;
+#endif
+}
+
+/* The sum of a v16's parts' lanes (hsum's, in the same order). */
+static inline float parts_sum(const vp x[PARTS]) {
+#if PARTS == 1
+    return hsum(x[0]);
+#else
+    float total = 0.0f;
+    for (int h = 0; h < PARTS; h++)
+        for (int k = 0; k < PART_LANES; k++) total += x[h][k];
+    return total;
+#endif
+}
+
 /* exp(x) per lane for x <= 0 (softmax arguments; below -87 gives ~1e-38, not 0): Cody-Waite
-   range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf. */
-static inline v16 exp_nonpositive(v16 x) {
-    x = select_lanes(x < -87.0f, splat(-87.0f), x);
-    const v16 round = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
-    v16 n = (x * 1.44269504088896341f + round) - round;
-    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
+   range reduction and Cephes' degree-6 polynomial, within 2 ulp of expf. One part. */
+static inline vp exp_part(vp x) {
+    x = select_part(x < -87.0f, (vp){0} - 87.0f, x);
+    const vp round = (vp){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    vp n = (x * 1.44269504088896341f + round) - round;
+    vp r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vp p = (vp){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)bits;
+    vpi bits = (__builtin_convertvector(n, vpi) + 127) << 23;
+    return p * (vp)bits;
+}
+
+/* exp_part of every lane of a v16, a part at a time (in registers). */
+static inline v16 exp_nonpositive(v16 x) {
+    v16 out;
+    for (int h = 0; h < PARTS; h++) {
+        const vp part = exp_part(part_of(x, h));
+        memcpy((char *)&out + h * sizeof part, &part, sizeof part);
+    }
+    return out;
 }
 
 /* 2**t per lane for t <= 0 (below -126 gives 2**-126, not 0; the caller masks what must be
    0): a degree-5 polynomial of 2**f, f = t - round(t), within 2.4e-7 relative (fitted here,
-   minimax on [-1/2, 1/2]), scaled by 2**round(t) in one instruction where there is AVX-512. */
-static inline v16 exp2_nonpositive(v16 t) {
+   minimax on [-1/2, 1/2]), scaled by 2**round(t) in one instruction where there is AVX-512.
+   One part. */
+static inline vp exp2_part(vp t) {
 #ifdef __AVX512F__
     const __m512 x = _mm512_max_ps((__m512)t, _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const v16 f = (v16)_mm512_sub_ps(x, n);
-    v16 p = splat(1.327647129073739e-3f);
+    const vp f = (vp)_mm512_sub_ps(x, n);
+    vp p = (vp){0} + 1.327647129073739e-3f;
     p = p * f + 9.675540961325169e-3f;
     p = p * f + 5.550713092088699e-2f;
     p = p * f + 2.4022120237350464e-1f;
     p = p * f + 6.931469440460205e-1f;
     p = p * f + 1.0000001192092896f;
-    return (v16)_mm512_scalef_ps((__m512)p, n);
+    return (vp)_mm512_scalef_ps((__m512)p, n);
 #else
-    return exp_nonpositive(t * 0.6931471805599453f);
+    return exp_part(t * 0.6931471805599453f);
 #endif
 }
 
@@ -621,19 +668,24 @@ static void score_by_transpose(const Attention *a, Scratch *s, int row0, int row
     }
     for (int r = row0; r < rows; r += ROW_BLOCK) {
         const int n = rows - r < ROW_BLOCK ? rows - r : ROW_BLOCK;
-        v16 even[ROW_BLOCK], odd[ROW_BLOCK];
-        for (int i = 0; i < ROW_BLOCK; i++) even[i] = odd[i] = splat(0.0f);
-        int d = 0;
-        for (; d + 1 < D; d += 2) {
-            for (int i = 0; i < ROW_BLOCK; i++) {
-                const float *q = s->queries + (int64_t)(i < n ? r + i : r) * Dp;
-                even[i] += q[d] * s->keys_t[d];
-                odd[i] += q[d + 1] * s->keys_t[d + 1];
+        for (int h = 0; h < PARTS; h++) { /* a part at a time, in registers (see PART_LANES) */
+            vp even[ROW_BLOCK], odd[ROW_BLOCK];
+            for (int i = 0; i < ROW_BLOCK; i++) even[i] = odd[i] = (vp){0};
+            int d = 0;
+            for (; d + 1 < D; d += 2) {
+                const vp k0 = part_of(s->keys_t[d], h), k1 = part_of(s->keys_t[d + 1], h);
+                for (int i = 0; i < ROW_BLOCK; i++) {
+                    const float *q = s->queries + (int64_t)(i < n ? r + i : r) * Dp;
+                    even[i] += q[d] * k0;
+                    odd[i] += q[d + 1] * k1;
+                }
             }
-        }
-        for (int i = 0; i < n; i++) {
-            const float *q = s->queries + (int64_t)(r + i) * Dp;
-            s->scores[r + i] = even[i] + odd[i] + (d < D ? q[d] * s->keys_t[d] : splat(0.0f));
+            for (int i = 0; i < n; i++) {
+                const float *q = s->queries + (int64_t)(r + i) * Dp;
+                const vp score =
+                    even[i] + odd[i] + (d < D ? q[d] * part_of(s->keys_t[d], h) : (vp){0});
+                memcpy((char *)&s->scores[r + i] + h * sizeof score, &score, sizeof score);
+            }
         }
     }
 }
@@ -650,20 +702,27 @@ static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int 
                            int last_key) {
     int visible = last_key - first + 1;
     visible = visible < count ? visible : count;
-    const v16i seen = (LANE_INDEX >= first_key - first) & (LANE_INDEX < visible);
-    const v16 scores = select_lanes(seen, s->scores[r], splat(-INFINITY));
-    const float old_max = s->row_max[r], tile_max = hmax(scores);
+    vpi seen[PARTS]; /* a part at a time, in registers (see PART_LANES) */
+    vp scores[PARTS], probs[PARTS];
+    for (int h = 0; h < PARTS; h++) {
+        vpi lane;
+        memcpy(&lane, (const char *)&LANE_INDEX + h * sizeof lane, sizeof lane);
+        seen[h] = (lane >= first_key - first) & (lane < visible);
+        scores[h] = select_part(seen[h], part_of(s->scores[r], h), (vp){0} - INFINITY);
+    }
+    const float old_max = s->row_max[r], tile_max = parts_max(scores);
     const float new_max = tile_max > old_max ? tile_max : old_max;
-    const v16 probs = select_lanes(seen, exp_nonpositive(scores - new_max), splat(0.0f));
+    for (int h = 0; h < PARTS; h++)
+        probs[h] = select_part(seen[h], exp_part(scores[h] - new_max), (vp){0});
     if (new_max > old_max) {
-        const float correction = old_max == -INFINITY ? 0.0f : exp_nonpositive(splat(old_max - new_max))[0];
-        v16 *acc = (v16 *)(s->acc + (int64_t)r * Dp);
-        for (int c = 0; c < Dp / LANES; c++) acc[c] *= correction;
+        const float correction = old_max == -INFINITY ? 0.0f : exp_part((vp){0} + (old_max - new_max))[0];
+        vpu *acc = (vpu *)(s->acc + (int64_t)r * Dp);
+        for (int c = 0; c < Dp / PART_LANES; c++) acc[c] *= correction;
         s->row_sum[r] *= correction;
         s->row_max[r] = new_max;
     }
-    s->row_sum[r] += hsum(probs);
-    s->scores[r] = probs;
+    s->row_sum[r] += parts_sum(probs);
+    memcpy(&s->scores[r], probs, sizeof probs);
 }
 
 /* acc[c] += sum_j p[j] v_j[c] for chunks [c, c + 4) of rows r0, r1 and r2: twelve
@@ -1155,12 +1214,14 @@ void headrace_argmax_update(const float *x, int64_t num_rows, int64_t num_cols,
 
 /* ---- sampling ----------------------------------------------------------------------------- */
 
-typedef uint32_t v16w __attribute__((vector_size(64)));
+/* The sampler works a part at a time (PART_LANES lanes of a 16-lane block): on AVX2 a v16
+   lives in memory, and its race and top-p weighing ran at about a tenth of their speed in
+   registers. Lane i of part h is the block's lane h * PART_LANES + i either way. */
 
 /* The noise hash of token ids under a row key (multiplier, offset): a Weyl sequence, then
    xorshift-multiply rounds, all mod 2**32 (headrace.kernels.sampling.gumbel_noise).
    `mix` is the rounds, of weyl = token * multiplier + offset. */
-static inline v16w mix(v16w h) {
+static inline vpw mix(vpw h) {
     h ^= h >> 16;
     h *= 0x21F0AAADu;
     h ^= h >> 15;
@@ -1176,32 +1237,28 @@ static inline float gumbel_of(uint32_t h) {
     return (float)-log(-log(u));
 }
 
-/* Bit k set where lane k of mask is true. */
-static inline uint32_t lane_bits(v16i mask) {
+/* Bit k set where lane k of a is below lane k of b (false for NaN): one part. */
+static inline uint32_t part_lanes_below(vp a, vp b) {
 #ifdef __AVX512F__
-    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask);
+    return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_LT_OQ);
+#elif defined(__AVX__)
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_LT_OQ));
 #else
+    const vpi below = a < b;
     uint32_t bits = 0;
-    for (int k = 0; k < LANES; k++) bits |= (mask[k] != 0) << k;
+    for (int k = 0; k < PART_LANES; k++) bits |= (below[k] != 0) << k;
     return bits;
 #endif
 }
 
-/* Bit k set where lane k of a is below lane k of b (false for NaN). */
-static inline uint32_t lanes_below(v16 a, v16 b) {
+/* Lane-wise max of x and best, best where x is NaN: one part. */
+static inline vp part_max(vp x, vp best) {
 #ifdef __AVX512F__
-    return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_LT_OQ);
+    return (vp)_mm512_max_ps((__m512)x, (__m512)best);
+#elif defined(__AVX__)
+    return (vp)_mm256_max_ps((__m256)x, (__m256)best); /* the second operand where x is NaN */
 #else
-    return lane_bits(a < b);
-#endif
-}
-
-/* Lane-wise max of x and best, best where x is NaN. */
-static inline v16 max_lanes(v16 x, v16 best) {
-#ifdef __AVX512F__
-    return (v16)_mm512_max_ps((__m512)x, (__m512)best);
-#else
-    return select_lanes(x > best, x, best);
+    return select_part(x > best, x, best);
 #endif
 }
 
@@ -1216,22 +1273,24 @@ static inline v16 max_lanes(v16 x, v16 best) {
 /* Blocks whose weights are summed in float lanes before the sum moves to double. */
 #define SUM_BLOCKS 64
 
-/* 16 floats from [first, first + 16), missing lanes as fill. */
-static inline v16 load_block(const float *row, int64_t first, int64_t vocab, float fill) {
-    if (first + LANES <= vocab) return *(const v16u *)(row + first);
-    v16 out = splat(fill);
+/* PART_LANES floats from [first, first + PART_LANES), missing lanes as fill. */
+static inline vp load_part(const float *row, int64_t first, int64_t vocab, float fill) {
+    if (first + PART_LANES <= vocab) return *(const vpu *)(row + first);
+    vp out = (vp){0} + fill;
     for (int64_t i = first; i < vocab; i++) out[i - first] = row[i];
     return out;
 }
 
 /* The row's largest logit, NaN ignored (-inf when every logit is -inf or NaN). */
 static float row_max(const float *logits, int64_t vocab) {
-    v16 best = splat(-INFINITY);
-    for (int64_t first = 0; first < vocab; first += LANES) {
-        const v16 x = load_block(logits, first, vocab, -INFINITY);
-        best = select_lanes(x > best, x, best);
-    }
-    return hmax(best);
+    vp best[PARTS];
+    for (int h = 0; h < PARTS; h++) best[h] = (vp){0} - INFINITY;
+    for (int64_t first = 0; first < vocab; first += PART_LANES * PARTS)
+        for (int h = 0; h < PARTS; h++) {
+            const vp x = load_part(logits, first + h * PART_LANES, vocab, -INFINITY);
+            best[h] = select_part(x > best[h], x, best[h]);
+        }
+    return parts_max(best);
 }
 
 typedef struct {
@@ -1300,42 +1359,49 @@ static RaceBound race_bound(float temperature, float threshold) {
 
 /* Where the race's scan stands in a row. */
 typedef struct {
-    int64_t first; /* the next block's first token */
-    v16w weyl;     /* token * multiplier + offset of that block's tokens */
-    v16 best;      /* the largest logit per lane so far (NaN ignored) */
+    int64_t first;      /* the next block's first token */
+    vpw weyl[PARTS];    /* token * multiplier + offset of that block's tokens */
+    vp best[PARTS];     /* the largest logit per lane so far (NaN ignored) */
 } RaceScan;
 
 /* Scan blocks until one has a token the bound lets in (min-p's too): returns its lanes' bits,
    its first token and its noise hashes, the scan then standing past it (0 at the row's end).
    No calls in the loop, so its vectors stay in registers. */
 static inline uint32_t scan_to_next_entrant(const SampleRow *row, RaceBound bound, RaceScan *scan,
-                                            int64_t *block_first, v16w *hash) {
+                                            int64_t *block_first, uint32_t hash[LANES]) {
     const int64_t vocab = row->vocab;
     const uint32_t weyl_step = LANES * row->multiplier;
-    const v16 k1 = splat(bound.k1), k0 = splat(bound.k0), min_logit = splat(row->min_logit);
+    const vp k1 = (vp){0} + bound.k1, k0 = (vp){0} + bound.k0;
+    const vp min_logit = (vp){0} + row->min_logit;
     int64_t first = scan->first;
-    v16w weyl = scan->weyl;
-    v16 best = scan->best;
+    vpw weyl[PARTS];
+    vp best[PARTS];
+    memcpy(weyl, scan->weyl, sizeof weyl);
+    memcpy(best, scan->best, sizeof best);
     uint32_t bits = 0;
-    for (; first < vocab; first += LANES, weyl += weyl_step) {
+    for (; first < vocab; first += LANES) {
         __builtin_prefetch(row->logits + first + PREFETCH_FLOATS);
-        const v16 x = load_block(row->logits, first, vocab, -INFINITY);
-        best = max_lanes(x, best);
-        const v16w h = mix(weyl);
-        const v16 f = __builtin_convertvector((v16i)((~h) >> 8), v16);
-        const v16 f_bits = __builtin_convertvector((v16i)f, v16);
-        bits = lanes_below(f_bits, x * k1 + k0) & ~lanes_below(x, min_logit);
+        vpw h[PARTS];
+        for (int p = 0; p < PARTS; p++) {
+            const vp x = load_part(row->logits, first + p * PART_LANES, vocab, -INFINITY);
+            best[p] = part_max(x, best[p]);
+            h[p] = mix(weyl[p]);
+            weyl[p] += weyl_step;
+            const vp f = __builtin_convertvector((vpi)((~h[p]) >> 8), vp);
+            const vp f_bits = __builtin_convertvector((vpi)f, vp);
+            bits |= (part_lanes_below(f_bits, x * k1 + k0) & ~part_lanes_below(x, min_logit))
+                    << (p * PART_LANES);
+        }
         if (bits) {
             *block_first = first;
-            *hash = h;
+            memcpy(hash, h, sizeof h);
             first += LANES;
-            weyl += weyl_step;
             break;
         }
     }
     scan->first = first;
-    scan->weyl = weyl;
-    scan->best = best;
+    memcpy(scan->weyl, weyl, sizeof weyl);
+    memcpy(scan->best, best, sizeof best);
     return bits;
 }
 
@@ -1352,14 +1418,18 @@ static inline int bound_lets_in(RaceBound bound, float x, uint32_t h) {
    could still enter the best (tested again per token: the bound rises as tokens of the block
    enter). Returns the row's largest logit (NaN ignored). */
 static float race(const SampleRow *row, Candidates *c) {
-    v16w weyl;
-    for (int k = 0; k < LANES; k++) weyl[k] = (uint32_t)k * row->multiplier + row->offset;
-    RaceScan scan = {0, weyl, splat(-INFINITY)};
+    RaceScan scan = {.first = 0};
+    for (int h = 0; h < PARTS; h++) {
+        vpw token; /* the part's lanes' tokens in the first block */
+        memcpy(&token, (const char *)&LANE_INDEX + h * sizeof token, sizeof token);
+        scan.weyl[h] = token * row->multiplier + row->offset;
+        scan.best[h] = (vp){0} - INFINITY;
+    }
     RaceBound bound = race_bound(row->temperature, -INFINITY);
     c->count = 0;
     int64_t first;
-    v16w h;
-    for (uint32_t bits; (bits = scan_to_next_entrant(row, bound, &scan, &first, &h));) {
+    uint32_t h[LANES];
+    for (uint32_t bits; (bits = scan_to_next_entrant(row, bound, &scan, &first, h));) {
         for (; bits; bits &= bits - 1) {
             const int lane = __builtin_ctz(bits);
             const float x = row->logits[first + lane];
@@ -1370,7 +1440,7 @@ static float race(const SampleRow *row, Candidates *c) {
             }
         }
     }
-    return hmax(scan.best);
+    return parts_max(scan.best);
 }
 
 /* The largest logit x with x / T <= bound in float division (monotone in x), from x0 whose
@@ -1395,24 +1465,27 @@ static int top_p_keeps(const SampleRow *row, float max_logit, int64_t j, float f
     if (floor <= 0.0f || scaled == max_logit / row->temperature) return 1;
     const float limit = largest_logit_at_most(row->logits[j], row->temperature, scaled);
     if (limit != limit) return -1;
-    const v16 top = splat(max_logit), bound = splat(limit);
+    const vp top = (vp){0} + max_logit, bound = (vp){0} + limit;
     const float log2e_over_t = 1.4426950408889634f / row->temperature;
     double mass = 0.0, total = 0.0;
-    v16 partial_mass = splat(0.0f), partial_total = splat(0.0f);
+    vp partial_mass[PARTS] = {0}, partial_total[PARTS] = {0};
     for (int64_t b = 0, first = 0; first < row->vocab; b++, first += LANES) {
-        const v16 x = load_block(row->logits, first, row->vocab, -INFINITY);
-        const v16 w = select_lanes(x > -INFINITY, exp2_nonpositive((x - top) * log2e_over_t),
-                                   splat(0.0f));
-        partial_total += w;
-        partial_mass += select_lanes(x <= bound, w, splat(0.0f));
+        for (int p = 0; p < PARTS; p++) {
+            const vp x = load_part(row->logits, first + p * PART_LANES, row->vocab, -INFINITY);
+            const vp w = select_part(x > -INFINITY, exp2_part((x - top) * log2e_over_t),
+                                     (vp){0});
+            partial_total[p] += w;
+            partial_mass[p] += select_part(x <= bound, w, (vp){0});
+        }
         if ((b + 1) % SUM_BLOCKS == 0) {
-            total += hsum(partial_total);
-            mass += hsum(partial_mass);
-            partial_total = partial_mass = splat(0.0f);
+            total += parts_sum(partial_total);
+            mass += parts_sum(partial_mass);
+            memset(partial_total, 0, sizeof partial_total);
+            memset(partial_mass, 0, sizeof partial_mass);
         }
     }
-    total += hsum(partial_total);
-    mass += hsum(partial_mass);
+    total += parts_sum(partial_total);
+    mass += parts_sum(partial_mass);
     return (float)(mass / total) > floor;
 }
 
