@@ -145,13 +145,17 @@ static inline v16 select_lanes(v16i mask, v16 a, v16 b) {
     return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
+/* The sum of the 16 lanes in _mm512_reduce_add_ps's order, on every CPU: lane i + lane i + 8,
+   then + the sum 4 on, then + the sum 2 on, then the two left (a tree 4 adds deep, where a
+   chain of 15 made AVX2's attention scores wait on their sums). */
 static inline float hsum(v16 x) {
 #ifdef __AVX512F__
     return _mm512_reduce_add_ps((__m512)x);
 #else
-    float total = 0.0f;
-    for (int i = 0; i < LANES; i++) total += x[i];
-    return total;
+    float t[8];
+    for (int i = 0; i < 8; i++) t[i] = x[i] + x[i + 8];
+    for (int i = 0; i < 4; i++) t[i] = t[i] + t[i + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
 #endif
 }
 
@@ -191,14 +195,9 @@ static inline float parts_max(const vp best[PARTS]) {
 
 /* The sum of a v16's parts' lanes (hsum's, in the same order). */
 static inline float parts_sum(const vp x[PARTS]) {
-#if PARTS == 1
-    return hsum(x[0]);
-#else
-    float total = 0.0f;
-    for (int h = 0; h < PARTS; h++)
-        for (int k = 0; k < PART_LANES; k++) total += x[h][k];
-    return total;
-#endif
+    v16 whole;
+    memcpy(&whole, x, sizeof whole);
+    return hsum(whole);
 }
 
 /* exp(x) per lane for x <= 0 (softmax arguments; below -87 gives ~1e-38, not 0): Cody-Waite
@@ -454,6 +453,31 @@ static inline v16 sum_lanes_16(const v16 sums[LANES]) {
                                         _mm512_shuffle_ps(eighth[0], eighth[1], 0xDD));
     const __m512i key_lane = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return (v16)_mm512_permutexvar_ps(key_lane, totals);
+#elif defined(__AVX2__)
+    /* The same tree in 8-lane registers: half[p] lanes 0-3 key 2p's 4 partials, 4-7 key
+       2p + 1's; quarter[m] (by 128-bit half) keys 4m, 4m + 2 | 4m + 1, 4m + 3, 2 partials
+       each; total[f] keys 8f, 8f + 2, 8f + 4, 8f + 6 | 8f + 1, 8f + 3, 8f + 5, 8f + 7. */
+    __m256 half[8], quarter[4], total[2];
+    for (int p = 0; p < 8; p++) {
+        const __m256 x = _mm256_add_ps((__m256)part_of(sums[2 * p], 0), (__m256)part_of(sums[2 * p], 1));
+        const __m256 y = _mm256_add_ps((__m256)part_of(sums[2 * p + 1], 0), (__m256)part_of(sums[2 * p + 1], 1));
+        half[p] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m256 u = half[2 * m], v = half[2 * m + 1];
+        quarter[m] = _mm256_add_ps(_mm256_shuffle_ps(u, v, 0x44), _mm256_shuffle_ps(u, v, 0xEE));
+    }
+    for (int f = 0; f < 2; f++) {
+        const __m256 u = quarter[2 * f], v = quarter[2 * f + 1];
+        total[f] = _mm256_add_ps(_mm256_shuffle_ps(u, v, 0x88), _mm256_shuffle_ps(u, v, 0xDD));
+    }
+    const __m256i key_lane = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    v16 totals;
+    for (int f = 0; f < 2; f++) {
+        const __m256 keys = _mm256_permutevar8x32_ps(total[f], key_lane);
+        memcpy((char *)&totals + f * sizeof keys, &keys, sizeof keys);
+    }
+    return totals;
 #else
     v16 totals;
     for (int j = 0; j < LANES; j++) totals[j] = hsum(sums[j]);
@@ -2258,10 +2282,9 @@ static inline float a8_lanes_emulated(const uint8_t *row, const float *scales,
         }
     }
     for (int64_t g = 0; bits == 4 && g < G; g++) acc[g % 16] = fmaf(offsets[g], r.S[g], acc[g % 16]);
-    float t[8];
-    for (int i = 0; i < 8; i++) t[i] = acc[i] + acc[i + 8];
-    for (int i = 0; i < 4; i++) t[i] = t[i] + t[i + 4];
-    return (t[0] + t[2]) + (t[1] + t[3]);
+    v16 lanes;
+    memcpy(&lanes, acc, sizeof lanes);
+    return hsum(lanes);
 }
 #endif
 
