@@ -180,7 +180,8 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="also run transformers (hf, in this process), or a peer engine in its own process "
         "and venv (vllm: vLLM's CPU backend; llama.cpp: llama-cpp-python; `make bench-peers` "
-        "makes both): same prompts, greedy, runs alternating with headrace's (--rounds)",
+        "makes both): the same prompts, greedy, runs alternating with headrace's (--rounds, "
+        "new prompts each round)",
     )
     peer_arguments(parser)
     add("--profile", action="store_true", help="split decode steps into phases")
@@ -235,9 +236,9 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=3,
         help="with --sampled: greedy and sampled runs alternate this many times; with a peer "
-        "--baseline: headrace's and the peer's; with --noisy-neighbour: the quiet and noisy "
-        "runs; each ratio is the median of the rounds' (a shared host's speed drifts between "
-        "runs)",
+        "--baseline: headrace's and the peer's, each round on new prompts; with "
+        "--noisy-neighbour: the quiet and noisy runs; each ratio is the median of the rounds' "
+        "(a shared host's speed drifts between runs)",
     )
     add_kernel_backend_argument(parser)
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")

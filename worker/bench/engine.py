@@ -224,14 +224,16 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         speculative_quantization=args.speculative_quantization,
     )
     engine = Engine(config)
-    if args.prompts == "random":
-        workload = make_workload(
-            engine.vocab_size, num_requests, prompt_lens, (max_tokens, max_tokens), args.seed
-        )
-    else:
-        workload = text_workload(
-            args.prompts, engine.tokenizer, num_requests, max_tokens, args.seed
-        )
+
+    def workload_of(seed: int) -> Workload:
+        if args.prompts == "random":
+            return make_workload(
+                engine.vocab_size, num_requests, prompt_lens, (max_tokens, max_tokens), seed
+            )
+        return text_workload(args.prompts, engine.tokenizer, num_requests, max_tokens, seed)
+
+    workload = workload_of(args.seed)
+    if args.prompts != "random":
         lengths = [len(p) for p in workload.prompts]
         prompt_lens = (min(lengths), max(lengths))
     print(
@@ -241,8 +243,10 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         f"{engine.kernels.NAME}, threads {torch.get_num_threads()}"
     )
     peer = None
+    # A peer's rounds: new prompts each (both prefix caches would skip a repeated prefill).
+    peer_rounds = [workload] + [workload_of(args.seed + r) for r in range(1, args.rounds)]
     if args.baseline in PEER_VENVS:
-        peer = _peer_setup(args, model_path, model_name, engine, workload)
+        peer = _peer_setup(args, model_path, model_name, engine, peer_rounds)
     warm_up = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
     for sampled in {False, args.sampled}:
         run_headrace(engine, warm_up, "warm-up", sampled=sampled)
@@ -269,7 +273,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     elif peer is not None:
-        summary.update(_run_peer(*peer, engine, workload, ours, args.rounds))
+        summary.update(_run_peer(*peer, engine, peer_rounds, ours))
     engine.close()
     if args.noisy_neighbour:
         summary.update(run_noisy_neighbour(config, workload, args.rounds))
@@ -335,9 +339,10 @@ def _peer_setup(
     model_path: Path,
     model_name: str,
     engine: Engine,
-    workload: Workload,
+    workloads: list[Workload],
 ) -> tuple[Path, PeerSetup]:
     """The peer's python and setup, checked before headrace's runs (which may be long)."""
+    prompts = [prompt for workload in workloads for prompt in workload.prompts]
     peer = args.baseline
     setup = PeerSetup(
         peer=peer,
@@ -345,9 +350,9 @@ def _peer_setup(
         dtype=args.dtype,
         cpus=tuple(args.peer_cpus or sorted(os.sched_getaffinity(0))),
         # llama.cpp keeps a KV sequence of max_model_len per slot: as many as requests.
-        max_num_seqs=engine.config.max_num_seqs if peer == "vllm" else len(workload.prompts),
+        max_num_seqs=engine.config.max_num_seqs if peer == "vllm" else len(workloads[0].prompts),
         max_num_batched_tokens=engine.config.max_num_batched_tokens,
-        max_model_len=max(map(len, workload.prompts)) + max(workload.max_tokens),
+        max_model_len=max(map(len, prompts)) + max(workloads[0].max_tokens),
         kv_cache_gib=args.peer_kv_cache_gib,
     )
     python = Path(args.peer_python) if args.peer_python else default_peer_python(peer)
@@ -356,9 +361,10 @@ def _peer_setup(
 
 
 def _run_peer(
-    python: Path, setup: PeerSetup, engine: Engine, workload: Workload, ours: Report, rounds: int
+    python: Path, setup: PeerSetup, engine: Engine, workloads: list[Workload], ours: Report
 ) -> Summary:
-    """``ours`` and ``rounds - 1`` more headrace runs, each followed by the peer's."""
+    """``ours`` (on ``workloads[0]``) and a headrace run on each further workload, each
+    followed by the peer's on the same prompts."""
     with start_peer(python, setup) as process:
         print(
             f"peer: {process.describe()}, {setup.model}, CPUs {list(setup.cpus)}; loaded in "
@@ -366,7 +372,7 @@ def _run_peer(
         )
         key = setup.peer.replace(".", "_")
         paired = compare_with_peer(
-            process, key, workload, ours, lambda: run_headrace(engine, workload), rounds
+            process, key, workloads, ours, lambda workload: run_headrace(engine, workload)
         )
     print(paired.describe())
     return paired.summary()

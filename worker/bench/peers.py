@@ -338,19 +338,20 @@ def _per_token_text(reports: list[Report]) -> str:
 def compare_with_peer(
     peer: PeerProcess,
     key: str,
-    workload: Workload,
+    workloads: list[Workload],
     first: Report,
-    run_ours: Callable[[], Report],
-    rounds: int,
+    run_ours: Callable[[Workload], Report],
 ) -> PairedRounds:
-    """``first`` (headrace's run just made) against the peer's, then ``rounds - 1`` more
-    (headrace, peer) pairs. The peer warms up first on a small workload of its own."""
+    """``first`` (headrace's run of ``workloads[0]``, just made) against the peer's, then a
+    (headrace, peer) pair on each further workload: one round each. A round's prompts are new
+    (both engines keep a prefix cache, so a repeated prompt would skip its prefill). The peer
+    warms up first on a small workload of its own."""
     # No more sequences than the workload's: llama.cpp's context holds that many.
-    peer.run(make_workload(1000, min(2, len(workload.prompts)), (8, 16), (4, 4), 1))
+    peer.run(make_workload(1000, min(2, len(workloads[0].prompts)), (8, 16), (4, 4), 1))
     name = peer.info.get("version") or key
     paired = PairedRounds(key)
-    paired.add(first, peer.run(workload).report(name))
-    for _ in range(rounds - 1):
-        ours = run_ours()
+    paired.add(first, peer.run(workloads[0]).report(name))
+    for workload in workloads[1:]:
+        ours = run_ours(workload)
         paired.add(ours, peer.run(workload).report(name))
     return paired

@@ -90,7 +90,7 @@ def ours(seconds: float, token_ids: list[list[int]]) -> Report:
     return Report("headrace", seconds, sum(map(len, token_ids)), token_ids=token_ids)
 
 
-def no_more_runs() -> Report:
+def no_more_runs(work: Workload) -> Report:
     raise AssertionError("one round: headrace's first run is the only one")
 
 
@@ -188,19 +188,23 @@ def test_a_single_stream_also_reports_ms_per_token():
 # --- the peer process ------------------------------------------------------------------------
 
 
-def test_runs_alternate_after_the_peers_warm_up(fake_driver: Path):
-    work = workload([100, 101], [200], max_tokens=4)
+def test_runs_alternate_after_the_peers_warm_up_each_round_on_its_own_prompts(fake_driver: Path):
+    rounds = [workload([100, 101], [200 + r], max_tokens=4) for r in range(3)]
+    our_workloads: list[Workload] = []
     our_runs: list[Report] = []
 
-    def run_ours() -> Report:
+    def run_ours(work: Workload) -> Report:
+        our_workloads.append(work)
         our_runs.append(ours(1.0, fake_tokens(work)))
         return our_runs[-1]
 
     with start_peer(Path(sys.executable), setup(), fake_driver) as peer:
         assert peer.describe() == "fake 1.0 (fake)"
-        first = ours(1.0, fake_tokens(work))
-        paired = compare_with_peer(peer, "vllm", work, first, run_ours, rounds=3)
-    assert len(our_runs) == 2 and paired.ours == [first, *our_runs]
+        first = ours(1.0, fake_tokens(rounds[0]))
+        paired = compare_with_peer(peer, "vllm", rounds, first, run_ours)
+    assert our_workloads == rounds[1:] and paired.ours == [first, *our_runs]
+    # The peer ran each round's prompts (its tokens follow each prompt's last).
+    assert [r.token_ids for r in paired.theirs] == [fake_tokens(w) for w in rounds]
     # Run 1 was the peer's warm-up; each pair then got the next run (its seconds: 2, 3, 4).
     assert [r.seconds for r in paired.theirs] == [2.0, 3.0, 4.0]
     # headrace's 8 tokens in 1 s against the peer's in 2, 3 and 4 s.
@@ -215,7 +219,7 @@ def test_a_single_stream_peer_warms_up_on_no_more_sequences_than_it_holds(fake_d
     work = workload([100] * 8)
     first = ours(1.0, fake_tokens(work))
     with start_peer(Path(sys.executable), setup(max_num_seqs=1), fake_driver) as peer:
-        paired = compare_with_peer(peer, "llama_cpp", work, first, no_more_runs, rounds=1)
+        paired = compare_with_peer(peer, "llama_cpp", [work], first, no_more_runs)
     assert paired.is_single_stream and paired.agreements == [1.0]
 
 
@@ -295,8 +299,16 @@ def test_the_peer_steps_at_the_budget_headrace_resolved(tmp_path: Path):
     engine = SimpleNamespace(
         config=EngineConfig("unused", device="cpu", max_num_batched_tokens=budget)
     )
-    _, setup = _peer_setup(args, tmp_path, "unused", engine, Workload([[1, 2, 3]], [4]))  # type: ignore[arg-type]
+    _, setup = _peer_setup(args, tmp_path, "unused", engine, [Workload([[1, 2, 3]], [4])])  # type: ignore[arg-type]
     assert setup.max_num_batched_tokens == CPU_STEP_TOKENS
+
+
+def test_the_peers_context_holds_every_rounds_longest_prompt(tmp_path: Path):
+    args = engine_args("--baseline", "vllm", "--dtype", "float32", "--peer-python", sys.executable)
+    engine = SimpleNamespace(config=EngineConfig("unused", device="cpu"))
+    rounds = [Workload([[1] * 5, [2] * 3], [4, 4]), Workload([[3] * 9, [4] * 2], [4, 4])]
+    _, setup = _peer_setup(args, tmp_path, "unused", engine, rounds)  # type: ignore[arg-type]
+    assert setup.max_model_len == 9 + 4
 
 
 def test_peer_flags_parse():
