@@ -46,15 +46,23 @@ def busy_neighbour(cpu: int) -> Iterator[int]:
         loop.wait()
 
 
+def neighbour_configs(config: EngineConfig, fixed: int) -> dict[str, EngineConfig]:
+    """The engines the runs take: adaptive threads (``config``'s), one thread, and ``fixed``.
+    None caches prefixes: each engine runs the workload once a round, the adaptive one twice
+    (quiet, then noisy), and a cached second run would skip its prefill."""
+    config = dataclasses.replace(config, enable_prefix_caching=False)
+    return {
+        "adaptive": config,
+        "one": dataclasses.replace(config, cpu_threads=1),
+        "fixed": dataclasses.replace(config, cpu_threads=fixed),
+    }
+
+
 def run_noisy_neighbour(config: EngineConfig, workload: Workload, rounds: int) -> Summary:
     from headrace.worker.bench.engine import run_headrace
 
     fixed = cpu_budget()
-    engines = {
-        "adaptive": Engine(config),
-        "one": Engine(dataclasses.replace(config, cpu_threads=1)),
-        "fixed": Engine(dataclasses.replace(config, cpu_threads=fixed)),
-    }
+    engines = {name: Engine(c) for name, c in neighbour_configs(config, fixed).items()}
     warm_up = Workload(workload.prompts[:1], [4])
     for engine in engines.values():
         run_headrace(engine, warm_up, "warm-up")

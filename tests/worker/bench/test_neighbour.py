@@ -1,4 +1,5 @@
-"""The bench's busy neighbour: it spins, and it dies with the bench."""
+"""The bench's busy neighbour: it spins, and it dies with the bench; its runs share no
+prefix cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import signal
 import subprocess
 import sys
 import time
+
+from headrace.worker.bench.neighbour import neighbour_configs
+from headrace.worker.config import EngineConfig
 
 _BENCH = """
 import os, time
@@ -58,3 +62,15 @@ def test_the_busy_loop_spins_and_dies_with_a_killed_bench() -> None:
     if orphaned:
         os.kill(loop, signal.SIGKILL)  # not for the tests after this one
     assert not orphaned
+
+
+def test_no_run_beside_the_neighbour_reuses_another_runs_prefill() -> None:
+    """The adaptive engine runs the workload quiet, then noisy: with its prefix cache the
+    noisy run would skip the prefill the quiet one paid for."""
+    configs = neighbour_configs(EngineConfig("unused", device="cpu", cpu_threads=0), fixed=2)
+    assert {name: c.cpu_threads for name, c in configs.items()} == {
+        "adaptive": 0,
+        "one": 1,
+        "fixed": 2,
+    }
+    assert not any(c.enable_prefix_caching for c in configs.values())
