@@ -1239,8 +1239,9 @@ void headrace_argmax_update(const float *x, int64_t num_rows, int64_t num_cols,
 /* ---- sampling ----------------------------------------------------------------------------- */
 
 /* The sampler works a part at a time (PART_LANES lanes of a 16-lane block): on AVX2 a v16
-   lives in memory, and its race and top-p weighing ran at about a tenth of their speed in
-   registers. Lane i of part h is the block's lane h * PART_LANES + i either way. */
+   lives in memory, and a draw of 24 rows of a 49,152-token vocabulary took 6-8 ms in v16s
+   against 1.0-1.3 in parts (Zen 3, 2026-11-29). Lane i of part h is the block's lane
+   h * PART_LANES + i either way. */
 
 /* The noise hash of token ids under a row key (multiplier, offset): a Weyl sequence, then
    xorshift-multiply rounds, all mod 2**32 (headrace.kernels.sampling.gumbel_noise).
