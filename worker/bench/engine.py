@@ -243,9 +243,10 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         f"{engine.kernels.NAME}, threads {torch.get_num_threads()}"
     )
     peer = None
-    # A peer's rounds: new prompts each (both prefix caches would skip a repeated prefill).
-    peer_rounds = [workload] + [workload_of(args.seed + r) for r in range(1, args.rounds)]
+    peer_rounds: list[Workload] = []
     if args.baseline in PEER_VENVS:
+        # new prompts each round: both engines' prefix caches would skip a repeated prefill
+        peer_rounds = [workload] + [workload_of(args.seed + r) for r in range(1, args.rounds)]
         peer = _peer_setup(args, model_path, model_name, engine, peer_rounds)
     warm_up = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
     for sampled in {False, args.sampled}:
