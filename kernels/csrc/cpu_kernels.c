@@ -181,6 +181,9 @@ static inline vp part_of(v16 x, int h) {
     return out;
 }
 
+/* Part h of LANE_INDEX: each lane's index in its 16-lane block. */
+static inline vpi lane_index_part(int h) { return (vpi)part_of((v16)LANE_INDEX, h); }
+
 /* The largest lane of a v16's parts (hmax's). */
 static inline float parts_max(const vp best[PARTS]) {
 #if PARTS == 1
@@ -729,8 +732,7 @@ static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int 
     vpi seen[PARTS]; /* a part at a time, in registers (see PART_LANES) */
     vp scores[PARTS], probs[PARTS];
     for (int h = 0; h < PARTS; h++) {
-        vpi lane;
-        memcpy(&lane, (const char *)&LANE_INDEX + h * sizeof lane, sizeof lane);
+        const vpi lane = lane_index_part(h);
         seen[h] = (lane >= first_key - first) & (lane < visible);
         scores[h] = select_part(seen[h], part_of(s->scores[r], h), (vp){0} - INFINITY);
     }
@@ -1445,8 +1447,7 @@ static inline int bound_lets_in(RaceBound bound, float x, uint32_t h) {
 static float race(const SampleRow *row, Candidates *c) {
     RaceScan scan = {.first = 0};
     for (int h = 0; h < PARTS; h++) {
-        vpw token; /* the part's lanes' tokens in the first block */
-        memcpy(&token, (const char *)&LANE_INDEX + h * sizeof token, sizeof token);
+        const vpw token = (vpw)lane_index_part(h); /* the part's tokens in the first block */
         scan.weyl[h] = token * row->multiplier + row->offset;
         scan.best[h] = (vp){0} - INFINITY;
     }
