@@ -2518,28 +2518,32 @@ static void rms_norm_half_row(const uint16_t *x, const uint16_t *residual, const
     }
 }
 
+#endif
+
 /* hr_rms_norm's row for float32 rows of whole vectors, read and written where they lie: the
-   same add, the same sum of squares in the same order and the same products as the buffered
-   loop, without its copies of the row, the residual and the weight into float buffers (a
-   float32 prefill step's rms_norm and silu_and_mul spent 3% of the step in those copies). */
+   same add, the same sum of squares in the same order (lane i of part h holds the values at
+   i + h PART_LANES mod 16) and the same products as the buffered loop, without its copies of
+   the row, the residual and the weight into float buffers (a float32 prefill step's rms_norm
+   and silu_and_mul spent 3% of the step in those copies). */
 static void rms_norm_f32_row(const float *x, const float *residual, const float *weight,
                              float eps, float *out, float *sum, int64_t cols) {
-    v16 squares = splat(0.0f);
+    vp squares[PARTS] = {{0}};
     for (int64_t i = 0; i < cols; i += LANES) {
-        v16 v = *(const v16u *)(x + i);
-        if (residual != NULL) {
-            v = v + *(const v16u *)(residual + i);
-            *(v16u *)(sum + i) = v;
+        for (int h = 0; h < PARTS; h++) {
+            const int64_t at = i + h * PART_LANES;
+            vp v = *(const vpu *)(x + at);
+            if (residual != NULL) {
+                v = v + *(const vpu *)(residual + at);
+                *(vpu *)(sum + at) = v;
+            }
+            squares[h] += v * v;
         }
-        squares += v * v;
     }
-    const float scale = 1.0f / sqrtf(hsum(squares) / (float)cols + eps);
+    const float scale = 1.0f / sqrtf(parts_sum(squares) / (float)cols + eps);
     const float *row = residual != NULL ? sum : x;
-    for (int64_t i = 0; i < cols; i += LANES) {
-        *(v16u *)(out + i) = *(const v16u *)(weight + i) * (*(const v16u *)(row + i) * scale);
-    }
+    for (int64_t i = 0; i < cols; i += PART_LANES)
+        *(vpu *)(out + i) = *(const vpu *)(weight + i) * (*(const vpu *)(row + i) * scale);
 }
-#endif
 
 /* out = weight * normalised(x + residual), and sum = x + residual, row by row, rounding as
    the torch reference does (Hugging Face's LlamaRMSNorm): the add in the activation dtype,
@@ -2562,6 +2566,7 @@ void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t 
         }
         return;
     }
+#endif
     if (dtype == F32 && cols % LANES == 0) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < num_rows; r++) {
@@ -2572,7 +2577,6 @@ void hr_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t 
         }
         return;
     }
-#endif
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < num_rows; r++) {
         float row[RMS_NORM_MAX_COLS], other[RMS_NORM_MAX_COLS];
@@ -2710,6 +2714,15 @@ void headrace_apply_rotary(const void *query, int64_t q_stride_token, int64_t q_
                     dtype);
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define HAVE_EXP_ROUNDED 1
+
+/* 1 / k! for k = 10 down to 0: e^r's Taylor series from its r^11 term (Horner's order). */
+static const double INVERSE_FACTORIALS[] = {1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
+                                            1.0 / 5040.0,    1.0 / 720.0,    1.0 / 120.0,
+                                            1.0 / 24.0,      1.0 / 6.0,      0.5,
+                                            1.0,             1.0};
+
 #ifdef __AVX512F__
 /* e^x per lane in double (x clamped to [-150, 150], NaN kept): x = n ln2 + r, |r| <= ln2 / 2,
    with ln2 in two parts (fdlibm's) and e^r by its Taylor series to r^11 (relative error below
@@ -2721,11 +2734,7 @@ static inline __m512d exp_double(__m512d x) {
     __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
     r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
     __m512d p = _mm512_set1_pd(1.0 / 39916800.0);
-    static const double inverse_factorials[] = {1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
-                                                1.0 / 5040.0,    1.0 / 720.0,    1.0 / 120.0,
-                                                1.0 / 24.0,      1.0 / 6.0,      0.5,
-                                                1.0,             1.0};
-    for (int k = 0; k < 11; k++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inverse_factorials[k]));
+    for (int k = 0; k < 11; k++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(INVERSE_FACTORIALS[k]));
     return _mm512_scalef_pd(p, n);
 }
 
@@ -2738,6 +2747,37 @@ static inline v16 exp_rounded(v16 x) {
     return (v16)_mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(low)),
                                    _mm512_cvtpd_ps(high), 1);
 }
+#else
+/* exp_double's steps on 4 lanes, every one the same operation: AVX2 has no roundscale
+   (round_pd rounds to nearest even alike) and no scalef, so 2^n joins p's exponent bits, exact
+   here (p is within [0.7, 1.5] and |n| <= 217: the product is a normal double; a NaN p stays a
+   NaN, n's bits then shifting out). */
+static inline __m256d exp_double(__m256d x) {
+    x = _mm256_min_pd(_mm256_set1_pd(150.0), _mm256_max_pd(_mm256_set1_pd(-150.0), x));
+    const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
+    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
+    __m256d p = _mm256_set1_pd(1.0 / 39916800.0);
+    for (int k = 0; k < 11; k++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(INVERSE_FACTORIALS[k]));
+    /* n + 1.5 * 2^52 holds n in its low mantissa bits; shifted up 52 they are n << 52 */
+    const __m256i exponent = _mm256_slli_epi64(
+        _mm256_castpd_si256(_mm256_add_pd(n, _mm256_set1_pd(6755399441055744.0))), 52);
+    return _mm256_castsi256_pd(_mm256_add_epi64(_mm256_castpd_si256(p), exponent));
+}
+
+/* The AVX-512 exp_rounded's values, 4 lanes at a time. */
+static inline v16 exp_rounded(v16 x) {
+    v16 out;
+    for (int q = 0; q < LANES; q += 4) {
+        __m128 quarter;
+        memcpy(&quarter, (const float *)&x + q, sizeof quarter);
+        const __m128 e = _mm256_cvtpd_ps(exp_double(_mm256_cvtps_pd(quarter)));
+        memcpy((float *)&out + q, &e, sizeof e);
+    }
+    return out;
+}
+#endif
 
 /* silu(g) = g / (1 + e^-g) in float32 as the reference computes it: e^-g correctly rounded
    (exp_rounded), then the add and the division each rounded. */
@@ -2789,23 +2829,29 @@ static void silu_and_mul_half_row(const uint16_t *gate, const uint16_t *up, uint
     }
 }
 
-/* silu_and_mul_row's float32 row read and written where it lies (the same silu and product,
-   16 values a step, the last masked), without its copies into float buffers. */
-static void silu_and_mul_f32_row(const float *gate, const float *up, float *out, int64_t cols) {
-    for (int64_t i = 0; i < cols; i += LANES) {
-        const __mmask16 m = lanes_from(i, cols);
-        const v16 silu = silu_rounded((v16)_mm512_maskz_loadu_ps(m, gate + i));
-        _mm512_mask_storeu_ps(out + i, m, (__m512)(silu * (v16)_mm512_maskz_loadu_ps(m, up + i)));
-    }
-}
 #endif
+
+/* silu_and_mul_row's float32 row read and written where it lies (the same silu and product,
+   16 values a step; a last part-vector through zeroed copies), without its copies into float
+   buffers. */
+static void silu_and_mul_f32_row(const float *gate, const float *up, float *out, int64_t cols) {
+    int64_t i = 0;
+    for (; i + LANES <= cols; i += LANES)
+        *(v16u *)(out + i) = silu_rounded(*(const v16u *)(gate + i)) * *(const v16u *)(up + i);
+    if (i == cols) return;
+    v16 g = splat(0.0f), u = splat(0.0f);
+    memcpy(&g, gate + i, (size_t)(cols - i) * sizeof(float));
+    memcpy(&u, up + i, (size_t)(cols - i) * sizeof(float));
+    const v16 tail = silu_rounded(g) * u;
+    memcpy(out + i, &tail, (size_t)(cols - i) * sizeof(float));
+}
 
 #endif
 
 /* silu(gate) * up over n values in place in gate, rounded as in_dtype after each op. The
    buffers hold whole vectors of 16 (the lanes past n are zeroed and never stored). */
 static void silu_and_mul_row(float *gate, float *up, int n, int dtype) {
-#ifdef __AVX512F__
+#ifdef HAVE_EXP_ROUNDED
     const int whole = (n + LANES - 1) / LANES * LANES;
     memset(gate + n, 0, (size_t)(whole - n) * sizeof(float));
     memset(up + n, 0, (size_t)(whole - n) * sizeof(float));
@@ -2840,6 +2886,8 @@ void hr_silu_and_mul(const void *gate_up, int64_t stride, void *out, int64_t num
         }
         return;
     }
+#endif
+#ifdef HAVE_EXP_ROUNDED
     if (dtype == F32) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < num_rows; r++) {

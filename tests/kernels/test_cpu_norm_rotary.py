@@ -110,6 +110,19 @@ def _silu_rounded_in_float32(gate: torch.Tensor) -> torch.Tensor:
     return g / (1.0 + torch.exp(-g.double()).float())
 
 
+def test_float32_silu_rounds_e_to_the_x_once_from_float64() -> None:
+    """A million float32 gates of random bits (NaN, infinities and denormals among them) and a
+    gate where the C library's expf rounds the wrong way: silu with up = 1 is exactly
+    `_silu_rounded_in_float32`'s, on every CPU (AVX2's e^x takes AVX-512's steps)."""
+    generator = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31, ((1 << 20) - 1,), generator=generator)
+    # e^-g lies 1e-6 ulp below a float32 tie here: expf gives 0x1.fff15ep-1, not ...5cp-1
+    near_tie = torch.tensor([float.fromhex("0x1.d466b2p-14")])
+    gate = torch.cat([bits.to(torch.int32).view(torch.float32), near_tie]).reshape(-1, 64)
+    got = cpu_ops.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
+    torch.testing.assert_close(got, _silu_rounded_in_float32(gate), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("up_seed", [None, 7])  # None: up = 1, so the product is silu's rounding
 def test_silu_and_mul_rounds_every_half_gate_as_float32_silu(dtype, up_seed) -> None:  # type: ignore[no-untyped-def]
