@@ -174,15 +174,13 @@ static inline vp select_part(vpi mask, vp a, vp b) {
     return (vp)(((vpi)a & mask) | ((vpi)b & ~mask));
 }
 
-/* Part h of a v16 (on AVX2 the v16 is in memory: a load). */
-static inline vp part_of(v16 x, int h) {
-    vp out;
-    memcpy(&out, (const char *)&x + h * sizeof out, sizeof out);
-    return out;
-}
+/* Part h of the v16 at x, loaded where it lies. (A v16 passed by value was copied whole to the
+   stack on AVX2, in 16-byte stores, and its part then loaded in 32 bytes: the load waited for
+   both stores, which held a float32 prefill chunk's scores at half their speed.) */
+static inline vp part_of(const v16 *x, int h) { return *(const vpu *)((const float *)x + h * PART_LANES); }
 
 /* Part h of LANE_INDEX: each lane's index in its 16-lane block. */
-static inline vpi lane_index_part(int h) { return (vpi)part_of((v16)LANE_INDEX, h); }
+static inline vpi lane_index_part(int h) { return (vpi)part_of((const v16 *)&LANE_INDEX, h); }
 
 /* The largest lane of a v16's parts (hmax's). */
 static inline float parts_max(const vp best[PARTS]) {
@@ -225,7 +223,7 @@ static inline vp exp_part(vp x) {
 static inline v16 exp_nonpositive(v16 x) {
     v16 out;
     for (int h = 0; h < PARTS; h++) {
-        const vp part = exp_part(part_of(x, h));
+        const vp part = exp_part(part_of(&x, h));
         memcpy((char *)&out + h * sizeof part, &part, sizeof part);
     }
     return out;
@@ -462,8 +460,8 @@ static inline v16 sum_lanes_16(const v16 sums[LANES]) {
        each; total[f] keys 8f, 8f + 2, 8f + 4, 8f + 6 | 8f + 1, 8f + 3, 8f + 5, 8f + 7. */
     __m256 half[8], quarter[4], total[2];
     for (int p = 0; p < 8; p++) {
-        const __m256 x = _mm256_add_ps((__m256)part_of(sums[2 * p], 0), (__m256)part_of(sums[2 * p], 1));
-        const __m256 y = _mm256_add_ps((__m256)part_of(sums[2 * p + 1], 0), (__m256)part_of(sums[2 * p + 1], 1));
+        const __m256 x = _mm256_add_ps((__m256)part_of(&sums[2 * p], 0), (__m256)part_of(&sums[2 * p], 1));
+        const __m256 y = _mm256_add_ps((__m256)part_of(&sums[2 * p + 1], 0), (__m256)part_of(&sums[2 * p + 1], 1));
         half[p] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
     }
     for (int m = 0; m < 4; m++) {
@@ -700,7 +698,7 @@ static void score_by_transpose(const Attention *a, Scratch *s, int row0, int row
             for (int i = 0; i < ROW_BLOCK; i++) even[i] = odd[i] = (vp){0};
             int d = 0;
             for (; d + 1 < D; d += 2) {
-                const vp k0 = part_of(s->keys_t[d], h), k1 = part_of(s->keys_t[d + 1], h);
+                const vp k0 = part_of(&s->keys_t[d], h), k1 = part_of(&s->keys_t[d + 1], h);
                 for (int i = 0; i < ROW_BLOCK; i++) {
                     const float *q = s->queries + (int64_t)(i < n ? r + i : r) * Dp;
                     even[i] += q[d] * k0;
@@ -710,7 +708,7 @@ static void score_by_transpose(const Attention *a, Scratch *s, int row0, int row
             for (int i = 0; i < n; i++) {
                 const float *q = s->queries + (int64_t)(r + i) * Dp;
                 const vp score =
-                    even[i] + odd[i] + (d < D ? q[d] * part_of(s->keys_t[d], h) : (vp){0});
+                    even[i] + odd[i] + (d < D ? q[d] * part_of(&s->keys_t[d], h) : (vp){0});
                 memcpy((char *)&s->scores[r + i] + h * sizeof score, &score, sizeof score);
             }
         }
@@ -734,7 +732,7 @@ static void softmax_update(Scratch *s, int r, int Dp, int first, int count, int 
     for (int h = 0; h < PARTS; h++) {
         const vpi lane = lane_index_part(h);
         seen[h] = (lane >= first_key - first) & (lane < visible);
-        scores[h] = select_part(seen[h], part_of(s->scores[r], h), (vp){0} - INFINITY);
+        scores[h] = select_part(seen[h], part_of(&s->scores[r], h), (vp){0} - INFINITY);
     }
     const float old_max = s->row_max[r], tile_max = parts_max(scores);
     const float new_max = tile_max > old_max ? tile_max : old_max;
