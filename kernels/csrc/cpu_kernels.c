@@ -2721,51 +2721,56 @@ static const double INVERSE_FACTORIALS[] = {1.0 / 3628800.0, 1.0 / 362880.0, 1.0
                                             1.0 / 24.0,      1.0 / 6.0,      0.5,
                                             1.0,             1.0};
 
+/* The double-lane operations exp_double takes from each instruction set: the AVX-512
+   register of 8 doubles, or AVX2's of 4. All but two are the same instruction by the same
+   name (VD(op)); AVX2 has no roundscale (round_pd rounds to nearest even alike) and no scalef
+   (2^n joins p's exponent bits instead: exact here, where p lies within [0.7, 1.5] and |n| <=
+   217, so the product is a normal double; a NaN p stays a NaN, n's bits shifting out). */
 #ifdef __AVX512F__
-/* e^x per lane in double (x clamped to [-150, 150], NaN kept): x = n ln2 + r, |r| <= ln2 / 2,
-   with ln2 in two parts (fdlibm's) and e^r by its Taylor series to r^11 (relative error below
-   1e-14). */
-static inline __m512d exp_double(__m512d x) {
-    x = _mm512_min_pd(_mm512_set1_pd(150.0), _mm512_max_pd(_mm512_set1_pd(-150.0), x));
-    const __m512d n = _mm512_roundscale_pd(_mm512_mul_pd(x, _mm512_set1_pd(1.4426950408889634)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512d r = _mm512_fnmadd_pd(n, _mm512_set1_pd(6.93147180369123816490e-01), x);
-    r = _mm512_fnmadd_pd(n, _mm512_set1_pd(1.90821492927058770002e-10), r);
-    __m512d p = _mm512_set1_pd(1.0 / 39916800.0);
-    for (int k = 0; k < 11; k++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(INVERSE_FACTORIALS[k]));
-    return _mm512_scalef_pd(p, n);
+typedef __m512d vd;
+#define VD(op) _mm512_##op
+static inline vd round_to_integer(vd x) {
+    return _mm512_roundscale_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
-
-/* e^x per float32 lane, computed in double and rounded once: correctly rounded (but where the
-   exact value lies within 1e-6 ulp of a tie), as the C library's expf is to within 0.502 ulp,
-   so the two agree but in the rarest cases. */
-static inline v16 exp_rounded(v16 x) {
-    const __m512d low = exp_double(_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)x)));
-    const __m512d high = exp_double(_mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)x, 1)));
-    return (v16)_mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(low)),
-                                   _mm512_cvtpd_ps(high), 1);
-}
+static inline vd times_two_to(vd p, vd n) { return _mm512_scalef_pd(p, n); }
 #else
-/* exp_double's steps on 4 lanes, every one the same operation: AVX2 has no roundscale
-   (round_pd rounds to nearest even alike) and no scalef, so 2^n joins p's exponent bits, exact
-   here (p is within [0.7, 1.5] and |n| <= 217: the product is a normal double; a NaN p stays a
-   NaN, n's bits then shifting out). */
-static inline __m256d exp_double(__m256d x) {
-    x = _mm256_min_pd(_mm256_set1_pd(150.0), _mm256_max_pd(_mm256_set1_pd(-150.0), x));
-    const __m256d n = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256d r = _mm256_fnmadd_pd(n, _mm256_set1_pd(6.93147180369123816490e-01), x);
-    r = _mm256_fnmadd_pd(n, _mm256_set1_pd(1.90821492927058770002e-10), r);
-    __m256d p = _mm256_set1_pd(1.0 / 39916800.0);
-    for (int k = 0; k < 11; k++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(INVERSE_FACTORIALS[k]));
+typedef __m256d vd;
+#define VD(op) _mm256_##op
+static inline vd round_to_integer(vd x) {
+    return _mm256_round_pd(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vd times_two_to(vd p, vd n) {
     /* n + 1.5 * 2^52 holds n in its low mantissa bits; shifted up 52 they are n << 52 */
     const __m256i exponent = _mm256_slli_epi64(
         _mm256_castpd_si256(_mm256_add_pd(n, _mm256_set1_pd(6755399441055744.0))), 52);
     return _mm256_castsi256_pd(_mm256_add_epi64(_mm256_castpd_si256(p), exponent));
 }
+#endif
 
-/* The AVX-512 exp_rounded's values, 4 lanes at a time. */
+/* e^x per lane in double (x clamped to [-150, 150], NaN kept): x = n ln2 + r, |r| <= ln2 / 2,
+   with ln2 in two parts (fdlibm's) and e^r by its Taylor series to r^11 (relative error below
+   1e-14). */
+static inline vd exp_double(vd x) {
+    x = VD(min_pd)(VD(set1_pd)(150.0), VD(max_pd)(VD(set1_pd)(-150.0), x));
+    const vd n = round_to_integer(VD(mul_pd)(x, VD(set1_pd)(1.4426950408889634)));
+    vd r = VD(fnmadd_pd)(n, VD(set1_pd)(6.93147180369123816490e-01), x);
+    r = VD(fnmadd_pd)(n, VD(set1_pd)(1.90821492927058770002e-10), r);
+    vd p = VD(set1_pd)(1.0 / 39916800.0);
+    for (int k = 0; k < 11; k++) p = VD(fmadd_pd)(p, r, VD(set1_pd)(INVERSE_FACTORIALS[k]));
+    return times_two_to(p, n);
+}
+
+/* e^x per float32 lane, computed in double and rounded once: correctly rounded (but where the
+   exact value lies within 1e-6 ulp of a tie), as the C library's expf is to within 0.502 ulp,
+   so the two agree but in the rarest cases. AVX-512 takes a v16's halves in registers; AVX2
+   its quarters. */
 static inline v16 exp_rounded(v16 x) {
+#ifdef __AVX512F__
+    const vd low = exp_double(_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)x)));
+    const vd high = exp_double(_mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)x, 1)));
+    return (v16)_mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(low)),
+                                   _mm512_cvtpd_ps(high), 1);
+#else
     v16 out;
     for (int q = 0; q < LANES; q += 4) {
         __m128 quarter;
@@ -2774,8 +2779,8 @@ static inline v16 exp_rounded(v16 x) {
         memcpy((float *)&out + q, &e, sizeof e);
     }
     return out;
-}
 #endif
+}
 
 /* silu(g) = g / (1 + e^-g) in float32 as the reference computes it: e^-g correctly rounded
    (exp_rounded), then the add and the division each rounded. */
