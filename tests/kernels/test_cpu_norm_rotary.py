@@ -111,14 +111,14 @@ def _silu_rounded_in_float32(gate: torch.Tensor) -> torch.Tensor:
 
 
 def test_float32_silu_rounds_e_to_the_x_once_from_float64() -> None:
-    """A million float32 gates of random bits (NaN, infinities and denormals among them) and a
-    gate where the C library's expf rounds the wrong way: silu with up = 1 is exactly
+    """A million float32 gates of random bits (NaNs and denormals among them), the infinities,
+    and a gate where the C library's expf rounds the wrong way: silu with up = 1 is exactly
     `_silu_rounded_in_float32`'s, on every CPU (AVX2's e^x takes AVX-512's steps)."""
     generator = torch.Generator().manual_seed(3)
-    bits = torch.randint(-(2**31), 2**31, ((1 << 20) - 1,), generator=generator)
-    # e^-g lies 1e-6 ulp below a float32 tie here: expf gives 0x1.fff15ep-1, not ...5cp-1
-    near_tie = torch.tensor([float.fromhex("0x1.d466b2p-14")])
-    gate = torch.cat([bits.to(torch.int32).view(torch.float32), near_tie]).reshape(-1, 64)
+    bits = torch.randint(-(2**31), 2**31, ((1 << 20) - 3,), generator=generator)
+    # e^-g lies 1e-6 ulp below a float32 tie at the last: expf gives 0x1.fff15ep-1, not ...5cp-1
+    special = torch.tensor([float("inf"), float("-inf"), float.fromhex("0x1.d466b2p-14")])
+    gate = torch.cat([bits.to(torch.int32).view(torch.float32), special]).reshape(-1, 64)
     got = cpu_ops.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
     torch.testing.assert_close(got, _silu_rounded_in_float32(gate), rtol=0, atol=0, equal_nan=True)
 
