@@ -1872,45 +1872,98 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
    stream leaves its loads to the hardware prefetcher. */
 #define ROW_PREFETCH_BYTES 16384
 
-/* Weight row n against rows [0, M) of x (M <= ROW_STREAM_ROWS), reading the row once, in
-   order. Each output is summed exactly as skinny_edge_tile sums it. */
-static inline __attribute__((always_inline)) void skinny_row(const Skinny *s, int64_t n, int rows,
-                                                             int layout) {
+/* How many weight rows a thread reads at once at one row of x (half as many at two): its run
+   of rows split into this many equal parts, one row of each at a time. On the AVX2 Zen 3
+   (2026-11-30, weights in huge pages, 2 threads, alternating builds in one process) one
+   stream per thread read at 14.7-15.7 GB/s where the memory gives torch's sum 19-21: a
+   core's single stream keeps too few lines in flight. Four streams: SmolLM2-135M's 120 layer
+   matmuls at one row 28.6-28.9 -> 22.3-23.3 ms, its LM head 7.2-7.7 -> 5.4-6.2 ms; two or
+   three streams were between. Intel keeps one (its row streams prefetch into L1, measured
+   at the memory's rate on the Xeon with AMX; not measured with more); the Zen 4 takes four
+   unmeasured. */
+#define ROW_STREAMS 4
+static int row_streams = ROW_STREAMS;
+
+__attribute__((constructor)) static void choose_row_streams(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("intel")) row_streams = 1;
+#endif
+}
+
+/* Weight rows n[0..streams) against rows [0, M) of x (M <= ROW_STREAM_ROWS), each read once,
+   in order, the streams in step. Each output is summed exactly as skinny_edge_tile sums it. */
+static inline __attribute__((always_inline)) void skinny_rows(const Skinny *s, const int64_t *n,
+                                                              int streams, int rows, int layout) {
     const int64_t K = s->K, step = step_of(layout);
-    vp acc[ROW_STREAM_ROWS][PARTS];
+    vp acc[ROW_STREAMS][ROW_STREAM_ROWS][PARTS];
     const char *end = (const char *)weight_address(s, s->N, 0, layout); /* the matrix's end */
-    for (int m = 0; m < rows; m++)
-        for (int h = 0; h < PARTS; h++) acc[m][h] = (vp){0};
+    for (int r = 0; r < streams; r++)
+        for (int m = 0; m < rows; m++)
+            for (int h = 0; h < PARTS; h++) acc[r][m][h] = (vp){0};
     int64_t k = 0;
     for (; k + step <= K; k += step) {
-        const char *ahead = (const char *)weight_address(s, n, k, layout) + ROW_PREFETCH_BYTES;
-        if (prefetch_to_l1 && ahead < end) __builtin_prefetch(ahead, 0, 3);
+        for (int r = 0; r < streams; r++) {
+            const char *ahead = (const char *)weight_address(s, n[r], k, layout) + ROW_PREFETCH_BYTES;
+            if (prefetch_to_l1 && ahead < end) __builtin_prefetch(ahead, 0, 3);
+        }
         for (int h = 0; h < PARTS; h++) {
-            const vp wv = load_step(s, n, k, h, layout);
-            for (int m = 0; m < rows; m++)
-                acc[m][h] = multiply_add(acc[m][h], load_x(s->x, m * s->x_stride + k, h, layout), wv, layout);
+            vp xv[ROW_STREAM_ROWS];
+            for (int m = 0; m < rows; m++) xv[m] = load_x(s->x, m * s->x_stride + k, h, layout);
+            for (int r = 0; r < streams; r++) {
+                const vp wv = load_step(s, n[r], k, h, layout);
+                for (int m = 0; m < rows; m++) acc[r][m][h] = multiply_add(acc[r][m][h], xv[m], wv, layout);
+            }
         }
     }
     for (int h = 0; h < PARTS && k < K; h++) {
-        const vp wv = load_step_partial(s, n, k, K - k, h, layout);
-        for (int m = 0; m < rows; m++) {
-            const vp xv = load_x_partial(s->x, m * s->x_stride + k, K - k, h, layout);
-            acc[m][h] = multiply_add(acc[m][h], xv, wv, layout);
+        vp xv[ROW_STREAM_ROWS];
+        for (int m = 0; m < rows; m++) xv[m] = load_x_partial(s->x, m * s->x_stride + k, K - k, h, layout);
+        for (int r = 0; r < streams; r++) {
+            const vp wv = load_step_partial(s, n[r], k, K - k, h, layout);
+            for (int m = 0; m < rows; m++) acc[r][m][h] = multiply_add(acc[r][m][h], xv[m], wv, layout);
         }
     }
-    for (int m = 0; m < rows; m++) {
-        const float sum = lane_total(acc[m]) + (s->bias != NULL ? s->bias[n] : 0.0f);
-        store_outputs(s, m, n, &sum, 1);
-    }
+    for (int r = 0; r < streams; r++)
+        for (int m = 0; m < rows; m++) {
+            const float sum = lane_total(acc[r][m]) + (s->bias != NULL ? s->bias[n[r]] : 0.0f);
+            store_outputs(s, m, n[r], &sum, 1);
+        }
+}
+
+/* How many row streams a thread reads at once at M rows of x (<= ROW_STREAM_ROWS): the
+   accumulators of ROW_STREAMS rows at one row. */
+static inline int row_stream_count(int64_t M) {
+    return row_streams == 1 ? 1 : M == 1 ? ROW_STREAMS : ROW_STREAMS / ROW_STREAM_ROWS;
+}
+
+/* Row group g of a thread's row streams: rows g, g + part, g + 2 part, ... below N, where
+   part = ceil(N / streams) (so consecutive groups walk each part in order). Fewer than
+   `streams` rows lie past N (streams * part - N), so few groups miss one: those read each row
+   they have alone. */
+static inline __attribute__((always_inline)) void skinny_row_group(const Skinny *s, int64_t g,
+                                                                   int streams, int rows,
+                                                                   int layout) {
+    const int64_t part = (s->N + streams - 1) / streams;
+    int64_t n[ROW_STREAMS];
+    int have = 0;
+    for (int r = 0; r < streams; r++)
+        if (g + r * part < s->N) n[have++] = g + r * part;
+    if (have == streams) skinny_rows(s, n, streams, rows, layout);
+    else
+        for (int r = 0; r < have; r++) skinny_rows(s, n + r, 1, rows, layout);
 }
 
 /* skinny_tile and skinny_row with the layout fixed, one per layout (indexed by its code);
    the row streams with their row count a constant too. */
 #define SKINNY_WORK(layout, tile_name, row_name)                                                  \
     static void tile_name(const Skinny *s, int64_t t) { skinny_tile(s, t, layout); }              \
-    static void row_name(const Skinny *s, int64_t n) {                                            \
-        if (s->M == 1) skinny_row(s, n, 1, layout);                                               \
-        else skinny_row(s, n, ROW_STREAM_ROWS, layout);                                           \
+    static void row_name(const Skinny *s, int64_t g) {                                            \
+        const int streams = row_stream_count(s->M);                                               \
+        if (streams == 1 && s->M == 1) skinny_row_group(s, g, 1, 1, layout);                      \
+        else if (streams == 1) skinny_row_group(s, g, 1, ROW_STREAM_ROWS, layout);                \
+        else if (s->M == 1) skinny_row_group(s, g, ROW_STREAMS, 1, layout);                       \
+        else skinny_row_group(s, g, ROW_STREAMS / ROW_STREAM_ROWS, ROW_STREAM_ROWS, layout);      \
     }
 SKINNY_WORK(F32, skinny_tile_f32, skinny_row_f32)
 SKINNY_WORK(BF16, skinny_tile_bf16, skinny_row_bf16)
@@ -1941,10 +1994,12 @@ static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
     s.share = s.full_blocks >= SKINNY_COLS ? 1
               : s.full_blocks > 0          ? (SKINNY_COLS + s.full_blocks - 1) / s.full_blocks
                                            : 0;
-    /* a row stream per weight row, or a tile per 4 (static: each thread one contiguous run) */
-    const int streams = M > 0 && M <= ROW_STREAM_ROWS;
-    void (*const work)(const Skinny *, int64_t) = streams ? SKINNY_ROW[layout] : SKINNY_TILE[layout];
-    const int64_t items = streams ? N : (N + SKINNY_COLS - 1) / SKINNY_COLS;
+    /* a group of row streams (skinny_row_group), or a tile per 4 weight rows (static: each
+       thread one contiguous run of groups or tiles) */
+    const int in_streams = M > 0 && M <= ROW_STREAM_ROWS;
+    void (*const work)(const Skinny *, int64_t) = in_streams ? SKINNY_ROW[layout] : SKINNY_TILE[layout];
+    const int count = in_streams ? row_stream_count(M) : 1;
+    const int64_t items = in_streams ? (N + count - 1) / count : (N + SKINNY_COLS - 1) / SKINNY_COLS;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < items; i++) work(&s, i);
 }
