@@ -122,6 +122,10 @@ static inline __attribute__((always_inline)) vp load_weights(const void *w, int6
     const __m256i halves = _mm256_loadu_si256((const __m256i *)element(w, i, dtype));
     if (dtype == BF16) return (vp)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
     return (vp)_mm512_cvtph_ps(halves);
+#elif defined(__AVX2__) && defined(__F16C__) /* likewise: gcc's generic forms widen 4 lanes at a time */
+    const __m128i half = _mm_loadu_si128((const __m128i *)element(w, i, dtype));
+    if (dtype == BF16) return (vp)_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
+    return (vp)_mm256_cvtph_ps(half);
 #else
     if (dtype == BF16) return (vp)(__builtin_convertvector(*(const vph *)element(w, i, BF16), vpw) << 16);
     return __builtin_convertvector(*(const vpf16 *)element(w, i, F16), vp);
