@@ -1553,17 +1553,20 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 /* ---- skinny linear ------------------------------------------------------------------------ */
 
 /* A tile: this many rows of x against this many weight rows. With AVX-512, 24 accumulators
-   plus the tile's 4 weight vectors and one x vector in 32 registers. With 16 registers of 8
-   lanes, one row against 4 weights: 8 accumulators (two parts each), 4 weight parts and an x
-   part. Measured on the AVX2 Zen 3 (2026-11-29, SmolLM2-135M's 120 layer matmuls, 2
-   threads, alternating processes, ms at 16 / 64 / 128 rows): 1 x 4 72 / 247-253 / 480-483;
-   2 x 3 69 / 253-255 / 502-519; 3 x 2 74-100 / 279-290 / 520-539; 2 x 2 78 / 284 / 652. */
+   plus the tile's 6 x vectors and a weight vector in 32 registers. With 16 registers of 8
+   lanes, two rows against 3 weights: 12 accumulators (two parts each), 2 x parts and a weight
+   part, 10 loads to 12 FMAs a step. Measured on the AVX2 Zen 3 (2026-11-29, SmolLM2-135M's
+   120 layer matmuls, 2 threads, alternating processes, ms at 16 / 64 / 128 rows): 1 x 4 72 /
+   247-253 / 480-483; 2 x 3 69 / 253-255 / 502-519; 3 x 2 74-100 / 279-290 / 520-539; 2 x 2
+   78 / 284 / 652. There gcc loaded 2 x 3's weights again for each row (16 loads to 12
+   FMAs); held in registers (2026-11-30, alternating in one process, 1 x 4 against 2 x 3):
+   8 rows 41.9 / 35.1 ms, 24 rows 88.8 / 80.9 and 86.2 / 75.9, 64 rows 219.5 / 198.8. */
 #if PARTS == 1
 #define SKINNY_ROWS 6
 #define SKINNY_COLS 4
 #else
-#define SKINNY_ROWS 1
-#define SKINNY_COLS 4
+#define SKINNY_ROWS 2
+#define SKINNY_COLS 3
 #endif
 
 /* The weight layouts a tile is compiled for: the dtype codes, and BF16_PAIRS, bf16 weights
@@ -1743,12 +1746,19 @@ static inline __attribute__((always_inline)) void skinny_full_tile(
     for (int64_t k = 0; k < K; k += step_of(layout)) { /* K % step == 0 (full_blocks' test) */
         prefetch_weights(s, next, prefetch_rows, k, layout);
         for (int h = 0; h < PARTS; h++) { /* a part at a time: the tile's registers hold it */
-            vp wv[SKINNY_COLS];
-            for (int c = 0; c < SKINNY_COLS; c++) wv[c] = load_step(s, n0 + c, k, h, layout);
+            /* x's rows, then each weight once: every load held in a register ("+v"), where
+               gcc would otherwise run short of registers and load each weight again as
+               the memory operand of each row's FMA */
+            vp xv[SKINNY_ROWS];
             for (int m = 0; m < SKINNY_ROWS; m++) {
-                const vp xv = load_x(s->x, (m0 + m) * s->x_stride + k, h, layout);
-                for (int c = 0; c < SKINNY_COLS; c++)
-                    acc[m][c][h] = multiply_add(acc[m][c][h], xv, wv[c], layout);
+                xv[m] = load_x(s->x, (m0 + m) * s->x_stride + k, h, layout);
+                __asm__("" : "+v"(xv[m]));
+            }
+            for (int c = 0; c < SKINNY_COLS; c++) {
+                vp wv = load_step(s, n0 + c, k, h, layout);
+                __asm__("" : "+v"(wv));
+                for (int m = 0; m < SKINNY_ROWS; m++)
+                    acc[m][c][h] = multiply_add(acc[m][c][h], xv[m], wv, layout);
             }
         }
     }
@@ -1783,7 +1793,7 @@ static inline __attribute__((always_inline)) void skinny_edge_step(
     }
 }
 
-/* Any tile at the edges (rows <= 6, cols <= 4, any K): each output the same sum, in the same
+/* Any tile at the edges (rows <= SKINNY_ROWS, cols <= SKINNY_COLS, any K): each output the same sum, in the same
    order, as a whole tile gives it. */
 static inline __attribute__((always_inline)) void skinny_edge_tile(
     const Skinny *s, int64_t m0, int rows, int64_t n0, int cols, int64_t next, int prefetch_rows,
@@ -1828,8 +1838,9 @@ static inline __attribute__((always_inline)) void skinny_edge_rows(
     }
 }
 
-/* Weight tile t (weight rows [4t, 4t + 4)) against every row of x: whole 6-row blocks, then
-   the rows left at the edge. Each whole block prefetches its share of the next tile's rows. */
+/* Weight tile t (weight rows [t c, t c + c), c = SKINNY_COLS) against every row of x: whole
+   blocks of SKINNY_ROWS rows, then the rows left at the edge. Each whole block prefetches its
+   share of the next tile's rows. */
 static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, int64_t t, int layout) {
     const int64_t N = s->N, M = s->M, n0 = t * SKINNY_COLS;
     const int cols = N - n0 < SKINNY_COLS ? (int)(N - n0) : SKINNY_COLS;
@@ -1994,12 +2005,12 @@ static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
         s.x_stride = K;
     }
     s.full_blocks = K % step_of(layout) == 0 ? M / SKINNY_ROWS : 0;
-    /* Each whole block of rows prefetches its share of the next tile's 4 weight rows. */
+    /* Each whole block of rows prefetches its share of the next tile's weight rows. */
     s.share = s.full_blocks >= SKINNY_COLS ? 1
               : s.full_blocks > 0          ? (SKINNY_COLS + s.full_blocks - 1) / s.full_blocks
                                            : 0;
-    /* a group of row streams (skinny_row_group), or a tile per 4 weight rows (static: each
-       thread one contiguous run of groups or tiles) */
+    /* a group of row streams (skinny_row_group), or a tile per SKINNY_COLS weight rows
+       (static: each thread one contiguous run of groups or tiles) */
     const int in_streams = M > 0 && M <= ROW_STREAM_ROWS;
     void (*const work)(const Skinny *, int64_t) = in_streams ? SKINNY_ROW[layout] : SKINNY_TILE[layout];
     const int count = in_streams ? row_stream_count(M) : 1;
@@ -2020,7 +2031,7 @@ static inline int takes_panels(int x_dtype, int w_dtype, const void *panels) {
 
 /* y [M, N] = x [M, K] w [N, K]^T (+ bias [N]) in float32 for the few rows of a decode step:
    each weight is read from memory once (float32, or bf16 / float16 widened in registers);
-   its tile of 4 rows meets every row of x from cache. Every output is lane sums over k mod
+   its tile of a few rows meets every row of x from cache. Every output is lane sums over k mod
    16 (bf16 x and weights with AVX512-BF16: lane sums of pairs over k mod 32), then one fixed
    reduction: a row's result does not depend on the batch's other rows. Otherwise x
    (x_dtype) is widened to float32 once up front unless it is float32, and the sums do not
