@@ -1569,6 +1569,16 @@ void headrace_draw_tokens(const float *logits, int64_t num_rows, int64_t vocab, 
 #define SKINNY_COLS 3
 #endif
 
+/* Keep a loaded vp in a register: gcc, short of registers in a tile, otherwise loads a
+   value again as the memory operand of each FMA that uses it. An empty asm that takes and
+   gives the value in a vector register ("+v"); only where one register holds a vp (AVX,
+   AVX-512): elsewhere (SSE only, Arm's 16-byte registers) the constraint cannot be met. */
+#if defined(__AVX__)
+#define HOLD_IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define HOLD_IN_REGISTER(v) ((void)0)
+#endif
+
 /* The weight layouts a tile is compiled for: the dtype codes, and BF16_PAIRS, bf16 weights
    against bf16 x where the CPU has AVX512-BF16: each step takes 32 elements, and lane i adds
    the products of elements 2i and 2i + 1 (exact: a bf16 product fits a float32) to its sum,
@@ -1746,17 +1756,15 @@ static inline __attribute__((always_inline)) void skinny_full_tile(
     for (int64_t k = 0; k < K; k += step_of(layout)) { /* K % step == 0 (full_blocks' test) */
         prefetch_weights(s, next, prefetch_rows, k, layout);
         for (int h = 0; h < PARTS; h++) { /* a part at a time: the tile's registers hold it */
-            /* x's rows, then each weight once: every load held in a register ("+v"), where
-               gcc would otherwise run short of registers and load each weight again as
-               the memory operand of each row's FMA */
+            /* x's rows, then each weight once, every load held in a register */
             vp xv[SKINNY_ROWS];
             for (int m = 0; m < SKINNY_ROWS; m++) {
                 xv[m] = load_x(s->x, (m0 + m) * s->x_stride + k, h, layout);
-                __asm__("" : "+v"(xv[m]));
+                HOLD_IN_REGISTER(xv[m]);
             }
             for (int c = 0; c < SKINNY_COLS; c++) {
                 vp wv = load_step(s, n0 + c, k, h, layout);
-                __asm__("" : "+v"(wv));
+                HOLD_IN_REGISTER(wv);
                 for (int m = 0; m < SKINNY_ROWS; m++)
                     acc[m][c][h] = multiply_add(acc[m][c][h], xv[m], wv, layout);
             }
