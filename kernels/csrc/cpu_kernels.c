@@ -1901,18 +1901,10 @@ static inline __attribute__((always_inline)) void skinny_tile(const Skinny *s, i
    stream per thread read at 14.7-15.7 GB/s where the memory gives torch's sum 19-21: a
    core's single stream keeps too few lines in flight. Four streams: SmolLM2-135M's 120 layer
    matmuls at one row 28.6-28.9 -> 22.3-23.3 ms, its LM head 7.2-7.7 -> 5.4-6.2 ms; two or
-   three streams were between. Intel keeps one (its row streams prefetch into L1, measured
-   at the memory's rate on the Xeon with AMX; not measured with more); the Zen 4 takes four
-   unmeasured. */
+   three streams were between. Where the streams prefetch into L1 (`prefetch_to_l1`: Intel)
+   a thread keeps one, measured at the memory's rate on the Xeon with AMX (not measured with
+   more); the Zen 4 takes four unmeasured. */
 #define ROW_STREAMS 4
-static int row_streams = ROW_STREAMS;
-
-__attribute__((constructor)) static void choose_row_streams(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("intel")) row_streams = 1;
-#endif
-}
 
 /* Weight rows n[0..streams) against rows [0, M) of x (M <= ROW_STREAM_ROWS), each read once,
    in order, the streams in step. Each output is summed exactly as skinny_edge_tile sums it. */
@@ -1955,9 +1947,9 @@ static inline __attribute__((always_inline)) void skinny_rows(const Skinny *s, c
 }
 
 /* How many row streams a thread reads at once at M rows of x (<= ROW_STREAM_ROWS): the
-   accumulators of ROW_STREAMS rows at one row. */
+   accumulators of ROW_STREAMS rows at one row; one where the stream prefetches into L1. */
 static inline int row_stream_count(int64_t M) {
-    return row_streams == 1 ? 1 : M == 1 ? ROW_STREAMS : ROW_STREAMS / ROW_STREAM_ROWS;
+    return prefetch_to_l1 ? 1 : M == 1 ? ROW_STREAMS : ROW_STREAMS / ROW_STREAM_ROWS;
 }
 
 /* Row group g of a thread's row streams: rows g, g + part, g + 2 part, ... below N, where
@@ -2021,8 +2013,8 @@ static void skinny_run(Skinny s, int x_dtype, int layout, float *wide_x) {
        (static: each thread one contiguous run of groups or tiles) */
     const int in_streams = M > 0 && M <= ROW_STREAM_ROWS;
     void (*const work)(const Skinny *, int64_t) = in_streams ? SKINNY_ROW[layout] : SKINNY_TILE[layout];
-    const int count = in_streams ? row_stream_count(M) : 1;
-    const int64_t items = in_streams ? (N + count - 1) / count : (N + SKINNY_COLS - 1) / SKINNY_COLS;
+    const int per_item = in_streams ? row_stream_count(M) : SKINNY_COLS; /* weight rows */
+    const int64_t items = (N + per_item - 1) / per_item;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < items; i++) work(&s, i);
 }

@@ -891,7 +891,7 @@ def test_linear_rows_do_not_depend_on_the_rest_of_the_batch(dtype, reduced_rows_
 def test_row_streams_cover_every_weight_row_once(out_features):
     """One and two rows read the weights in several row streams a thread (rows g, g + part,
     ...; the groups past the last row read alone): for every count of weight rows around
-    the streams' parts, each output is the one the 6-row tiles give that row in a batch."""
+    the streams' parts, each output is the one the tiles give that row in a batch of 7."""
     gen = torch.Generator().manual_seed(out_features)
     weight = torch.randn(out_features, 80, generator=gen)
     x = torch.randn(7, 80, generator=gen)
