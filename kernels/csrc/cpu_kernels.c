@@ -2227,7 +2227,9 @@ static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, A8
                 total += q;
             }
             if ((b & (((int64_t)1 << shift) - 1)) == 0) r.S[b >> shift] = 0.0f;
-            r.S[b >> shift] += sx * (float)total;
+            /* fused, as gcc contracts it wherever the CPU has FMA: a build without (x86-64)
+               then gives a group of several blocks the same bits */
+            r.S[b >> shift] = fmaf(sx, (float)total, r.S[b >> shift]);
         } else {
             memset(first, 0, 16);
             memset(second, 0, 16);
@@ -2351,7 +2353,72 @@ static inline __attribute__((always_inline)) void a8_weight_rows16(const Skinny 
 }
 #endif
 
-#ifndef __AVX512VNNI__
+#if !defined(__AVX512VNNI__) && defined(__AVX2__)
+/* Without VNNI, with AVX2: a8_lanes in two 8-lane halves (lanes 0-7 take xq's bytes 0-31,
+   lanes 8-15 bytes 32-63), each lane's four products summed exactly in int32 by vpmaddubsw
+   (unsigned bytes by signed ones, pairs into int16) then vpmaddwd (pairs into int32). No
+   int16 pair saturates: 4-bit weights are 0..15 (a pair at most 2 * 15 * 127), and 8-bit ones
+   go in as |w| against xq carrying w's sign (vpsignb; at most 2 * 128 * 127 = 32512), whose
+   sums are the VNNI path's (w + 128 against xq, less its bias) exactly. The rest is a8_lanes'
+   lane arithmetic and _mm512_reduce_add_ps's order, so a row gets the bits VNNI gives it, as
+   the scalar form below does (SmolLM2's shipped Q4_1 file at one row, the AVX2 Zen 3,
+   2026-11-30: a decode step p50 105 ms in that scalar form). */
+
+/* Weight row pair p as the two halves' bytes (unsigned for 4 bits, signed for 8). */
+static inline __attribute__((always_inline)) void a8_bytes_avx2(const uint8_t *row, int64_t p,
+                                                                int two, int bits,
+                                                                __m256i half[2]) {
+    if (bits == 8) { /* [b0 0-15 | b1 0-15] and [b0 16-31 | b1 16-31] */
+        const uint8_t *b0 = row + 64 * p, *b1 = b0 + 32;
+        for (int h = 0; h < 2; h++) {
+            const __m128i first = _mm_loadu_si128((const __m128i *)(b0 + 16 * h));
+            const __m128i second = two ? _mm_loadu_si128((const __m128i *)(b1 + 16 * h)) : _mm_setzero_si128();
+            half[h] = _mm256_inserti128_si256(_mm256_castsi128_si256(first), second, 1);
+        }
+        return;
+    }
+    const __m128i b0 = _mm_loadu_si128((const __m128i *)(row + 32 * p));
+    const __m128i b1 = two ? _mm_loadu_si128((const __m128i *)(row + 32 * p + 16)) : _mm_setzero_si128();
+    const __m256i packed = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+    const __m256i nibble = _mm256_set1_epi8(15);
+    half[0] = _mm256_and_si256(packed, nibble);
+    half[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+}
+
+/* Each lane's four products of weight bytes w and xq, summed exactly in int32. */
+static inline __attribute__((always_inline)) __m256i a8_dots_avx2(__m256i w, __m256i xq, int bits) {
+    const __m256i pairs = bits == 8 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w))
+                                    : _mm256_maddubs_epi16(w, xq);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* a8_lanes' sum for one row of x, the weight row's pairs formed already (bytes, lane_scales:
+   each half's weight scales, block 2p's then 2p + 1's four). */
+static inline __attribute__((always_inline)) float a8_row_sum_avx2(const __m256i (*bytes)[2],
+                                                                  const __m256 *lane_scales,
+                                                                  const float *offsets, A8Row r,
+                                                                  int64_t P, int64_t G, int bits) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t p = 0; p < P; p++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(r.xq + 64 * p + 32 * h));
+            const __m256 factor = _mm256_mul_ps(lane_scales[p], _mm256_loadu_ps(r.sxv + 16 * p + 8 * h));
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_dots_avx2(bytes[p][h], xq, bits)), factor, acc[h]);
+        }
+    for (int64_t g = 0; bits == 4 && g < G; g += LANES) { /* lanes past G add 0 * 0, as a8_offset_sum */
+        float o[LANES] = {0}, S[LANES] = {0};
+        memcpy(o, offsets + g, (size_t)(G - g < LANES ? G - g : LANES) * sizeof(float));
+        memcpy(S, r.S + g, (size_t)(G - g < LANES ? G - g : LANES) * sizeof(float));
+        for (int h = 0; h < 2; h++)
+            acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(o + 8 * h), _mm256_loadu_ps(S + 8 * h), acc[h]);
+    }
+    /* hsum's order: lane i + lane i + 8, + the sum 4 on, then (0 + 2) + (1 + 3) */
+    const __m256 t8 = _mm256_add_ps(acc[0], acc[1]);
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+#elif !defined(__AVX512VNNI__)
 /* Without VNNI: a8_lanes and _mm512_reduce_add_ps's sum of them, lane by lane in scalar code,
    with the same roundings in the same order (each lane's four exact products, its factor
    rounded once, a fused multiply-add, the offsets' fused terms, then lane i + lane i + 8, + the
@@ -2404,6 +2471,16 @@ static inline __attribute__((always_inline)) void a8_weight_row(const Skinny *s,
         bytes[p] = a8_bytes(row, p, 2 * p + 1 < B, bits);
         lane_scales[p] = a8_lane_scales(scales, p, 2 * p + 1 < B, shift);
     }
+#elif defined(__AVX2__)
+    const int64_t P = a8_pairs(s->K);
+    __m256i bytes[P][2];
+    __m256 lane_scales[P];
+    for (int64_t p = 0; p < P; p++) {
+        const int two = 2 * p + 1 < B;
+        const float s0 = scales[(2 * p) >> shift], s1 = two ? scales[(2 * p + 1) >> shift] : s0;
+        a8_bytes_avx2(row, p, two, bits, bytes[p]);
+        lane_scales[p] = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+    }
 #endif
     for (int64_t m = 0; m < s->M; m++) {
         const A8Row r = a8_row(prepared + m * row_floats, s->K);
@@ -2411,6 +2488,8 @@ static inline __attribute__((always_inline)) void a8_weight_row(const Skinny *s,
         __m512 acc = _mm512_setzero_ps();
         for (int64_t p = 0; p < P; p++) acc = a8_pair_sum(acc, bytes[p], lane_scales[p], r, p, bits);
         float sum = _mm512_reduce_add_ps(bits == 8 ? acc : a8_offset_sum(acc, offsets, r.S, G));
+#elif defined(__AVX2__)
+        float sum = a8_row_sum_avx2((const __m256i (*)[2])bytes, lane_scales, offsets, r, P, G, bits);
 #else
         float sum = a8_lanes_emulated(row, scales, offsets, r, B, G, shift, bits);
 #endif
