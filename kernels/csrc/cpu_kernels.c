@@ -2406,11 +2406,13 @@ static inline __attribute__((always_inline)) float a8_row_sum_avx2(const __m256i
             acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a8_dots_avx2(bytes[p][h], xq, bits)), factor, acc[h]);
         }
     for (int64_t g = 0; bits == 4 && g < G; g += LANES) { /* lanes past G add 0 * 0, as a8_offset_sum */
-        float o[LANES] = {0}, S[LANES] = {0};
-        memcpy(o, offsets + g, (size_t)(G - g < LANES ? G - g : LANES) * sizeof(float));
-        memcpy(S, r.S + g, (size_t)(G - g < LANES ? G - g : LANES) * sizeof(float));
-        for (int h = 0; h < 2; h++)
-            acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(o + 8 * h), _mm256_loadu_ps(S + 8 * h), acc[h]);
+        for (int h = 0; h < 2; h++) {
+            const int64_t first = g + 8 * h, left = G - first < 0 ? 0 : G - first;
+            const __m256i take = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)),
+                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            acc[h] = _mm256_fmadd_ps(_mm256_maskload_ps(offsets + first, take),
+                                     _mm256_maskload_ps(r.S + first, take), acc[h]);
+        }
     }
     /* hsum's order: lane i + lane i + 8, + the sum 4 on, then (0 + 2) + (1 + 3) */
     const __m256 t8 = _mm256_add_ps(acc[0], acc[1]);
