@@ -1582,8 +1582,9 @@ _Static_assert(SKINNY_COLS <= 4, "a tile row's totals are taken 4 at a time (lan
 
 /* A value the compiler must take as it is, so that an operation on it is not fused with the
    one that made it (a product rounded before a sum): an empty asm that the value passes
-   through, in a register where one holds it, else in memory (a store and a load: 4-bit
-   weights, 1 row of SmolLM2's 120 layer matmuls on the AVX2 Zen 3, 2026-11-30, alternating builds: 32.7 -> 22.1 ms, 24 rows 414 -> 249). */
+   through, in a register where one holds it, else in memory. The store and load cost 4-bit
+   weights a third of their time (SmolLM2's 120 layer matmuls on the AVX2 Zen 3, 2026-11-30,
+   alternating builds: 1 row 32.7 -> 22.1 ms, 24 rows 414 -> 249). */
 #if defined(__AVX__)
 #define ROUNDED(v) __asm__("" : "+v"(v))
 #else
@@ -1732,7 +1733,7 @@ static inline float lane_total(const vp a[PARTS]) {
    in two horizontal adds and the last pair across the register's halves: lane_total's sums
    in its order (fewer than 4 repeat the last). A tile's totals took a fifth of its time at
    24 rows in lane_total's scalar adds on AVX2 (SmolLM2-135M's 120 layer matmuls, Zen 3,
-   2026-11-30: 84.7 -> 79.3 ms). */
+   2026-11-30, alternating builds: 80.6 -> 79.4, 75.3 -> 70.8, 77.4 -> 73.2 ms). */
 static inline __attribute__((always_inline)) void lane_totals(const vp acc[][PARTS], int n,
                                                               float sums[4]) {
 #if defined(__AVX__) && (PARTS == 2 || defined(__AVX512F__))
@@ -2362,7 +2363,7 @@ static inline __attribute__((always_inline)) void a8_weight_rows16(const Skinny 
    sums are the VNNI path's (w + 128 against xq, less its bias) exactly. The rest is a8_lanes'
    lane arithmetic and _mm512_reduce_add_ps's order, so a row gets the bits VNNI gives it, as
    the scalar form below does (SmolLM2's shipped Q4_1 file at one row, the AVX2 Zen 3,
-   2026-11-30: a decode step p50 105 ms in that scalar form). */
+   2026-11-30: a decode step p50 105-140 ms in that scalar form, 16-19 ms in this one). */
 
 /* Weight row pair p as the two halves' bytes (unsigned for 4 bits, signed for 8). */
 static inline __attribute__((always_inline)) void a8_bytes_avx2(const uint8_t *row, int64_t p,
