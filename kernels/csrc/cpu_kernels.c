@@ -1573,21 +1573,17 @@ _Static_assert(SKINNY_COLS <= 4, "a tile row's totals are taken 4 at a time (lan
 /* Keep a loaded vp in a register: gcc, short of registers in a tile, otherwise loads a
    value again as the memory operand of each FMA that uses it. An empty asm that takes and
    gives the value in a vector register ("+v"); only where one register holds a vp (AVX,
-   AVX-512): elsewhere (SSE only, Arm's 16-byte registers) the constraint cannot be met. */
-#if defined(__AVX__)
-#define HOLD_IN_REGISTER(v) __asm__("" : "+v"(v))
-#else
-#define HOLD_IN_REGISTER(v) ((void)0)
-#endif
-
-/* A value the compiler must take as it is, so that an operation on it is not fused with the
-   one that made it (a product rounded before a sum): an empty asm that the value passes
-   through, in a register where one holds it, else in memory. The store and load cost 4-bit
+   AVX-512): elsewhere (SSE only, Arm's 16-byte registers) the constraint cannot be met.
+   ROUNDED(v): a value the compiler must take as it is, so that an operation on it is not fused
+   with the one that made it (a product rounded before a sum): the same empty asm, else
+   (no register holds a vp) the value passed through memory. The store and load cost 4-bit
    weights a third of their time (SmolLM2's 120 layer matmuls on the AVX2 Zen 3, 2026-11-30,
    alternating builds: 1 row 32.7 -> 22.1 ms, 24 rows 414 -> 249). */
 #if defined(__AVX__)
-#define ROUNDED(v) __asm__("" : "+v"(v))
+#define HOLD_IN_REGISTER(v) __asm__("" : "+v"(v))
+#define ROUNDED(v) HOLD_IN_REGISTER(v)
 #else
+#define HOLD_IN_REGISTER(v) ((void)0)
 #define ROUNDED(v) __asm__ volatile("" : "+m"(v))
 #endif
 
@@ -2248,6 +2244,13 @@ static void a8_quantize_row(const void *x, int x_dtype, int64_t K, int shift, A8
     }
 }
 
+/* The weight scales of pair p's blocks 2p and 2p + 1 (block 2p's again where `two` is 0:
+   there is no 2p + 1). */
+static inline void a8_pair_scales(const float *scales, int64_t p, int two, int shift, float s[2]) {
+    s[0] = scales[(2 * p) >> shift];
+    s[1] = two ? scales[(2 * p + 1) >> shift] : s[0];
+}
+
 /* Weight row n's bytes: K / 2 of nibbles, or K of int8. */
 static inline const uint8_t *a8_weight(const Skinny *s, int64_t n, int bits) {
     return (const uint8_t *)s->w + n * (bits == 8 ? s->K : s->K / 2);
@@ -2273,8 +2276,9 @@ static inline __attribute__((always_inline)) __m512i a8_bytes(const uint8_t *row
 
 /* Each lane's weight scale for pair p (lanes 4-7 and 12-15 are block 2p + 1's). */
 static inline __m512 a8_lane_scales(const float *scales, int64_t p, int two, int shift) {
-    const float s0 = scales[(2 * p) >> shift], s1 = two ? scales[(2 * p + 1) >> shift] : s0;
-    return _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+    float s[2];
+    a8_pair_scales(scales, p, two, shift, s);
+    return _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s[0]), _mm512_set1_ps(s[1]));
 }
 
 /* acc + pair p's contribution: the blocks' int32 dot products (VNNI; 8-bit weights' start
@@ -2415,11 +2419,9 @@ static inline __attribute__((always_inline)) float a8_row_sum_avx2(const __m256i
                                      _mm256_maskload_ps(r.S + first, take), acc[h]);
         }
     }
-    /* hsum's order: lane i + lane i + 8, + the sum 4 on, then (0 + 2) + (1 + 3) */
-    const __m256 t8 = _mm256_add_ps(acc[0], acc[1]);
-    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
-    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+    v16 lanes;
+    memcpy(&lanes, acc, sizeof lanes);
+    return hsum(lanes);
 }
 #elif !defined(__AVX512VNNI__)
 /* Without VNNI: a8_lanes and _mm512_reduce_add_ps's sum of them, lane by lane in scalar code,
@@ -2433,8 +2435,8 @@ static inline float a8_lanes_emulated(const uint8_t *row, const float *scales,
                                       int shift, int bits) {
     float acc[16] = {0};
     for (int64_t p = 0; p < a8_pairs(B * 32); p++) {
-        const float s0 = scales[(2 * p) >> shift];
-        const float s1 = 2 * p + 1 < B ? scales[(2 * p + 1) >> shift] : s0;
+        float s[2];
+        a8_pair_scales(scales, p, 2 * p + 1 < B, shift, s);
         for (int l = 0; l < 16; l++) { /* lane l: 4 elements of block 2p (+1 for lanes 4-7, 12-15) */
             const int64_t b = 2 * p + ((l >> 2) & 1);
             const int first = (l >= 8 ? 16 : 0) + (l & 3) * 4; /* the block's element */
@@ -2445,7 +2447,7 @@ static inline float a8_lanes_emulated(const uint8_t *row, const float *scales,
                                             : (e < 16 ? row[16 * b + e] & 15 : row[16 * b + e - 16] >> 4);
                 dot += w * r.xq[64 * p + 4 * l + i];
             }
-            const float factor = ((l >> 2) & 1 ? s1 : s0) * r.sxv[16 * p + l];
+            const float factor = s[(l >> 2) & 1] * r.sxv[16 * p + l];
             acc[l] = fmaf((float)dot, factor, acc[l]);
         }
     }
@@ -2480,9 +2482,10 @@ static inline __attribute__((always_inline)) void a8_weight_row(const Skinny *s,
     __m256 lane_scales[P];
     for (int64_t p = 0; p < P; p++) {
         const int two = 2 * p + 1 < B;
-        const float s0 = scales[(2 * p) >> shift], s1 = two ? scales[(2 * p + 1) >> shift] : s0;
+        float s[2];
+        a8_pair_scales(scales, p, two, shift, s);
         a8_bytes_avx2(row, p, two, bits, bytes[p]);
-        lane_scales[p] = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+        lane_scales[p] = _mm256_setr_ps(s[0], s[0], s[0], s[0], s[1], s[1], s[1], s[1]);
     }
 #endif
     for (int64_t m = 0; m < s->M; m++) {
