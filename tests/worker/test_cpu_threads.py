@@ -24,6 +24,10 @@ from headrace.worker.execution.cpu_threads import (
     sample,
 )
 from headrace.worker.execution.step_trials import HOLD_S, TRIAL_S
+from headrace.worker.models.registry import load_model
+
+from tests.factories import cached_checkpoint
+from tests.worker.test_models import PagedSequences
 
 
 def test_cpu_lists_read_as_linux_writes_them() -> None:
@@ -267,6 +271,87 @@ def test_a_drop_with_no_step_of_a_size_seen_before_stands() -> None:
     num_steps = round(TRIAL_S / 0.1) + 5
     counts = _timed_counts(governor, cpus, {2: 0.05, 1: 0.1}, 1.0, num_steps, num_tokens=512)
     assert counts == [1] * num_steps
+
+
+def _layered_step(
+    governor: ThreadGovernor,
+    cpus: FakeCpus,
+    layer_s: dict[int, float],
+    others: float,
+    num_layers: int = 10,
+) -> list[int]:
+    """One step of ``num_layers`` layers, each taking ``layer_s[count]`` beside ``others``
+    busy cores, as a forward runs them (`watch_layers`' hooks before each layer but the
+    first); the count each layer ran with."""
+    counts = []
+    with governor.step(512):
+        for index in range(num_layers):
+            if index:
+                governor.between_layers(index / num_layers)
+            counts.append(torch.get_num_threads())
+            cpus.advance(layer_s[counts[-1]], others)
+    return counts
+
+
+def test_the_first_step_after_an_idle_spell_looks_between_its_layers() -> None:
+    """Regression: a prompt's prefill after an idle spell is one long step, and it ran at two
+    threads to its end beside a neighbour that came in the spell (a single stream's TTFT
+    775-1000 ms beside a busy loop, one thread's 510-600)."""
+    governor, cpus = _scripted_governor()
+    before = torch.get_num_threads()
+    try:
+        _counts(governor, cpus, [(0.25, 0.0), (0.25, 0.0)])
+        cpus.advance(5.0, 1.0)  # idle, and a busy loop starts
+        counts = _layered_step(governor, cpus, {2: 0.05, 1: 0.03}, others=1.0)
+        # The fresh window (FIRST_LOOK_S) ends in the third layer: the fourth has one thread.
+        assert counts == [2, 2, 2] + [1] * 7
+        # The drop made the layers faster: it stands at the next steps' looks.
+        assert _counts(governor, cpus, [(0.1, 1.0)] * 10) == [1] * 10
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_drop_between_layers_that_slows_them_is_undone() -> None:
+    """The step's parts before and after the drop are its trial: beside a light neighbour
+    (a third of a core), two threads still compute a prefill faster than one."""
+    governor, cpus = _scripted_governor()
+    before = torch.get_num_threads()
+    try:
+        _counts(governor, cpus, [(0.25, 0.0), (0.25, 0.0)])
+        cpus.advance(5.0, 0.4)
+        first = _layered_step(governor, cpus, {2: 0.05, 1: 0.1}, others=0.4)
+        assert first[0] == 2 and first[-1] == 1
+        second = _layered_step(governor, cpus, {2: 0.05, 1: 0.1}, others=0.4)
+        assert second[-1] == 2  # undone at the look the next step starts with
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_only_a_fresh_window_looks_between_layers() -> None:
+    # A steady run: its long steps are judged after each, by the trials, never split.
+    governor, cpus = _scripted_governor()
+    before = torch.get_num_threads()
+    try:
+        _counts(governor, cpus, [(0.1, 0.0)] * 6)
+        counts = _layered_step(governor, cpus, {2: 0.05, 1: 0.03}, others=1.0)
+        assert counts == [2] * 10
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_layer_hooks_report_a_forward_s_progress_in_order() -> None:
+    path = cached_checkpoint("llama", num_layers=4)
+    model = load_model(path, torch.float32, torch.device("cpu")).model
+    governor = ThreadGovernor(1, interval_s=None)
+    seen: list[float] = []
+    governor.between_layers = seen.append  # type: ignore[method-assign]
+    governor.watch_layers(model.decoder_layers())
+    assert len(model.decoder_layers()) == 4
+    # A prompt longer than the rows the CPU kernels' one-call decode stack takes: a prefill
+    # runs layer by layer.
+    paged = PagedSequences.allocate(model, [130])
+    paged.step(model, [list(range(3, 131))], [0])
+    assert seen == [0.25, 0.5, 0.75]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

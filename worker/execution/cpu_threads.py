@@ -20,11 +20,17 @@ the cores the worker gets:
   (`step_trials.SLOW_STEP`: a neighbour came mid-run). The look after a fresh start comes
   within `FIRST_LOOK_S`, not a whole interval, as does the one after a step longer than
   `STALE_S` (its window hides a neighbour that came late in it): a run that starts beside a
-  busy neighbour spends about that long at the old count.
+  busy neighbour spends about that long at the old count. When a step outlasts such a first
+  window, that look comes between two of its layers (`watch_layers`), not after it: the
+  prompt's prefill after an idle spell is a single step of half a second, and beside a
+  neighbour that came in the spell it ran at two threads to its end (a single stream's TTFT
+  775-1000 ms against one thread's 510-600).
 - A thread given up is on trial (`step_trials`): the governor times the steps (`step()`), and
   a drop that made them slower is undone and held, for a prefill chunk computes and two
   threads beside a light neighbour still beat one, where a one-row decode reads memory and
-  one thread beats two beside the same neighbour.
+  one thread beats two beside the same neighbour. A step whose count changed between its
+  layers is timed as two parts, each scaled to the whole step by the layers it ran, so the
+  part before a drop is what the part after it is judged against.
 
 OpenMP's thread count is a per-thread setting (torch keeps it per OS thread too), so the
 executor calls `apply()` on each thread that computes, before it computes
@@ -38,13 +44,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from headrace.worker.execution.step_trials import HOLD_S, StepTime, StepTrials, Verdict
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +168,26 @@ def next_threads(current: int, budget: int, num_cpus: int, others: float) -> int
     return current
 
 
+@dataclass(slots=True)
+class RunningStep:
+    """The step under way on the computing thread, from its last split."""
+
+    num_threads: int
+    size_class: int
+    #: When the part under way began, and the share of the step's layers run before it.
+    start: float
+    done: float = 0.0
+
+    def split(self, at: float, progress: float) -> StepTime:
+        """The part from `start` to ``at`` (``progress`` of the layers run), as a whole step's
+        time at its count; the next part starts there."""
+        part = StepTime(
+            self.num_threads, self.size_class, (at - self.start) / (progress - self.done), at
+        )
+        self.start, self.done = at, progress
+        return part
+
+
 @dataclass
 class ThreadGovernor:
     """The thread count of a one-rank CPU worker, following the cores it gets."""
@@ -188,6 +215,8 @@ class ThreadGovernor:
     _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
     #: The steps it timed (`step()`), its trial drops and its hold.
     _trials: StepTrials = field(init=False, default_factory=StepTrials)
+    #: The step under way (`step()`), None between steps.
+    _running: RunningStep | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.num_threads = self.budget
@@ -196,12 +225,38 @@ class ThreadGovernor:
     def step(self, num_tokens: int) -> Iterator[None]:
         """Apply the count on the calling thread for a step of ``num_tokens``, and time it."""
         self.apply()
-        num_threads, start = torch.get_num_threads(), self.clock()
-        yield
+        running = RunningStep(torch.get_num_threads(), num_tokens.bit_length(), self.clock())
+        self._running = running
+        try:
+            yield
+        finally:
+            self._running = None
         self._last_active = self.clock()
-        step = StepTime(
-            num_threads, num_tokens.bit_length(), self._last_active - start, self._last_active
-        )
+        self._record(running.split(self._last_active, 1.0))
+
+    def watch_layers(self, layers: Sequence[nn.Module]) -> None:
+        """Give the steps' first looks a place between ``layers`` (a rank's decoder layers, in
+        the order a forward runs them): see `between_layers`."""
+        for index, layer in enumerate(layers[1:], start=1):
+            progress = index / len(layers)
+            layer.register_forward_pre_hook(lambda *_, p=progress: self.between_layers(p))
+
+    def between_layers(self, progress: float) -> None:
+        """Between two layers of a step, ``progress`` of the way through them: the look that
+        ends a fresh window comes here once the window is over, and the step is split there."""
+        running, last = self._running, self._last
+        if running is None or last is None or not self._fresh or self.interval_s is None:
+            return
+        at = self.clock()
+        if at - last.at < min(self.interval_s, FIRST_LOOK_S):
+            return
+        self._record(running.split(at, progress))  # the part before a drop, for its trial
+        self._look(between_layers=True)
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        running.num_threads = self.num_threads
+
+    def _record(self, step: StepTime) -> None:
         with self._lock:  # a look on the other computing thread reads the steps
             self._slowed |= self._trials.record(step)
 
@@ -213,12 +268,14 @@ class ThreadGovernor:
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
 
-    def _look(self) -> None:
+    def _look(self, between_layers: bool = False) -> None:
         last, interval, at = self._last, self.interval_s or 0.0, self.clock()
         # An idle spell says nothing of the steps to come (a load client that started up in
         # it had a core, then waits on us), and the steps before a much slower one little of
-        # those after it: after either, a fresh window starts here.
-        idle = self._last_active is not None and at - self._last_active > IDLE_S
+        # those after it: after either, a fresh window starts here. (A gap between two
+        # layers of one step is no idle spell.)
+        active = self._last_active
+        idle = not between_layers and active is not None and at - active > IDLE_S
         idle |= self._slowed and not self._fresh
         self._last_active, self._slowed = at, False
         if last is not None and not idle:

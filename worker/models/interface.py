@@ -4,7 +4,7 @@ runner or the scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +37,10 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def decoder_layers(self) -> Sequence[torch.nn.Module]:
+        """This rank's decoder layers, in the order a forward runs them."""
+        ...
 
 
 class LoadableModel(CausalLM, Protocol):

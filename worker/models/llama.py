@@ -14,7 +14,7 @@ where the stack has its plain shape, with the same values as the layer-by-layer 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -236,7 +236,7 @@ class LlamaModel(nn.Module):
         rotary = self.rotary_emb(positions, hidden.dtype)
         local = self.local_rotary_emb
         local_rotary = rotary if local is None else local(positions, hidden.dtype)
-        layers = self.layers[self.layer_range.start : self.layer_range.stop]
+        layers = self.stage_layers()
         if carry is None:
             decoded = self._decode_in_one_call(hidden, layers, rotary, kv_caches, metadata)
             if decoded is not None:
@@ -249,6 +249,10 @@ class LlamaModel(nn.Module):
             return torch.stack((hidden, residual))
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def stage_layers(self) -> nn.ModuleList:
+        """This stage's layers (the others are placeholders)."""
+        return self.layers[self.layer_range.start : self.layer_range.stop]
 
     def _decode_in_one_call(
         self,
@@ -369,6 +373,9 @@ class LlamaForCausalLM(nn.Module):
         if cap is not None:  # (Gemma 2) s -> cap * tanh(s / cap), in place
             logits.div_(cap).tanh_().mul_(cap)
         return logits
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        return list(self.model.stage_layers())
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
         """Each row's greedy token: the argmax of `compute_logits` (one rank only). Capped
