@@ -296,7 +296,7 @@ def _layered_step(
 def test_the_first_step_after_an_idle_spell_looks_between_its_layers() -> None:
     """Regression: a prompt's prefill after an idle spell is one long step, and it ran at two
     threads to its end beside a neighbour that came in the spell (a single stream's TTFT
-    775-1000 ms beside a busy loop, one thread's 510-600)."""
+    1.09-1.26 s beside a busy loop, one thread's 0.57-0.71)."""
     governor, cpus = _scripted_governor()
     before = torch.get_num_threads()
     try:

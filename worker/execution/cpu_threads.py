@@ -24,7 +24,7 @@ the cores the worker gets:
   window, that look comes between two of its layers (`watch_layers`), not after it: the
   prompt's prefill after an idle spell is a single step of half a second, and beside a
   neighbour that came in the spell it ran at two threads to its end (a single stream's TTFT
-  775-1000 ms against one thread's 510-600).
+  1.09-1.26 s against one thread's 0.57-0.71 on the AVX2 Zen 3; 0.66-0.80 s since).
 - A thread given up is on trial (`step_trials`): the governor times the steps (`step()`), and
   a drop that made them slower is undone and held, for a prefill chunk computes and two
   threads beside a light neighbour still beat one, where a one-row decode reads memory and
@@ -247,13 +247,14 @@ class ThreadGovernor:
         running, last = self._running, self._last
         if running is None or last is None or not self._fresh or self.interval_s is None:
             return
+        if progress <= running.done:  # (one forward a step: its layers only go forward)
+            return
         at = self.clock()
         if at - last.at < min(self.interval_s, FIRST_LOOK_S):
             return
         self._record(running.split(at, progress))  # the part before a drop, for its trial
         self._look(between_layers=True)
-        if torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
+        self._take_count()
         running.num_threads = self.num_threads
 
     def _record(self, step: StepTime) -> None:
@@ -265,6 +266,9 @@ class ThreadGovernor:
         first when an interval has passed."""
         if self.interval_s is not None:
             self._look()
+        self._take_count()
+
+    def _take_count(self) -> None:
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
 
