@@ -250,9 +250,10 @@ class LlamaModel(nn.Module):
         normed, _ = self.norm(hidden, residual)
         return normed
 
-    def stage_layers(self) -> nn.ModuleList:
-        """This stage's layers (the others are placeholders)."""
-        return self.layers[self.layer_range.start : self.layer_range.stop]
+    def stage_layers(self) -> list[nn.Module]:
+        """This stage's layers (the others are placeholders). A plain list: slicing the
+        ModuleList builds a new one, module by module (0.17 ms, every step)."""
+        return list(self.layers)[self.layer_range.start : self.layer_range.stop]
 
     def _decode_in_one_call(
         self,
@@ -375,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def decoder_layers(self) -> Sequence[nn.Module]:
-        return list(self.model.stage_layers())
+        return self.model.stage_layers()
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
         """Each row's greedy token: the argmax of `compute_logits` (one rank only). Capped
