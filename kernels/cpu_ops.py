@@ -141,6 +141,21 @@ FLOAT32_MAX_ROWS = 320
 #: 393 (not measured past 256). The weights are formed in registers once per 6 rows of x, so
 #: the kernel keeps float32's cost where the GEMM pays for a float copy of every weight.
 QUANTIZED_MAX_ROWS = {8: 256, 4: 112}
+#: The same where the tiles have 8 lanes (AVX2, `wide_tiles` false): a tile forms its weights
+#: once per 2 rows of x, and 4-bit weights (nibbles, a scale and an offset) cost it the most
+#: there. Measured 2026-11-30 on the 2-core AVX2 Zen 3, the same 120 matmuls, alternating in
+#: one process, C vs dequantize + GEMM, ms, in three processes (this machine's speed swung
+#: 2x between them): int4 12 rows 124 vs 259; 16: 155 vs 268, 174 vs 170, 188 vs 186; 24:
+#: 200 vs 147, 237 vs 250, 263 vs 267; 64: 433 vs 225, 345 vs 287; 112: 1124 vs 370, 480 vs
+#: 471. Int8 ties from 48 rows to 128 in the matmuls (331 vs 333 at 48) and its C kernel
+#: keeps the LM head well ahead (the 49152 x 576 embedding dequantized every step: a 48-row
+#: decode's LM head 63 ms in C against 145), so int8 keeps AVX-512's limit.
+QUANTIZED_MAX_ROWS_NARROW = {8: QUANTIZED_MAX_ROWS[8], 4: 16}
+
+
+def quantized_max_rows(bits: int) -> int:
+    """Rows up to which `quantized_linear` runs the C kernel for weights of these bits."""
+    return (QUANTIZED_MAX_ROWS if wide_tiles() else QUANTIZED_MAX_ROWS_NARROW)[bits]
 
 
 def available() -> bool:
@@ -481,7 +496,7 @@ def quantized_linear(
     on_cpu = x.device.type == weight.device.type == "cpu" and x.dtype in _DTYPE_CODES
     if not on_cpu:
         return reference.quantized_linear(x, weight, bias, out_dtype)
-    in_kernel = weight.int8_activations or 0 < x.shape[0] <= QUANTIZED_MAX_ROWS[weight.bits]
+    in_kernel = weight.int8_activations or 0 < x.shape[0] <= quantized_max_rows(weight.bits)
     if not in_kernel:
         dtype = compute_dtype(x.dtype, x.device)
         wide_bias = None if bias is None else bias.to(dtype)

@@ -9,7 +9,7 @@ The C kernels: `quantized_linear` forms each weight in registers exactly as `deq
 and sums as the float32 kernel does, so up to `cpu_ops.SKINNY_MAX_ROWS` rows (where
 `cpu_ops.linear` runs the float32 C kernel) its output is `cpu_ops.linear` over the
 dequantized weight bit for bit (x float32 or bf16, strided rows, with or without bias), and a
-row's output does not depend on the other rows. Past `cpu_ops.QUANTIZED_MAX_ROWS` rows the
+row's output does not depend on the other rows. Past `cpu_ops.quantized_max_rows` rows the
 weight is dequantized in C (`cpu_ops.dequantize`: the reference's values rounded once) for
 torch's GEMM: the reference to float rounding (float32) or to bf16's.
 
@@ -25,7 +25,7 @@ import dataclasses
 
 import pytest
 import torch
-from headrace.kernels import cpu_ops, quantized
+from headrace.kernels import cpu_decode, cpu_ops, quantized
 from headrace.kernels.quantized import QuantizedWeight
 
 from tests.kernels import needs_c_compiler
@@ -37,14 +37,24 @@ LAYOUT_IDS = [f"int{bits}-g{group or 'row'}-k{k}" for bits, group, k in LAYOUTS]
 NUM_OUT = 37  # not a multiple of the kernel's 4-row weight tile
 #: Rows of the C kernel's one-row weight streams (1, 2), around its 6-row tile, its last.
 SKINNY_ROWS = [1, 2, 5, 6, 13, cpu_ops.SKINNY_MAX_ROWS]
-#: Rows past the float32 C kernel's limit: still the quantized C kernel (64, 100), then past
-#: its limit for the weight's bits (+1, +20), where the weight is dequantized for torch's GEMM.
+#: Rows past the float32 C kernel's limit on AVX2 (still the quantized C kernel with AVX-512's
+#: tiles: 64, 100), then past the quantized kernel's limit for the weight's bits (+1, +20),
+#: where the weight is dequantized for torch's GEMM.
 MORE_ROWS = ["64", "100", "limit+1", "limit+20"]
 
 
 def rows_of(case: str, bits: int) -> int:
-    limit = cpu_ops.QUANTIZED_MAX_ROWS[bits]
+    limit = cpu_ops.quantized_max_rows(bits)
     return limit + int(case.removeprefix("limit+")) if case.startswith("limit") else int(case)
+
+
+@pytest.fixture
+def every_few_rows_in_kernel(monkeypatch):
+    """Every row count of SKINNY_ROWS in the quantized C kernel (with AVX2's 8-lane tiles it
+    hands int4 weights to the GEMM from 17 rows)."""
+    for limits in (cpu_ops.QUANTIZED_MAX_ROWS, cpu_ops.QUANTIZED_MAX_ROWS_NARROW):
+        for bits, limit in limits.items():
+            monkeypatch.setitem(limits, bits, max(limit, cpu_ops.SKINNY_MAX_ROWS))
 
 
 def make_weight(num_out: int, num_in: int, bits: int, group_size: int | None) -> QuantizedWeight:
@@ -159,6 +169,7 @@ def test_few_rows_are_the_float_kernel_over_the_dequantized_weight_bit_for_bit(
     num_rows: int,
     x_dtype: torch.dtype,
     with_bias: bool,
+    every_few_rows_in_kernel: None,
 ) -> None:
     weight = make_weight(NUM_OUT, num_in, bits, group_size)
     x = make_x(num_rows, num_in, x_dtype)
@@ -168,6 +179,24 @@ def test_few_rows_are_the_float_kernel_over_the_dequantized_weight_bit_for_bit(
     assert torch.equal(got, want)
     default = cpu_ops.quantized_linear(x, weight, bias)  # in x's dtype: rounded once
     assert default.dtype == x_dtype and torch.equal(default, want.to(x_dtype))
+
+
+def test_the_kernels_rows_follow_the_tiles(monkeypatch):
+    """The C kernel keeps quantized rows to AVX-512's limits where its tiles have 16 lanes and
+    to the lower AVX2 ones where they have 8 (each measured against the GEMM); the one-call
+    decode stack takes as many (int8 activations: AVX-512's 8-bit limit either way)."""
+    for wide, limits in (
+        (True, cpu_ops.QUANTIZED_MAX_ROWS),
+        (False, cpu_ops.QUANTIZED_MAX_ROWS_NARROW),
+    ):
+        monkeypatch.setattr(cpu_ops, "wide_tiles", lambda wide=wide: wide)
+        for bits in (8, 4):
+            assert cpu_ops.quantized_max_rows(bits) == limits[bits]
+            assert cpu_decode.max_rows((bits, 32, False), torch.float32) == limits[bits]
+            assert (
+                cpu_decode.max_rows((bits, 32, True), torch.float32)
+                == cpu_ops.QUANTIZED_MAX_ROWS[8]
+            )
 
 
 @needs_c_compiler
