@@ -153,12 +153,11 @@ class DecoderStack:
 
 def max_rows(layout: tuple[int, int, int], dtype: torch.dtype, paneled: bool = False) -> int:
     """Rows up to which the per-op path multiplies matrices of this layout (`common_layout`'s)
-    in the C kernel a one-call stack calls (int8 activations': any, capped as the 8 bits' are
-    with AVX-512's tiles; float matrices that all have panels (`paneled`): any, the chunks'
-    attention decides)."""
+    in the C kernel a one-call stack calls (int8 activations': any, capped as the 8 bits';
+    float matrices that all have panels (`paneled`): any, the chunks' attention decides)."""
     bits, _, int8_activations = layout
     if int8_activations:  # its kernel takes any rows, as the per-op path does
-        return cpu_ops.QUANTIZED_MAX_ROWS[8]
+        return cpu_ops.quantized_max_rows(8)
     if bits:
         return cpu_ops.quantized_max_rows(bits)
     return sys.maxsize if paneled else cpu_ops.skinny_max_rows(dtype)
