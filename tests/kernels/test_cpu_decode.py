@@ -21,8 +21,9 @@ import torch
 from headrace.kernels import cpu_decode, cpu_ops
 from headrace.kernels.attention import AttentionMetadata
 from headrace.sdk import GenerationConfig
-from headrace.worker import Engine, EngineConfig
+from headrace.worker import LLM, Engine, EngineConfig
 from headrace.worker.models import llama
+from safetensors.torch import load_file
 
 from tests.factories import cached_checkpoint
 from tests.kernels import needs_c_compiler
@@ -32,6 +33,7 @@ from tests.kernels.test_cpu import poison_freed_int8_blocks
 pytestmark = needs_c_compiler
 
 PROMPTS = [[5, 9, 17, 33, 2], list(range(3, 40)), [7] * 20]
+GREEDY = GenerationConfig(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 class Calls:
@@ -137,6 +139,31 @@ def test_prompt_steps_of_hundreds_of_rows_run_in_the_call_where_the_per_op_path_
     assert (num_prompt_rows in calls.rows) == in_call
     per_op(monkeypatch)
     assert fused == generate(path, dtype, prompts)
+
+
+def test_the_pointer_table_is_made_once_and_again_after_a_weight_update(monkeypatch):
+    """The stack keeps its table of pointers from step to step (making it looks up every
+    weight's panels), and makes it again once a weight is written through its parameter, so
+    bf16 weights' panels are packed again and the new weights' tokens come out."""
+    num_layers = 3
+    a, b = (cached_checkpoint("llama", num_layers=num_layers, seed=seed) for seed in (0, 1))
+    want = {}
+    for name, path in (("a", a), ("b", b)):
+        with LLM(str(path), dtype="bfloat16", kernel_backend="cpu") as llm:
+            want[name] = llm.generate(PROMPTS, GREEDY)[0].token_ids
+    assert want["a"] != want["b"]
+    looked_up: list[cpu_decode.Matrix] = []
+    inner = cpu_decode.matrix_pointers
+    monkeypatch.setattr(cpu_decode, "matrix_pointers", lambda m: looked_up.append(m) or inner(m))
+    one_table = 4 * num_layers  # qkv, o, gate/up and down of each layer
+    with LLM(str(a), dtype="bfloat16", kernel_backend="cpu") as llm:
+        assert llm.generate(PROMPTS, GREEDY)[0].token_ids == want["a"]
+        assert llm.generate(PROMPTS, GREEDY)[0].token_ids == want["a"]
+        assert len(looked_up) == one_table  # two generations' steps, one table
+        tensors = list(load_file(str(b / "model.safetensors")).items())
+        llm.update_weights_from_tensors(tensors, version="b")
+        assert llm.generate(PROMPTS, GREEDY)[0].token_ids == want["b"]
+        assert len(looked_up) == 2 * one_table
 
 
 def test_models_it_does_not_serve_run_layer_by_layer(monkeypatch):
