@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from headrace.kernels.backend import select_kernels
 from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.bench.neighbour import busy_neighbour
 from headrace.worker.config import EngineConfig
@@ -341,14 +342,16 @@ def test_only_a_fresh_window_looks_between_layers() -> None:
 
 def test_the_layer_hooks_report_a_forward_s_progress_in_order() -> None:
     path = cached_checkpoint("llama", num_layers=4)
-    model = load_model(path, torch.float32, torch.device("cpu")).model
+    # The reference kernels run every step layer by layer (the C kernels' one-call stack
+    # takes a float32 prompt of up to 64 rows with AVX2's tiles, 320 with AVX-512's).
+    cpu = torch.device("cpu")
+    kernels = select_kernels("reference", cpu)
+    model = load_model(path, torch.float32, cpu, kernels=kernels).model
     governor = ThreadGovernor(1, interval_s=None)
     seen: list[float] = []
     governor.between_layers = seen.append  # type: ignore[method-assign]
     governor.watch_layers(model.decoder_layers())
     assert len(model.decoder_layers()) == 4
-    # A prompt longer than the rows the CPU kernels' one-call decode stack takes: a prefill
-    # runs layer by layer.
     paged = PagedSequences.allocate(model, [130])
     paged.step(model, [list(range(3, 131))], [0])
     assert seen == [0.25, 0.5, 0.75]
