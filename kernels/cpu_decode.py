@@ -18,7 +18,9 @@ Each layer attends within its own sliding window, or to every key.
 
 from __future__ import annotations
 
+import itertools
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,14 @@ from headrace.kernels.quantized import QuantizedWeight
 #: Pointers per layer, in decode_stack.c's order (INPUT_NORM .. KV_CACHE): two norms, the
 #: cache, and four matrices of three (data, scales, offsets).
 _LAYER_TENSORS = 15
+
+#: A step of at least this many rows (long enough for the thread governor to look in it: a
+#: bf16 SmolLM2-135M step of 128 rows takes ~70 ms on two cores) runs its layers in PARTS
+#: calls when the model is watched between layers (`DecoderStack.decode`). The three more
+#: calls measured nothing (2-core Zen 4, one prompt's TTFT, eight alternating pairs: bf16
+#: 512 tokens, median pair 1.00; float32 256 tokens, 1.01). Fewer rows keep to one call.
+PARTS_MIN_ROWS = 128
+PARTS = 4
 
 #: A layer's matrix: a float weight, or a quantized one.
 Matrix = torch.Tensor | QuantizedWeight
@@ -149,10 +159,19 @@ class DecoderStack:
         sin: torch.Tensor,  # [T, 1, head_dim]
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, row]
         metadata: AttentionMetadata,
+        between: Callable[[float], None] | None = None,
     ) -> torch.Tensor:  # [T, hidden]: the final norm's output
-        """The layers' output, as the per-op path computes it (the caller checked `fits`)."""
+        """The layers' output, as the per-op path computes it (the caller checked `fits`).
+        A step of at least `PARTS_MIN_ROWS` rows runs in `PARTS` calls when there is a
+        ``between``, called with the share of the layers run before each call but the first,
+        as the per-op forward calls it between layers."""
         table = self.pointer_table(kv_caches)
-        return decode_layers(hidden, table, self, kv_caches[0].dtype, cos, sin, metadata)
+        num_layers = len(self.layers)
+        parts = PARTS if between is not None and hidden.shape[0] >= PARTS_MIN_ROWS else 1
+        bounds = sorted({num_layers * part // parts for part in range(parts + 1)})
+        return decode_layers(
+            hidden, table, self, kv_caches[0].dtype, cos, sin, metadata, bounds, between
+        )
 
     def pointer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:  # [L * 15] int64
         """decode_stack.c's rows of pointers, made again only when a tensor behind them moved
@@ -224,45 +243,57 @@ def decode_layers(
     cos: torch.Tensor,
     sin: torch.Tensor,
     metadata: AttentionMetadata,
+    bounds: list[int],  # [0, ..., L]: the calls' first layers, then L
+    between: Callable[[float], None] | None = None,
 ) -> torch.Tensor:
-    """The C stack on `DecoderStack.decode`'s pointer table: the final norm's output, in a
-    copy of hidden that the call overwrites in place."""
+    """The C stack on `DecoderStack.decode`'s pointer table, a call per run of layers
+    between two bounds (``between`` before each call but the first): the final norm's output,
+    in a copy of hidden that the calls overwrite in place."""
     shape, layout = stack.shape, stack.weights
-    assert pointers.numel() == len(stack.layers) * _LAYER_TENSORS and layout is not None
+    num_layers = len(stack.layers)
+    assert pointers.numel() == num_layers * _LAYER_TENSORS and layout is not None
+    assert bounds[0] == 0 and bounds[-1] == num_layers
     out = hidden.contiguous().clone()
+    residual = torch.empty_like(out) if len(bounds) > 2 else out  # (unused in one call)
     tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)
     seq_ids = torch.arange(metadata.num_seqs, dtype=torch.int32)
     slots = metadata.slot_mapping.to(torch.int64).contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
-    status = cpu_ops.library().headrace_decode_layers(
-        out.data_ptr(),
-        out.shape[0],
-        len(stack.layers),
-        pointers.data_ptr(),
-        stack.sliding_windows.data_ptr(),
-        stack.final_norm.data_ptr(),
-        shape.eps,
-        shape.hidden_size,
-        shape.intermediate_size,
-        shape.num_heads,
-        shape.num_kv_heads,
-        shape.head_dim,
-        cpu_ops.dtype_code(stack.dtype),
-        cpu_ops.kv_dtype_code(kv_cache_dtype),
-        *layout,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        slots.data_ptr(),
-        tables.data_ptr(),
-        tables.stride(0),
-        starts.data_ptr(),
-        seq_lens.data_ptr(),
-        seq_ids.data_ptr(),
-        metadata.num_seqs,
-        metadata.block_size,
-        shape.scale,
-        cpu_ops.QUERY_TILE,
-    )
-    if status != 0:
-        raise MemoryError("the decode layers could not allocate their buffers")
+    for first, end in itertools.pairwise(bounds):
+        if first and between is not None:
+            between(first / num_layers)
+        status = cpu_ops.library().headrace_decode_layers(
+            out.data_ptr(),
+            residual.data_ptr(),
+            first == 0,
+            end == num_layers,
+            out.shape[0],
+            end - first,
+            pointers.data_ptr() + first * _LAYER_TENSORS * pointers.element_size(),
+            stack.sliding_windows.data_ptr() + first * stack.sliding_windows.element_size(),
+            stack.final_norm.data_ptr(),
+            shape.eps,
+            shape.hidden_size,
+            shape.intermediate_size,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            cpu_ops.dtype_code(stack.dtype),
+            cpu_ops.kv_dtype_code(kv_cache_dtype),
+            *layout,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            starts.data_ptr(),
+            seq_lens.data_ptr(),
+            seq_ids.data_ptr(),
+            metadata.num_seqs,
+            metadata.block_size,
+            shape.scale,
+            cpu_ops.QUERY_TILE,
+        )
+        if status != 0:
+            raise MemoryError("the decode layers could not allocate their buffers")
     return out

@@ -106,7 +106,7 @@ _SIGNATURES = {
         None,
     ),
     "headrace_decode_layers": (
-        [_P, _I64, _INT, _P, _P, _P, ctypes.c_float, _I64, _I64]
+        [_P, _P, _INT, _INT, _I64, _INT, _P, _P, _P, ctypes.c_float, _I64, _I64]
         + [_INT] * 6
         + [_I64, _INT]
         + [_P] * 4

@@ -70,9 +70,16 @@ static char *alloc_buffers(Buffers *b, int64_t T, int64_t hidden, int64_t inter,
 
 /* The decoder layers of a decode step: hidden [T, hidden] holds the tokens' embeddings on
    entry and the final norm's output on return. Returns 0, or -1 when memory ran out (hidden
-   and the KV cache are then undefined). */
+   and the KV cache are then undefined).
+
+   Or a run of them, the step's layers in several calls (so the caller can act between them:
+   the thread governor's look in a long step): `residual` [T, hidden] then carries the
+   residual stream from one call to the next. A call that does not start the stack
+   (!starts) takes the previous layer's output in hidden and the stream in residual; one
+   that does not end it (!ends) leaves them there instead of the final norm's output. The
+   values are those of one call over all the layers: the same ops on the same values. */
 int headrace_decode_layers(
-    void *hidden, int64_t T, int num_layers,
+    void *hidden, void *residual, int starts, int ends, int64_t T, int num_layers,
     const int64_t *layers,          /* [num_layers, LAYER_TENSORS] data pointers */
     const int32_t *sliding_windows, /* [num_layers]: each layer's window, 0 for none */
     const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
@@ -92,13 +99,18 @@ int headrace_decode_layers(
     char *base = alloc_buffers(&b, T, hidden_size, I, H, Hkv, D, size);
     if (base == NULL) return -1;
     int failed = 0;
-    /* The residual stream starts as the embeddings (layer 0's norm adds nothing). */
-    memcpy(b.residual, hidden, (size_t)(T * hidden_size) * size);
+    const size_t rows_bytes = (size_t)(T * hidden_size) * size;
+    if (starts) { /* the residual stream starts as the embeddings (layer 0's norm adds nothing) */
+        memcpy(b.residual, hidden, rows_bytes);
+    } else {
+        memcpy(b.residual, residual, rows_bytes);
+        memcpy(b.hidden, hidden, rows_bytes);
+    }
 #pragma omp parallel
     for (int l = 0; l < num_layers; l++) {
         const int64_t *t = layers + (int64_t)l * LAYER_TENSORS;
         void *kv_cache = (void *)t[KV_CACHE];
-        if (l == 0) {
+        if (l == 0 && starts) {
             hr_rms_norm(b.residual, hidden_size, NULL, 0, (const void *)t[INPUT_NORM], eps,
                         b.normed, NULL, T, hidden_size, dtype);
         } else { /* the previous layer's output joins the residual stream */
@@ -124,9 +136,13 @@ int headrace_decode_layers(
         hr_silu_and_mul(b.gate_up, 2 * I, b.act, T, I, dtype);
         hr_matmul(b.act, T, t + DOWN, w, hidden_size, I, b.hidden, dtype, b.wide);
     }
-    /* the final norm of the last layer's output and the residual stream */
-    hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, final_norm, eps, hidden,
-                b.residual, T, hidden_size, dtype);
+    if (ends) { /* the final norm of the last layer's output and the residual stream */
+        hr_rms_norm(b.hidden, hidden_size, b.residual, hidden_size, final_norm, eps, hidden,
+                    b.residual, T, hidden_size, dtype);
+    } else {
+        memcpy(hidden, b.hidden, rows_bytes);
+        memcpy(residual, b.residual, rows_bytes);
+    }
     free(base);
     return failed ? -1 : 0;
 }

@@ -28,6 +28,7 @@ from headrace.worker.execution.step_trials import HOLD_S, TRIAL_S
 from headrace.worker.models.registry import load_model
 
 from tests.factories import cached_checkpoint
+from tests.kernels import needs_c_compiler
 from tests.worker.test_models import PagedSequences
 
 
@@ -282,7 +283,7 @@ def _layered_step(
     num_layers: int = 10,
 ) -> list[int]:
     """One step of ``num_layers`` layers, each taking ``layer_s[count]`` beside ``others``
-    busy cores, as a forward runs them (`watch_layers`' hooks before each layer but the
+    busy cores, as a forward runs them (the model's call before each layer but the
     first); the count each layer ran with."""
     counts = []
     with governor.step(512):
@@ -340,21 +341,26 @@ def test_only_a_fresh_window_looks_between_layers() -> None:
         torch.set_num_threads(before)
 
 
-def test_the_layer_hooks_report_a_forward_s_progress_in_order() -> None:
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=needs_c_compiler)])
+def test_a_watched_forward_looks_between_its_layers_and_computes_the_same(backend: str) -> None:
+    """The model calls the governor's look between two layers, in order, in the per-op
+    forward and in the C kernels' one-call stack, which runs a step of 130 rows in parts for
+    it where its tiles take that many (float32: AVX-512's, up to 320), and the logits are an
+    unwatched forward's, bit for bit. Regression: the look came from forward hooks on the
+    layers, which the stack never runs, so a prefill there ran at two threads to its end."""
     path = cached_checkpoint("llama", num_layers=4)
-    # The reference kernels run every step layer by layer (the C kernels' one-call stack
-    # takes a float32 prompt of up to 64 rows with AVX2's tiles, 320 with AVX-512's).
     cpu = torch.device("cpu")
-    kernels = select_kernels("reference", cpu)
-    model = load_model(path, torch.float32, cpu, kernels=kernels).model
-    governor = ThreadGovernor(1, interval_s=None)
+    kernels = select_kernels(backend, cpu)
     seen: list[float] = []
-    governor.between_layers = seen.append  # type: ignore[method-assign]
-    governor.watch_layers(model.decoder_layers())
-    assert len(model.decoder_layers()) == 4
-    paged = PagedSequences.allocate(model, [130])
-    paged.step(model, [list(range(3, 131))], [0])
+    logits = []
+    for watched in (False, True):
+        model = load_model(path, torch.float32, cpu, kernels=kernels).model
+        if watched:
+            model.watch_layers(seen.append)
+        paged = PagedSequences.allocate(model, [130])
+        logits.append(paged.step(model, [list(range(3, 131))], [0]))
     assert seen == [0.25, 0.5, 0.75]
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

@@ -21,7 +21,8 @@ the cores the worker gets:
   within `FIRST_LOOK_S`, not a whole interval, as does the one after a step longer than
   `STALE_S` (its window hides a neighbour that came late in it): a run that starts beside a
   busy neighbour spends about that long at the old count. When a step outlasts such a first
-  window, that look comes between two of its layers (`watch_layers`), not after it: the
+  window, that look comes between two of its layers (the model calls `between_layers`,
+  in its one-call C stack too, whose long steps run in parts for it), not after it: the
   prompt's prefill after an idle spell is a single step of half a second, and beside a
   neighbour that came in the spell it ran at two threads to its end (a single stream's TTFT
   1.09-1.26 s against one thread's 0.57-0.71 on the AVX2 Zen 3; 0.66-0.80 s since).
@@ -44,14 +45,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from headrace.worker.execution.step_trials import HOLD_S, StepTime, StepTrials, Verdict
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -233,13 +233,6 @@ class ThreadGovernor:
             self._running = None
         self._last_active = self.clock()
         self._record(running.split(self._last_active, 1.0))
-
-    def watch_layers(self, layers: Sequence[nn.Module]) -> None:
-        """Give the steps' first looks a place between ``layers`` (a rank's decoder layers, in
-        the order a forward runs them): see `between_layers`."""
-        for index, layer in enumerate(layers[1:], start=1):
-            progress = index / len(layers)
-            layer.register_forward_pre_hook(lambda *_, p=progress: self.between_layers(p))
 
     def between_layers(self, progress: float) -> None:
         """Between two layers of a step, ``progress`` of the way through them: the look that

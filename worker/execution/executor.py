@@ -128,7 +128,7 @@ def start_executor(
         threads.apply()  # loading and warming up compute on this thread
     loaded = load_model(source, dtype, device, kernels=kernels)
     if threads is not None:
-        threads.watch_layers(loaded.model.decoder_layers())
+        loaded.model.watch_layers(threads.between_layers)
     lora = start_lora(cast(nn.Module, loaded.model), kernels, config)  # before sizing the cache
     num_blocks = kv_cache_blocks(config, loaded.model, device, dtype, max_model_len)
     runner = ModelRunner(

@@ -4,7 +4,7 @@ runner or the scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -38,8 +38,9 @@ class CausalLM(Protocol):
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-    def decoder_layers(self) -> Sequence[torch.nn.Module]:
-        """This rank's decoder layers, in the order a forward runs them."""
+    def watch_layers(self, between: Callable[[float], None]) -> None:
+        """Call ``between(progress)`` between two of this rank's decoder layers in every
+        forward, progress the share of them run (the thread governor's look in a long step)."""
         ...
 
 

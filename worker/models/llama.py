@@ -14,7 +14,7 @@ where the stack has its plain shape, with the same values as the layer-by-layer 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -216,6 +216,13 @@ class LlamaModel(nn.Module):
         self.decode_shape = _decode_shape(config, parallel, kernels)
         #: Built at the first decode step with `decode_shape` (None: layer by layer).
         self._decode_stack: cpu_decode.DecoderStack | None = None
+        #: Called between two layers with the share run (`watch_layers`), or None.
+        self._between_layers: Callable[[float], None] | None = None
+
+    def watch_layers(self, between: Callable[[float], None]) -> None:
+        """Call ``between(progress)`` between two of this stage's layers in every forward
+        (progress: the share of them run), the one-call stack's long steps included."""
+        self._between_layers = between
 
     def forward(
         self,
@@ -241,7 +248,12 @@ class LlamaModel(nn.Module):
             decoded = self._decode_in_one_call(hidden, layers, rotary, kv_caches, metadata)
             if decoded is not None:
                 return decoded
-        for i, layer, kv_cache in zip(self.layer_range, layers, kv_caches, strict=True):
+        between = self._between_layers
+        for index, (i, layer, kv_cache) in enumerate(
+            zip(self.layer_range, layers, kv_caches, strict=True)
+        ):
+            if index and between is not None:
+                between(index / len(layers))
             cos_sin = local_rotary if self.is_local[i] else rotary
             hidden, residual = layer(hidden, residual, cos_sin, kv_cache, metadata)
         assert residual is not None, "every stage runs at least one layer"
@@ -276,7 +288,7 @@ class LlamaModel(nn.Module):
             hidden, kv_caches, metadata
         ):
             return None
-        return stack.decode(hidden, *rotary, kv_caches, metadata)
+        return stack.decode(hidden, *rotary, kv_caches, metadata, self._between_layers)
 
 
 def _decode_shape(
@@ -375,8 +387,8 @@ class LlamaForCausalLM(nn.Module):
             logits.div_(cap).tanh_().mul_(cap)
         return logits
 
-    def decoder_layers(self) -> Sequence[nn.Module]:
-        return self.model.stage_layers()
+    def watch_layers(self, between: Callable[[float], None]) -> None:
+        self.model.watch_layers(between)
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
         """Each row's greedy token: the argmax of `compute_logits` (one rank only). Capped
