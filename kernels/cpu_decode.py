@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -88,8 +88,35 @@ def matrix_pointers(matrix: Matrix) -> tuple[int, int, int]:
     if isinstance(matrix, torch.Tensor):
         panels = cpu_ops.panel_copy(matrix)
         return (matrix.data_ptr(), 0 if panels is None else panels.data_ptr(), 0)
-    offsets = 0 if matrix.offsets is None else matrix.offsets.data_ptr()
-    return (matrix.data.data_ptr(), matrix.scales.data_ptr(), offsets)
+    data, scales, *offsets = matrix_tensors(matrix)
+    return (data.data_ptr(), scales.data_ptr(), offsets[0].data_ptr() if offsets else 0)
+
+
+class PointerTable:
+    """A C stack's table of data pointers, kept from call to call and made again (by the
+    caller's ``make``) only when a tensor behind it moved or was written through: a weight
+    update, whose panels making it packs again (`matrix_pointers`). Making one looks up every
+    float weight's panels: 120 on SmolLM2-135M, 0.34 ms against 0.03 for the check, of a 7 ms
+    bf16 one-row step."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        #: The tensors the table points into (`matrix_tensors`, norms), pointers and versions.
+        self._tensors = tensors
+        self._table: torch.Tensor | None = None
+        self._stamp: tuple[list[tuple[int, int]], list[int]] | None = None
+
+    def get(
+        self, make: Callable[[], list[int]], moving: Sequence[torch.Tensor] = ()
+    ) -> torch.Tensor:  # [len(make())] int64
+        """The table; ``moving``: more tensors it points into whose pointers alone count
+        (KV caches, which move at sleep and wake and are written at every step)."""
+        stamp = (
+            [(t.data_ptr(), t._version) for t in self._tensors],
+            [t.data_ptr() for t in moving],
+        )
+        if self._table is None or stamp != self._stamp:
+            self._table, self._stamp = torch.tensor(make(), dtype=torch.int64), stamp
+        return self._table
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +131,9 @@ class DecoderShape:
 
 
 class DecoderStack:
-    """A stage's layers for `decode_layers`: their weights (the parameters themselves, read
-    at each call, so in-place weight updates are seen), checked once for what the C stack
-    needs: one dtype it takes, contiguous, in CPU memory."""
+    """A stage's layers for `decode_layers`: their weights (the parameters themselves, whose
+    pointers are read again after an in-place write, so weight updates are seen), checked
+    once for what the C stack needs: one dtype it takes, contiguous, in CPU memory."""
 
     def __init__(
         self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, shape: DecoderShape
@@ -127,10 +154,7 @@ class DecoderStack:
         norms_in_kernel = all(in_kernel(t, self.dtype) for t in norms)
         self.usable = cpu_ops.available() and norms_in_kernel and self.weights is not None
         self.paneled = paneled(matrices)
-        #: The tensors whose pointers the table holds, but the KV caches (`pointer_table`).
-        self._tensors = [*norms, *(t for m in matrices for t in matrix_tensors(m))]
-        self._table: torch.Tensor | None = None
-        self._stamp: tuple[list[tuple[int, int]], list[int]] | None = None
+        self._pointers = PointerTable([*norms, *(t for m in matrices for t in matrix_tensors(m))])
 
     def fits(
         self,
@@ -165,31 +189,19 @@ class DecoderStack:
         A step of at least `PARTS_MIN_ROWS` rows runs in `PARTS` calls when there is a
         ``between``, called with the share of the layers run before each call but the first,
         as the per-op forward calls it between layers."""
-        table = self.pointer_table(kv_caches)
-        num_layers = len(self.layers)
+        table = self._pointers.get(lambda: self._pointer_list(kv_caches), kv_caches)
         parts = PARTS if between is not None and hidden.shape[0] >= PARTS_MIN_ROWS else 1
-        bounds = sorted({num_layers * part // parts for part in range(parts + 1)})
         return decode_layers(
-            hidden, table, self, kv_caches[0].dtype, cos, sin, metadata, bounds, between
+            hidden, table, self, kv_caches[0].dtype, cos, sin, metadata, parts, between
         )
 
-    def pointer_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:  # [L * 15] int64
-        """decode_stack.c's rows of pointers, made again only when a tensor behind them moved
-        or was written through (a weight update, whose panels making them packs again) or a
-        KV cache moved (sleep and wake). Making them looks up 120 panels on SmolLM2-135M:
-        0.34 ms, against 0.03 for the check, of a 7 ms bf16 one-row step."""
-        stamp = (
-            [(t.data_ptr(), t._version) for t in self._tensors],
-            [cache.data_ptr() for cache in kv_caches],
-        )
-        if self._table is None or stamp != self._stamp:
-            pointers = [
-                pointer
-                for layer, cache in zip(self.layers, kv_caches, strict=True)
-                for pointer in (*layer.pointers(), cache.data_ptr())
-            ]
-            self._table, self._stamp = torch.tensor(pointers, dtype=torch.int64), stamp
-        return self._table
+    def _pointer_list(self, kv_caches: list[torch.Tensor]) -> list[int]:  # [L * 15]
+        """decode_stack.c's rows: each layer's tensors, then its KV cache."""
+        return [
+            pointer
+            for layer, cache in zip(self.layers, kv_caches, strict=True)
+            for pointer in (*layer.pointers(), cache.data_ptr())
+        ]
 
     def _max_rows(self) -> int:
         return max_rows(self.weights or (0, 0, 0), self.dtype, self.paneled)
@@ -243,16 +255,16 @@ def decode_layers(
     cos: torch.Tensor,
     sin: torch.Tensor,
     metadata: AttentionMetadata,
-    bounds: list[int],  # [0, ..., L]: the calls' first layers, then L
+    parts: int = 1,
     between: Callable[[float], None] | None = None,
 ) -> torch.Tensor:
-    """The C stack on `DecoderStack.decode`'s pointer table, a call per run of layers
-    between two bounds (``between`` before each call but the first): the final norm's output,
-    in a copy of hidden that the calls overwrite in place."""
+    """The C stack on `DecoderStack.decode`'s pointer table, its layers in ``parts`` calls of
+    as many layers each as they divide into (``between`` before each call but the first): the
+    final norm's output, in a copy of hidden that the calls overwrite in place."""
     shape, layout = stack.shape, stack.weights
     num_layers = len(stack.layers)
     assert pointers.numel() == num_layers * _LAYER_TENSORS and layout is not None
-    assert bounds[0] == 0 and bounds[-1] == num_layers
+    bounds = sorted({num_layers * part // parts for part in range(parts + 1)})
     out = hidden.contiguous().clone()
     residual = torch.empty_like(out) if len(bounds) > 2 else out  # (unused in one call)
     tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)

@@ -26,7 +26,7 @@ ExpertMatrices = tuple[Matrix, Matrix]
 
 class ExpertStack:
     """A rank's experts for `run`: their matrices (the parameters themselves, whose pointers
-    are read at each call, so in-place weight updates are seen), checked once for what the C
+    are read again after an in-place write, so weight updates are seen), checked once for what the C
     call needs: one dtype it takes, or one quantized layout, contiguous, in CPU memory."""
 
     def __init__(
@@ -49,6 +49,16 @@ class ExpertStack:
         self.weights = cpu_decode.common_layout(matrices, dtype) if same_shapes else None
         in_c = dtype in (torch.float32, torch.bfloat16, torch.float16)
         self.usable = cpu_ops.available() and in_c and self.weights is not None
+        tensors = [t for m in matrices for t in cpu_decode.matrix_tensors(m)]
+        self._pointers = cpu_decode.PointerTable(tensors)
+
+    def _pointer_list(self) -> list[int]:
+        """moe_experts.c's rows: each expert's gate_up, then down."""
+        return [
+            pointer
+            for gate_up, down in self.experts
+            for pointer in (*cpu_decode.matrix_pointers(gate_up), *cpu_decode.matrix_pointers(down))
+        ]
 
     def holds(self, experts: list[ExpertMatrices]) -> bool:
         """Whether these are the matrices the stack was built from (a quantized weight moved
@@ -72,12 +82,7 @@ class ExpertStack:
         rows of grouped [N, hidden], as the per-op path computes it (the caller checked
         `fits`); an expert with no rows is skipped, its weights never read."""
         assert self.weights is not None and out.shape == grouped.shape and out.is_contiguous()
-        pointers = [
-            pointer
-            for gate_up, down in self.experts
-            for pointer in (*cpu_decode.matrix_pointers(gate_up), *cpu_decode.matrix_pointers(down))
-        ]
-        table = torch.tensor(pointers, dtype=torch.int64)  # [E, _EXPERT_TENSORS]
+        table = self._pointers.get(self._pointer_list)  # [E * _EXPERT_TENSORS]
         rows = torch.tensor(counts, dtype=torch.int64)  # [E]
         assert table.numel() == len(self.experts) * _EXPERT_TENSORS
         status = cpu_ops.library().headrace_moe_experts(

@@ -14,6 +14,7 @@ import pytest
 import torch
 from headrace.kernels import cpu_decode, cpu_ops, quantized
 from headrace.kernels.cpu_experts import ExpertMatrices, ExpertStack
+from torch import nn
 
 from tests.kernels import needs_c_compiler
 
@@ -145,3 +146,29 @@ def test_holds_only_the_matrices_it_was_built_from() -> None:
     moved = list(experts)
     moved[0] = (experts[0][0].clone(), experts[0][1])
     assert not stack.holds(moved)
+
+
+def test_the_pointer_table_is_made_once_and_again_after_a_write(monkeypatch) -> None:
+    """The call keeps its table of pointers from call to call (making it looks up every
+    weight's panels), and makes it again once a weight is written through its parameter:
+    bf16 panels are packed again, and the output is the per-op path's over the new weights."""
+    old, new = make_experts(torch.bfloat16, seed=0), make_experts(torch.bfloat16, seed=1)
+    experts = [
+        (nn.Parameter(g, requires_grad=False), nn.Parameter(d, requires_grad=False)) for g, d in old
+    ]
+    stack = ExpertStack(experts, torch.bfloat16)
+    looked_up: list[cpu_decode.Matrix] = []
+    inner = cpu_decode.matrix_pointers
+    monkeypatch.setattr(cpu_decode, "matrix_pointers", lambda m: looked_up.append(m) or inner(m))
+    grouped = rows_of(torch.bfloat16, COUNTS)
+    out = torch.empty_like(grouped)
+    for _ in range(2):
+        stack.run(grouped, COUNTS, out)
+    assert len(looked_up) == 2 * len(experts)  # one table
+    assert torch.equal(out, per_op(experts, grouped, COUNTS))
+    for (gate_up, down), (new_gate_up, new_down) in zip(experts, new, strict=True):
+        gate_up.copy_(new_gate_up)
+        down.copy_(new_down)
+    stack.run(grouped, COUNTS, out)
+    assert len(looked_up) == 4 * len(experts)
+    assert torch.equal(out, per_op(new, grouped, COUNTS))
