@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ __all__ = [
     "ServerProcess",
     "http_door",
     "load_report",
+    "pause",
     "start_router",
     "start_worker",
     "stream_through_a_fault",
@@ -83,6 +85,21 @@ def wait_all_blocks_free(target: str, timeout_s: float = 10.0) -> worker_pb2.Loa
         ):
             return report
         time.sleep(0.05)
+
+
+def pause(seconds: float, *processes: ServerProcess) -> None:
+    """Stop the processes (SIGSTOP) for ``seconds``, then resume them in the order given.
+
+    A deadline test pauses the servers once a request is under way, so that its timeout
+    passes while the request runs: a tiny model on a fast CPU can otherwise finish a long
+    request (450 tokens in 0.17 s on a Zen 4) before the timeout it was meant to outlast."""
+    for process in processes:
+        process.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        for process in processes:
+            process.proc.send_signal(signal.SIGCONT)
 
 
 def stream_through_a_fault(

@@ -10,6 +10,7 @@ import contextlib
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from headrace.sdk.errors import DeadlineExceededError
 from headrace.sdk.launch import start_router
 
 from tests.deploy.manifests import envoy_binary, envoy_config
-from tests.e2e.processes import ServerProcess, wait_all_blocks_free, wait_serving
+from tests.e2e.processes import ServerProcess, pause, wait_all_blocks_free, wait_serving
 from tests.e2e.security import Pki
 
 pytestmark = pytest.mark.timeout(300)
@@ -193,9 +194,10 @@ def test_a_request_timeout_through_envoy_is_deadline_exceeded(
 
 
 def _chunks_until_deadline(
-    target: str, token_ids: list[int], deadline_s: float
+    target: str, token_ids: list[int], deadline_s: float, streaming: threading.Event
 ) -> tuple[int, grpc.StatusCode]:
-    """GenerateOne with a gRPC deadline: how many chunks came, and the final status."""
+    """GenerateOne with a gRPC deadline: how many chunks came, and the final status; sets
+    ``streaming`` at the first chunk."""
     request = pb.Request(request_id="deadline", token_ids=pb.TokenIds(ids=token_ids))
     request.config.max_tokens = LONG.max_tokens
     request.config.ignore_eos = True
@@ -206,6 +208,7 @@ def _chunks_until_deadline(
                 request, timeout=deadline_s
             ):
                 num_chunks += 1
+                streaming.set()
         except grpc.RpcError as error:
             return num_chunks, error.code()
     return num_chunks, grpc.StatusCode.OK
@@ -219,15 +222,19 @@ def test_regression_grpc_deadline_mid_stream_through_envoy_is_not_internal(
     Envoy honouring grpc-timeout itself (max_stream_duration.grpc_timeout_header_max) races
     the client and the router, and when it wins mid-stream it can only reset the stream:
     the client saw INTERNAL ("RST_STREAM with error code 2") in some of the calls. Many
-    calls at once make that race very likely to show.
+    calls at once make that race very likely to show. The worker is paused once tokens
+    stream, so the deadline passes mid-stream even where the calls could finish before it.
     """
     num_calls = 16
+    streaming = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(max_workers=num_calls) as pool:
-        outcomes = list(
-            pool.map(
-                lambda i: _chunks_until_deadline(envoy, [61 + i, 62, 63], 0.5), range(num_calls)
-            )
-        )
+        calls = [
+            pool.submit(_chunks_until_deadline, envoy, [61 + i, 62, 63], 0.5, streaming)
+            for i in range(num_calls)
+        ]
+        assert streaming.wait(timeout=30)
+        pause(0.7, worker)
+        outcomes = [call.result() for call in calls]
     assert any(num_chunks > 0 for num_chunks, _ in outcomes), outcomes  # tokens were streaming
     assert [code for _, code in outcomes] == [grpc.StatusCode.DEADLINE_EXCEEDED] * num_calls
     wait_all_blocks_free(worker.target)

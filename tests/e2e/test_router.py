@@ -25,7 +25,13 @@ from headrace.sdk.errors import DeadlineExceededError, ResourceExhaustedError, U
 from headrace.sdk.launch import ServerProcess, start_router
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import load_report, start_worker, wait_all_blocks_free, wait_serving
+from tests.e2e.processes import (
+    load_report,
+    pause,
+    start_worker,
+    wait_all_blocks_free,
+    wait_serving,
+)
 
 GREEDY = GenerationConfig(max_tokens=40, temperature=0.0, ignore_eos=True)
 
@@ -284,7 +290,9 @@ def test_timeout_through_the_router_frees_worker_blocks(
     long = GenerationConfig(max_tokens=450, temperature=0.0, ignore_eos=True)
     with _router(two_workers, tmp_path) as router, Client(router.target) as client:
         with pytest.raises(DeadlineExceededError, match=r"timeout of 0\.2 s"):
-            client.generate("slow", long, timeout=0.2)
+            for number, _ in enumerate(client.stream("slow", long, timeout=0.2)):
+                if number == 0:  # under way: the timeout passes while it runs
+                    pause(0.4, router, *two_workers)
         assert len(client.generate("next", GREEDY).token_ids) == 40  # the stream carries on
     for worker in two_workers:
         report = wait_all_blocks_free(worker.target)

@@ -22,7 +22,13 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import DeadlineExceededError
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import ServerProcess, load_report, start_worker, wait_all_blocks_free
+from tests.e2e.processes import (
+    ServerProcess,
+    load_report,
+    pause,
+    start_worker,
+    wait_all_blocks_free,
+)
 
 PROMPTS = ["the quick brown fox", "a story about the sea", "to be or not", "hello"]
 
@@ -221,8 +227,12 @@ def test_request_timeout_is_deadline_exceeded_in_band(worker: ServerProcess) -> 
     async def run() -> None:
         async with AsyncClient(worker.target) as client:
             config = GenerationConfig(max_tokens=450, temperature=0.0, ignore_eos=True)
+            paused: list[bool] = []
             with pytest.raises(DeadlineExceededError, match=r"timeout of 0\.2 s"):
-                await client.generate("a long one", config, timeout=0.2)
+                async for chunk in client.stream("a long one", config, timeout=0.2):
+                    if chunk.token_ids and not paused:  # under way: the timeout passes
+                        paused.append(True)
+                        pause(0.4, worker)
             # The stream carries on: the next request on it succeeds.
             result = await client.generate("hello", GenerationConfig(max_tokens=4, temperature=0))
             assert len(result.token_ids) == 4
@@ -237,8 +247,9 @@ def test_generate_one_deadline(worker: ServerProcess) -> None:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = _long_request("one").request
         with pytest.raises(grpc.RpcError) as caught:
-            for _ in stub.GenerateOne(request, timeout=0.3):
-                pass
+            for number, _ in enumerate(stub.GenerateOne(request, timeout=0.3)):
+                if number == 0:  # under way: the deadline passes while it runs
+                    pause(0.5, worker)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     report = wait_all_blocks_free(worker.target)
     assert report.free_kv_blocks == report.total_kv_blocks
