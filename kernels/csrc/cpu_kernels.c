@@ -408,6 +408,15 @@ static inline void next_rows(KeyCursor *c, const char **k, const char **v) {
     *k = c->keys + at, *v = c->values + at;
 }
 
+/* Rows of at most this many bytes read in place (bf16 rows of 64 values) have a tile's values
+   fetched a tile ahead, with its keys (prefetch_next_tile); longer ones as the tile is loaded. */
+#define VALUES_AHEAD_MAX_ROW_BYTES 128
+
+/* Whether prefetch_next_tile fetches the next tile's V rows as well as its K rows. */
+static inline int values_ahead(const Attention *a) {
+    return !a->direct || kv_row_bytes(a->kv_dtype, a->head_dim) <= VALUES_AHEAD_MAX_ROW_BYTES;
+}
+
 /* Point keys[j] / values[j] at the float32 rows of keys [first, first + count) of one KV head:
    in the cache itself when direct, else widened (and zero-padded) into the scratch rows. */
 static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int first, int count,
@@ -420,9 +429,11 @@ static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int
         if (a->direct) {
             s->keys[j] = k;
             s->values[j] = v;
-            /* The values are read after the scores and the softmax: fetch them meanwhile (64
-               decodes of ~336 keys, SmolLM2's heads: bf16 1.48 -> 1.20 ms a layer, float32
-               2.25 -> 2.02; their loads had held most of accumulate_values' time). */
+            /* The values are read after the scores and the softmax: fetch them meanwhile, unless
+               the tile before fetched them (64 decodes of ~336 keys, SmolLM2's heads: bf16
+               1.48 -> 1.20 ms a layer, float32 2.25 -> 2.02; their loads had held most of
+               accumulate_values' time). */
+            if (values_ahead(a)) continue;
             for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, D); o += 64) prefetch_stream(v + o);
         } else {
             float *kr = s->key_rows + (int64_t)j * Dp, *vr = s->value_rows + (int64_t)j * Dp;
@@ -572,8 +583,12 @@ static inline void spare_rows(Scratch *s) {
 /* score_by_dots' scores from the bf16 queries and keys as they lie (pairs): per row, each
    key's dot product as the pair dot instruction forms it, 32 values an instruction, its 16
    lanes summed as score_by_dots sums them, then scaled. No key is widened (score_by_dots
-   widens each key once per row of the group). */
-static void score_by_pairs(const Attention *a, Scratch *s, int row0, int rows, int count) {
+   widens each key once per row of the group). Inlined with count a constant 16 for a whole
+   tile (score_by_pairs), whose keys then unroll with no test per key: with count a variable
+   the compiler tested it before every key's product and kept the sums on the stack (64
+   decodes of ~336 keys, a layer, one thread, the Zen 4: 1.57 -> 1.46 ms). */
+static inline __attribute__((always_inline)) void score_pairs_of(const Attention *a, Scratch *s,
+                                                                 int row0, int rows, int count) {
     const int vectors = a->head_dim / (2 * LANES);
     for (int r = row0; r < rows; r++) {
         const uint16_t *q = s->queries_bf16 + (int64_t)r * a->padded_dim;
@@ -581,14 +596,18 @@ static void score_by_pairs(const Attention *a, Scratch *s, int row0, int rows, i
         for (int j = 0; j < LANES; j++) sums[j] = splat(0.0f);
         for (int c = 0; c < vectors; c++) {
             const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c * 2 * LANES);
-            const int n = count == LANES ? LANES : count; /* a whole tile unrolls */
-            for (int j = 0; j < n; j++) {
+            for (int j = 0; j < count; j++) {
                 const __m512i kc = _mm512_loadu_si512(s->keys[j] + c * 4 * LANES);
                 sums[j] = (v16)_mm512_dpbf16_ps((__m512)sums[j], qc, (__m512bh)kc);
             }
         }
         s->scores[r] = sum_lanes_16(sums) * a->scale;
     }
+}
+
+static void score_by_pairs(const Attention *a, Scratch *s, int row0, int rows, int count) {
+    if (count == LANES) score_pairs_of(a, s, row0, rows, LANES);
+    else score_pairs_of(a, s, row0, rows, count);
 }
 
 /* score_by_transpose's scores from bf16 pairs: the tile transposed once by pairs of values
@@ -885,11 +904,13 @@ static TileSpan tile_span(const Attention *a, const Tile *t) {
 }
 
 /* Fetch the rows of the key tile after [first, first + 16) of KV head kvh while this one is
-   computed: its K rows, and its V rows too where rows are widened into the scratch as the
-   tile is loaded (int8, odd head sizes; rows read in place have their values fetched by
-   load_key_tile). 64 decodes of ~336 keys, a layer, on a 2-core Zen 4 (into L2): float32
-   1.72-1.96 -> 1.45-1.57 ms (two or three tiles ahead, or the next tile's values too,
-   measured slower), an int8 cache 1.39-1.62 -> 1.03-1.04. On the Xeon with AMX (into L1) the
+   computed: its K rows, and its V rows too where values_ahead (rows widened into the scratch
+   as the tile is loaded: int8, odd head sizes; bf16 rows of 64 values read in place; longer
+   rows read in place have their values fetched by load_key_tile). 64 decodes of ~336 keys, a
+   layer, on a 2-core Zen 4 (into L2): float32 1.72-1.96 -> 1.45-1.57 ms (two or three tiles
+   ahead, or the next tile's values too, measured slower), an int8 cache 1.39-1.62 ->
+   1.03-1.04; bf16 rows of 64 values, the next tile's values too rather than the current
+   tile's, 1.46 -> 1.41 one thread (level on two; 2026-11-30). On the Xeon with AMX (into L1) the
    next tile's K and V of float32 rows measured level, 1.65 -> 1.63 ms. Its cursor starts
    afresh at the next tile (a division and two table reads) rather than going on from
    load_key_tile's: going on, by value or by pointer, measured 3-10% slower in bf16 (1.08-1.11
@@ -905,7 +926,7 @@ static inline __attribute__((always_inline)) void prefetch_next_tile(const Atten
         const char *k, *v;
         next_rows(&cursor, &k, &v);
         for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, a->head_dim); o += 64) prefetch_stream(k + o);
-        if (a->direct) continue;
+        if (!values_ahead(a)) continue;
         for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, a->head_dim); o += 64) prefetch_stream(v + o);
     }
 }
