@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shlex
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +20,10 @@ from headrace.sdk.serving import wait_serving
 
 __all__ = [
     "ServerProcess",
+    "finished_request",
     "http_door",
     "load_report",
+    "num_log_lines",
     "pause",
     "start_router",
     "start_worker",
@@ -85,6 +88,30 @@ def wait_all_blocks_free(target: str, timeout_s: float = 10.0) -> worker_pb2.Loa
         ):
             return report
         time.sleep(0.05)
+
+
+def num_log_lines(server: ServerProcess) -> int:
+    """The lines in the server's log now: what `finished_request` looks past."""
+    assert server.log_path is not None
+    return len(server.log_path.read_text().splitlines())
+
+
+def finished_request(
+    server: ServerProcess, marker: str, after: int, timeout_s: float = 10.0
+) -> dict[str, str]:
+    """The fields of the first ``request finished`` line with ``marker`` past the first
+    ``after`` lines of the server's log (`sdk.telemetry.log_request`'s key=value pairs,
+    quoted where a value needs it), waiting for it up to ``timeout_s``."""
+    assert server.log_path is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = server.log_path.read_text().splitlines()[after:]
+        found = [line for line in lines if "request finished " in line and marker in line]
+        if found:
+            pairs = shlex.split(found[0].split("request finished ", 1)[1])
+            return dict(pair.split("=", 1) for pair in pairs)
+        time.sleep(0.05)
+    raise AssertionError(f"no new request finished line with {marker!r}")
 
 
 def pause(seconds: float, *processes: ServerProcess) -> None:

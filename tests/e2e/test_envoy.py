@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +29,14 @@ from headrace.sdk.errors import DeadlineExceededError
 from headrace.sdk.launch import start_router
 
 from tests.deploy.manifests import envoy_binary, envoy_config
-from tests.e2e.processes import ServerProcess, pause, wait_all_blocks_free, wait_serving
+from tests.e2e.processes import (
+    ServerProcess,
+    finished_request,
+    num_log_lines,
+    pause,
+    wait_all_blocks_free,
+    wait_serving,
+)
 from tests.e2e.security import Pki
 
 pytestmark = pytest.mark.timeout(300)
@@ -140,28 +146,10 @@ def test_streams_through_envoy_equal_the_router_direct(
     assert all(len(tokens) == GREEDY.max_tokens for tokens in through_envoy)
 
 
-def _num_log_lines(server: ServerProcess) -> int:
-    assert server.log_path is not None
-    return len(server.log_path.read_text().splitlines())
-
-
-def _new_log_line(server: ServerProcess, marker: str, after: int, timeout_s: float = 10.0) -> str:
-    """The first line with ``marker`` past the first ``after`` lines of the server's log."""
-    assert server.log_path is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lines = server.log_path.read_text().splitlines()[after:]
-        found = [line for line in lines if marker in line]
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no new log line with {marker!r}")
-
-
 def test_cancel_through_envoy_frees_the_workers_blocks(
     envoy: str, router: ServerProcess, worker: ServerProcess
 ) -> None:
-    logged = {server: _num_log_lines(server) for server in (worker, router)}
+    logged = {server: num_log_lines(server) for server in (worker, router)}
     with Client(envoy) as client:
         stream = client.stream([21, 22, 23, 24, 25, 26, 27], LONG)
         received = [next(stream) for _ in range(3)]
@@ -172,10 +160,9 @@ def test_cancel_through_envoy_frees_the_workers_blocks(
     assert report.running_requests == report.waiting_requests == 0
     # It was cancelled, not run to the end: the worker and the router both say so.
     for server, after in logged.items():
-        line = _new_log_line(server, "prompt_tokens=7 ", after)
-        assert "finish_reason=abort" in line, line
-        generated = int(line.split("generated_tokens=")[1].split()[0])
-        assert generated < LONG.max_tokens
+        request = finished_request(server, "prompt_tokens=7 ", after)
+        assert request["finish_reason"] == "abort", request
+        assert int(request["generated_tokens"]) < LONG.max_tokens
 
 
 def test_a_request_timeout_through_envoy_is_deadline_exceeded(

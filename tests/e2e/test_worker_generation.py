@@ -24,7 +24,9 @@ from headrace.worker.engine.llm import LLM
 
 from tests.e2e.processes import (
     ServerProcess,
+    finished_request,
     load_report,
+    num_log_lines,
     pause,
     start_worker,
     wait_all_blocks_free,
@@ -243,6 +245,7 @@ def test_request_timeout_is_deadline_exceeded_in_band(worker: ServerProcess) -> 
 
 
 def test_generate_one_deadline(worker: ServerProcess) -> None:
+    logged = num_log_lines(worker)
     with grpc.insecure_channel(worker.target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = _long_request("one").request
@@ -251,6 +254,10 @@ def test_generate_one_deadline(worker: ServerProcess) -> None:
                 if number == 0:  # under way: the deadline passes while it runs
                     pause(0.5, worker)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The worker stopped it at the deadline, not at its end.
+    request = finished_request(worker, "request_id=one ", logged)
+    assert request["finish_reason"] == "abort", request
+    assert int(request["generated_tokens"]) < 450
     report = wait_all_blocks_free(worker.target)
     assert report.free_kv_blocks == report.total_kv_blocks
 
