@@ -910,8 +910,9 @@ static TileSpan tile_span(const Attention *a, const Tile *t) {
    layer, on a 2-core Zen 4 (into L2): float32 1.72-1.96 -> 1.45-1.57 ms (two or three tiles
    ahead, or the next tile's values too, measured slower), an int8 cache 1.39-1.62 ->
    1.03-1.04; bf16 rows of 64 values, the next tile's values too rather than the current
-   tile's, 1.46 -> 1.41 one thread (level on two; 2026-11-30). On the Xeon with AMX (into L1) the
-   next tile's K and V of float32 rows measured level, 1.65 -> 1.63 ms. Its cursor starts
+   tile's, 1.36-1.46 -> 1.31-1.41 one thread, 0.70-0.73 -> 0.70-0.71 two (2026-11-30). On
+   the Xeon with AMX (into L1) the next tile's K and V of float32 rows measured level, 1.65
+   -> 1.63 ms. Its cursor starts
    afresh at the next tile (a division and two table reads) rather than going on from
    load_key_tile's: going on, by value or by pointer, measured 3-10% slower in bf16 (1.08-1.11
    -> 1.11-1.23 ms a layer, alternating; the compiler's code, not the work). */

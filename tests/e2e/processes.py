@@ -27,6 +27,7 @@ __all__ = [
     "pause",
     "start_router",
     "start_worker",
+    "stopped",
     "stream_through_a_fault",
     "two_workers_behind_a_router",
     "wait_all_blocks_free",
@@ -114,19 +115,26 @@ def finished_request(
     raise AssertionError(f"no new request finished line with {marker!r}")
 
 
-def pause(seconds: float, *processes: ServerProcess) -> None:
-    """Stop the processes (SIGSTOP) for ``seconds``, then resume them in the order given.
-
-    A deadline test pauses the servers once a request is under way, so that its timeout
-    passes while the request runs: a tiny model on a fast CPU can otherwise finish a long
-    request (450 tokens in 0.17 s on a Zen 4) before the timeout it was meant to outlast."""
+@contextlib.contextmanager
+def stopped(*processes: ServerProcess) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block, then resumed in the order given, even
+    when it fails: their requests neither finish nor move on meanwhile, where a tiny model on
+    a fast CPU can otherwise finish a long request (450 tokens in 0.17 s on a Zen 4) before
+    the timeout, queue or fault it was meant to outlast."""
     for process in processes:
         process.proc.send_signal(signal.SIGSTOP)
     try:
-        time.sleep(seconds)
+        yield
     finally:
         for process in processes:
             process.proc.send_signal(signal.SIGCONT)
+
+
+def pause(seconds: float, *processes: ServerProcess) -> None:
+    """The processes `stopped` for ``seconds``: a deadline test pauses the servers once a
+    request is under way, so that its timeout passes while the request runs."""
+    with stopped(*processes):
+        time.sleep(seconds)
 
 
 def stream_through_a_fault(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import signal
 import socket
 import subprocess
 import threading
@@ -34,6 +33,7 @@ from tests.e2e.processes import (
     finished_request,
     num_log_lines,
     pause,
+    stopped,
     wait_all_blocks_free,
     wait_serving,
 )
@@ -171,12 +171,8 @@ def test_a_request_timeout_through_envoy_is_deadline_exceeded(
     """The request's own timeout, enforced by the router, comes back in-band: Envoy cannot
     have made it up. The worker is stopped meanwhile: a tiny model's 480 tokens can take
     less than the timeout."""
-    worker.proc.send_signal(signal.SIGSTOP)
-    try:
-        with Client(envoy) as client, pytest.raises(DeadlineExceededError):
-            client.generate([31, 32, 33], LONG, timeout=0.3)
-    finally:
-        worker.proc.send_signal(signal.SIGCONT)
+    with stopped(worker), Client(envoy) as client, pytest.raises(DeadlineExceededError):
+        client.generate([31, 32, 33], LONG, timeout=0.3)
     wait_all_blocks_free(worker.target)
 
 

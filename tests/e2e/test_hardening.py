@@ -25,7 +25,13 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.errors import HeadraceError, InvalidArgumentError, UnavailableError
 from headrace.sdk.launch import ServerProcess, start_router
 
-from tests.e2e.processes import load_report, start_worker, wait_all_blocks_free, wait_serving
+from tests.e2e.processes import (
+    load_report,
+    start_worker,
+    stopped,
+    wait_all_blocks_free,
+    wait_serving,
+)
 
 LONG = GenerationConfig(max_tokens=3000, temperature=0.0, ignore_eos=True)
 
@@ -328,8 +334,7 @@ def test_the_same_client_works_after_a_router_restart(pair, tmp_path) -> None:
         async with AsyncClient(router.target) as client:
             # The worker is stopped while the router dies, so no stream can finish first (a
             # tiny model's 20 x 500 tokens can take less than the wait below).
-            worker.proc.send_signal(signal.SIGSTOP)
-            try:
+            with stopped(worker):
                 streams = [
                     asyncio.create_task(_outcome(client.generate([5 + i], LONG))) for i in range(20)
                 ]
@@ -337,8 +342,6 @@ def test_the_same_client_works_after_a_router_restart(pair, tmp_path) -> None:
                 start = time.monotonic()
                 router.kill()
                 outcomes = await asyncio.gather(*streams)
-            finally:
-                worker.proc.send_signal(signal.SIGCONT)
             assert time.monotonic() - start < 2.0  # UNAVAILABLE at once, not after a timeout
             again = ServerProcess(
                 ["router", "--workers", worker.target], tmp_path / "r2.log", port=port

@@ -24,7 +24,7 @@ from headrace.sdk.config import GenerationConfig
 from headrace.sdk.launch import ServerProcess, start_router
 from headrace.worker.engine.llm import LLM
 
-from tests.e2e.processes import http_door, wait_all_blocks_free, wait_serving
+from tests.e2e.processes import http_door, stopped, wait_all_blocks_free, wait_serving
 from tests.factories import cached_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
@@ -365,8 +365,7 @@ async def _overload(router: ServerProcess, worker: ServerProcess, model: str) ->
         # The first request streams (it is on the worker), stopped there so that it cannot
         # finish (a tiny model's 500 tokens take under a second); the second waits in the
         # queue.
-        worker.proc.send_signal(signal.SIGSTOP)
-        try:
+        with stopped(worker):
             queued = asyncio.create_task(http.post(url, json=body))
             deadline = time.monotonic() + 30
             while _gauge(router, "headrace_router_requests_queued") < 1:
@@ -374,8 +373,6 @@ async def _overload(router: ServerProcess, worker: ServerProcess, model: str) ->
                 await asyncio.sleep(0.01)
             reply = await http.post(url, json=body)
             queued.cancel()
-        finally:
-            worker.proc.send_signal(signal.SIGCONT)
     return reply
 
 

@@ -29,6 +29,7 @@ from tests.e2e.processes import (
     load_report,
     pause,
     start_worker,
+    stopped,
     wait_all_blocks_free,
     wait_serving,
 )
@@ -208,9 +209,7 @@ def test_queue_full_is_resource_exhausted_with_retry_info(
             async with AsyncClient(router.target) as client:
                 # The workers are stopped meanwhile, so the two that run cannot finish (a
                 # tiny model's 300 tokens can take less than the wait below).
-                for worker in two_workers:
-                    worker.proc.send_signal(signal.SIGSTOP)
-                try:
+                with stopped(*two_workers):
                     running = [
                         asyncio.create_task(client.generate(f"r{i}", long)) for i in range(3)
                     ]
@@ -225,9 +224,6 @@ def test_queue_full_is_resource_exhausted_with_retry_info(
                             list(stub.GenerateOne(request, timeout=10))
                     for task in running:
                         task.cancel()
-                finally:
-                    for worker in two_workers:
-                        worker.proc.send_signal(signal.SIGCONT)
                 return [in_band.value, status.from_rpc_error(rpc.value)]
 
         errors = asyncio.run(run())
