@@ -50,6 +50,8 @@ KERNEL_BACKENDS = ("auto", "triton", "cpu", "reference")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 #: ``--kv-cache-dtype``'s choices: headrace.kernels.kv_layout.KV_CACHE_DTYPES (pinned equal too).
 KV_CACHE_DTYPES = ("auto", "int8")
+#: ``--scheduling-policy``'s choices: headrace.worker.config.SCHEDULING_POLICIES (pinned equal).
+SCHEDULING_POLICIES = ("fcfs", "shortest-first")
 
 
 def add_kernel_backend_argument(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +70,27 @@ def add_kernel_backend_argument(parser: argparse.ArgumentParser) -> None:
         choices=KERNEL_BACKENDS,
         action=DeprecatedAlias,
         replaced_by="--kernel-backend",
+    )
+
+
+def add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--scheduling-policy`` and ``--shortest-first-window`` (EngineConfig's)."""
+    parser.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="the order waiting requests of one priority start in: fcfs = by arrival; "
+        "shortest-first = fewest tokens first, but none ahead of a request that arrived a "
+        "window earlier",
+    )
+    parser.add_argument(
+        "--shortest-first-window",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="shortest-first: a request goes ahead only of those that arrived less than this "
+        "long before it (a request of n tokens counts as arriving window * n / "
+        "max-model-len later)",
     )
 
 
@@ -186,6 +209,8 @@ def _worker(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        shortest_first_window_s=args.shortest_first_window,
         seed=args.seed,
         kernel_backend=args.kernel_backend,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -307,6 +332,7 @@ def _add_engine_arguments(worker: argparse.ArgumentParser) -> None:
     add("--kv-cache-gib", type=float, default=2.0, help="on CPU: GiB for the KV cache")
     add("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA: fraction for KV")
     add("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    add_scheduling_arguments(worker)
     add("--seed", type=int, default=0, help="seed for requests that set none")
     add_kernel_backend_argument(worker)
     add(

@@ -35,6 +35,9 @@ _DTYPES = {
 #: The values of EngineConfig.quantization / ``--quantization``.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 
+#: The values of EngineConfig.scheduling_policy / ``--scheduling-policy``.
+SCHEDULING_POLICIES = ("fcfs", "shortest-first")
+
 #: A step's token budget when none is given, by device. A CPU's prefill step is long (2048
 #: prompt tokens of SmolLM2-135M take about a second on two cores), and in a burst of
 #: arrivals a prompt's first token waits for the end of the step its last chunk runs in: half
@@ -90,6 +93,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     #: Reuse KV blocks of identical prompt prefixes across requests.
     enable_prefix_caching: bool = True
+    #: The order waiting requests of one priority are admitted in (`SCHEDULING_POLICIES`):
+    #: "fcfs", by arrival; "shortest-first", those with the fewest tokens to compute first,
+    #: which lowers the TTFT of a burst of mixed lengths, but none ahead of a request that
+    #: arrived more than shortest_first_window_s earlier (a request of n tokens counts as
+    #: arriving window * n / max_model_len later; `scheduling/scheduler.py`).
+    scheduling_policy: str = "fcfs"
+    shortest_first_window_s: float = 10.0
     #: Seed of the engine's generator for requests that set no seed of their own.
     seed: int = 0
     #: The kernel set every part of the model and the sampler runs (attention, KV-cache
@@ -209,6 +219,15 @@ class EngineConfig:
         if not self.max_num_batched_tokens:
             on_cpu = self.torch_device().type == "cpu"
             self.max_num_batched_tokens = CPU_STEP_TOKENS if on_cpu else STEP_TOKENS
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise InvalidArgumentError(
+                "scheduling_policy",
+                f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}",
+            )
+        if not self.shortest_first_window_s > 0:
+            raise InvalidArgumentError(
+                "shortest_first_window_s", f"must be > 0, got {self.shortest_first_window_s}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidArgumentError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

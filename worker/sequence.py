@@ -55,6 +55,8 @@ class Sequence:
     sample_seed: int | None
     #: Token ids that end this sample: the model's EOS (unless ignore_eos) and stop_token_ids.
     stop_token_ids: frozenset[int]
+    #: When the request arrived (time.monotonic()); the shortest-first policy orders by it.
+    arrival_s: float = 0.0
     #: The LoRA adapter the sample runs with; None for the base model.
     adapter: str | None = None
     #: The adapter's load number (unique per load, 0 for the base model): the prefix cache

@@ -127,14 +127,23 @@ def test_kernel_backend_choices_are_the_kernel_backends(name: str) -> None:
 def _engine_choices(flag: str) -> tuple[str, ...]:
     """The engine's own values for a flag whose choices the CLI spells out (no torch)."""
     from headrace.kernels.kv_layout import KV_CACHE_DTYPES
-    from headrace.worker.config import QUANTIZATIONS
+    from headrace.worker.config import QUANTIZATIONS, SCHEDULING_POLICIES
 
-    return {"--quantization": QUANTIZATIONS, "--kv-cache-dtype": KV_CACHE_DTYPES}[flag]
+    return {
+        "--quantization": QUANTIZATIONS,
+        "--kv-cache-dtype": KV_CACHE_DTYPES,
+        "--scheduling-policy": SCHEDULING_POLICIES,
+    }[flag]
 
 
 @pytest.mark.parametrize("name", ["worker", "bench engine"])
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--quantization", "int4"), ("--kv-cache-dtype", "int8")]
+    ("flag", "value"),
+    [
+        ("--quantization", "int4"),
+        ("--kv-cache-dtype", "int8"),
+        ("--scheduling-policy", "shortest-first"),
+    ],
 )
 def test_quantization_choices_are_the_engines(name: str, flag: str, value: str) -> None:
     parser = _commands()[name]

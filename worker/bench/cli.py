@@ -14,7 +14,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from headrace.sdk.cli import KV_CACHE_DTYPES, QUANTIZATIONS, add_kernel_backend_argument
+from headrace.sdk.cli import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    add_kernel_backend_argument,
+    add_scheduling_arguments,
+)
 from headrace.sdk.cli_help import HelpFormatter
 from headrace.worker.models.store import DEFAULT_MODEL
 
@@ -241,6 +246,7 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(a shared host's speed drifts between runs)",
     )
     add_kernel_backend_argument(parser)
+    add_scheduling_arguments(parser)
     add("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     add("--seed", type=int, default=0, help="seed of the random prompts")
 

@@ -218,6 +218,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         max_num_batched_tokens=args.max_num_batched_tokens,
         kernel_backend=args.kernel_backend,
         overlap_steps=args.overlap_steps,
+        scheduling_policy=args.scheduling_policy,
+        shortest_first_window_s=args.shortest_first_window,
         num_speculative_tokens=args.speculative,
         speculative_model=args.speculative_model,
         speculative_max_seqs=args.speculative_max_seqs,

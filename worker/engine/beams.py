@@ -108,6 +108,7 @@ class BeamRequests:
             num_prompt_tokens=parent.num_prompt_tokens,
             priority=parent.priority,
             arrival=parent.arrival,
+            arrival_s=parent.arrival_s,
             sample_seed=None,
             stop_token_ids=parent.stop_token_ids,
             adapter=parent.adapter,

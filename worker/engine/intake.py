@@ -226,7 +226,7 @@ class RequestIntake:
         stop_ids = frozenset(config.stop_token_ids)
         if not config.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
-        arrival = next(self._arrivals)
+        arrival, arrival_s = next(self._arrivals), time.monotonic()
         adapter, lora_id = lora if lora is not None else (None, 0)
         seqs = [
             Sequence(
@@ -238,6 +238,7 @@ class RequestIntake:
                 num_prompt_tokens=len(prompt_token_ids),
                 priority=priority,
                 arrival=arrival,
+                arrival_s=arrival_s,
                 sample_seed=sample_seed(config.seed, i),
                 stop_token_ids=stop_ids,
                 wants_prompt_logprobs=(i == 0 and config.prompt_logprobs is not None),
@@ -248,7 +249,7 @@ class RequestIntake:
             )
             for i, seq_controls in enumerate(controls)
         ]
-        times = RequestTimes(arrival_s=time.monotonic())
+        times = RequestTimes(arrival_s=arrival_s)
         return EngineRequest(request_id, config, prompt_token_ids, seqs, times, adapter)
 
 

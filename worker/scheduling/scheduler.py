@@ -9,11 +9,16 @@ prompt never stalls running decodes.
    block pool cannot hold a sequence's new tokens, the lowest-priority, latest-arrived running
    sequence is preempted (blocks freed, recomputed later; its full blocks usually survive in
    the prefix cache), repeating until it fits or the sequence preempted itself.
-2. Then waiting sequences are admitted in the same order while budget, sequence cap and blocks
-   allow. A waiting sequence of higher priority may preempt running ones of lower priority,
-   even ones already planned into this step (their chunk is taken back): when blocks run out,
-   and when the running set is at `max_num_seqs`, so a high-priority arrival starts in the
-   next step rather than after some running sequence finishes.
+2. Then waiting sequences are admitted while budget, sequence cap and blocks allow, highest
+   priority first, then in the order of the scheduling policy (`EngineConfig`): "fcfs" by
+   arrival; "shortest-first" by arrival plus window * tokens / max_model_len (the window is
+   `shortest_first_window_s`), so of requests that arrive together the shortest goes first
+   (in a burst of mixed prompt lengths, the median request's first token comes sooner for the
+   same work), and none goes ahead of one that arrived more than a window before it. A
+   waiting sequence of higher priority may preempt running ones of lower priority, even ones
+   already planned into this step (their chunk is taken back): when blocks run out, and when
+   the running set is at `max_num_seqs`, so a high-priority arrival starts in the next step
+   rather than after some running sequence finishes.
 
 The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, samples, then
 calls `update_from_output`, the one place a step's results change sequences: computed-token
@@ -46,7 +51,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from headrace.sdk.errors import HeadraceError
@@ -128,6 +133,18 @@ def _order(seq: Sequence) -> tuple[int, int]:
     return (-seq.priority, seq.arrival)
 
 
+def _shortest_first(window_s: float, max_model_len: int) -> Callable[[Sequence], tuple]:
+    """The waiting queue's key under "shortest-first": higher priority first, then the
+    arrival time pushed back by window_s * tokens / max_model_len (never past one window),
+    then arrival."""
+
+    def key(seq: Sequence) -> tuple[int, float, int]:
+        tokens = seq.num_tokens - seq.num_computed_tokens
+        return (-seq.priority, seq.arrival_s + window_s * tokens / max_model_len, seq.arrival)
+
+    return key
+
+
 class Scheduler:
     def __init__(
         self,
@@ -142,8 +159,12 @@ class Scheduler:
         self.max_model_len = max_model_len
         #: Sorted by _order; the tail is the first to be preempted.
         self.running: list[Sequence] = []
-        #: Heap of (order key, seq_id, seq); aborted entries are skipped lazily.
-        self._waiting: list[tuple[tuple[int, int], int, Sequence]] = []
+        #: Heap of (waiting key, seq_id, seq); aborted entries are skipped lazily.
+        self._waiting: list[tuple[tuple, int, Sequence]] = []
+        #: The waiting queue's order (the scheduling policy).
+        self._waiting_key: Callable[[Sequence], tuple] = _order
+        if config.scheduling_policy == "shortest-first":
+            self._waiting_key = _shortest_first(config.shortest_first_window_s, max_model_len)
         self.num_waiting = 0
         self.num_preemptions = 0
         #: Seq ids of held sequences (running ones keep their place in `running`).
@@ -166,7 +187,7 @@ class Scheduler:
             self._park(seq)
             return
         seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting, (_order(seq), seq.seq_id, seq))
+        heapq.heappush(self._waiting, (self._waiting_key(seq), seq.seq_id, seq))
         self.num_waiting += 1
 
     def follow(self, leader: Sequence, followers: list[Sequence]) -> None:
