@@ -77,11 +77,11 @@ def add_scheduling_arguments(parser: argparse.ArgumentParser) -> None:
     """``--scheduling-policy`` and ``--shortest-first-window`` (EngineConfig's)."""
     parser.add_argument(
         "--scheduling-policy",
-        default="fcfs",
+        default="shortest-first",
         choices=SCHEDULING_POLICIES,
-        help="the order waiting requests of one priority start in: fcfs = by arrival; "
-        "shortest-first = fewest tokens first, but none ahead of a request that arrived a "
-        "window earlier",
+        help="the order waiting requests of one priority start in: shortest-first = fewest "
+        "tokens first, but none ahead of a request that arrived a window earlier; fcfs = by "
+        "arrival",
     )
     parser.add_argument(
         "--shortest-first-window",

@@ -94,11 +94,13 @@ class EngineConfig:
     #: Reuse KV blocks of identical prompt prefixes across requests.
     enable_prefix_caching: bool = True
     #: The order waiting requests of one priority are admitted in (`SCHEDULING_POLICIES`):
-    #: "fcfs", by arrival; "shortest-first", those with the fewest tokens to compute first,
-    #: which lowers the TTFT of a burst of mixed lengths, but none ahead of a request that
-    #: arrived more than shortest_first_window_s earlier (a request of n tokens counts as
-    #: arriving window * n / max_model_len later; `scheduling/scheduler.py`).
-    scheduling_policy: str = "fcfs"
+    #: "shortest-first", those with the fewest tokens to compute first, but none ahead of a
+    #: request that arrived more than shortest_first_window_s earlier (a request of n tokens
+    #: counts as arriving window * n / max_model_len later; `scheduling/scheduler.py`): a
+    #: burst of mixed lengths gets its median first token sooner for the same work
+    #: (docs/decisions.md, "Waiting requests: first come first served, or shortest first");
+    #: "fcfs", by arrival.
+    scheduling_policy: str = "shortest-first"
     shortest_first_window_s: float = 10.0
     #: Seed of the engine's generator for requests that set no seed of their own.
     seed: int = 0
