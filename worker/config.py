@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import InitVar, dataclass, field
 
@@ -226,9 +227,10 @@ class EngineConfig:
                 "scheduling_policy",
                 f"must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}",
             )
-        if not self.shortest_first_window_s > 0:
+        if not 0 < self.shortest_first_window_s < math.inf:
             raise InvalidArgumentError(
-                "shortest_first_window_s", f"must be > 0, got {self.shortest_first_window_s}"
+                "shortest_first_window_s",
+                f"must be a finite number > 0, got {self.shortest_first_window_s}",
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidArgumentError("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")

@@ -89,7 +89,9 @@ def test_shortest_first_keeps_priority_first():
     ("field", "value", "message"),
     [
         ("scheduling_policy", "sjf", "must be one of fcfs, shortest-first, got 'sjf'"),
-        ("shortest_first_window_s", 0.0, "must be > 0, got 0.0"),
+        ("shortest_first_window_s", 0.0, "must be a finite number > 0, got 0.0"),
+        # an infinite window would push every key to inf: arrival order, not shortest first
+        ("shortest_first_window_s", float("inf"), "must be a finite number > 0, got inf"),
     ],
 )
 def test_a_bad_policy_or_window_names_the_field(field: str, value: object, message: str):
