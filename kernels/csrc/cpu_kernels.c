@@ -333,6 +333,10 @@ typedef struct {
        products multiply bf16 pairs with the pair dot instruction, products exact, sums in
        float32 (`score_by_pairs`, `score_by_pair_transpose`, `accumulate_pairs`). */
     int pairs;
+    /* Whether prefetch_next_tile fetches the next tile's V rows as well as its K rows (rows
+       widened into the scratch, and rows read in place of at most VALUES_AHEAD_MAX_ROW_BYTES),
+       so that load_key_tile does not fetch them again. */
+    int values_ahead;
 } Attention;
 
 /* One unit of work: query rows [q_begin, q_end) of sequence seq, for the query heads of one
@@ -412,11 +416,6 @@ static inline void next_rows(KeyCursor *c, const char **k, const char **v) {
    fetched a tile ahead, with its keys (prefetch_next_tile); longer ones as the tile is loaded. */
 #define VALUES_AHEAD_MAX_ROW_BYTES 128
 
-/* Whether prefetch_next_tile fetches the next tile's V rows as well as its K rows. */
-static inline int values_ahead(const Attention *a) {
-    return !a->direct || kv_row_bytes(a->kv_dtype, a->head_dim) <= VALUES_AHEAD_MAX_ROW_BYTES;
-}
-
 /* Point keys[j] / values[j] at the float32 rows of keys [first, first + count) of one KV head:
    in the cache itself when direct, else widened (and zero-padded) into the scratch rows. */
 static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int first, int count,
@@ -433,7 +432,7 @@ static void load_key_tile(const Attention *a, const int32_t *table, int kvh, int
                the tile before fetched them (64 decodes of ~336 keys, SmolLM2's heads: bf16
                1.48 -> 1.20 ms a layer, float32 2.25 -> 2.02; their loads had held most of
                accumulate_values' time). */
-            if (values_ahead(a)) continue;
+            if (a->values_ahead) continue;
             for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, D); o += 64) prefetch_stream(v + o);
         } else {
             float *kr = s->key_rows + (int64_t)j * Dp, *vr = s->value_rows + (int64_t)j * Dp;
@@ -940,7 +939,7 @@ static inline __attribute__((always_inline)) void prefetch_next_tile(const Atten
         const char *k, *v;
         next_rows(&cursor, &k, &v);
         for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, a->head_dim); o += 64) prefetch_stream(k + o);
-        if (!values_ahead(a)) continue;
+        if (!a->values_ahead) continue;
         for (int64_t o = 0; o < kv_row_bytes(a->kv_dtype, a->head_dim); o += 64) prefetch_stream(v + o);
     }
 }
@@ -1087,15 +1086,17 @@ void hr_paged_attention(const void *query, int64_t query_stride_token, int64_t q
                         float scale, int sliding_window, float softcap, const float *sinks,
                         int dtype, int kv_dtype, int query_tile, void *out, int *failed) {
     const int padded_dim = (head_dim + LANES - 1) / LANES * LANES;
+    const int direct = (kv_dtype == F32 || kv_dtype == BF16) && head_dim == padded_dim;
     Attention a = {query,        query_stride_token, query_stride_head, kv_cache,
                    block_tables, block_table_stride, query_start_loc,   seq_lens,
                    num_heads,    num_kv_heads,       head_dim,          block_size,
                    dtype,        kv_dtype,           scale,             sliding_window,
                    softcap,      sinks,              out,               padded_dim,
-                   (kv_dtype == F32 || kv_dtype == BF16) && head_dim == padded_dim,
+                   direct,
                    kv_dtype == BF16 && head_dim == padded_dim,
                    HAVE_BF16_PAIRS && dtype == BF16 && kv_dtype == BF16 &&
-                       head_dim % (2 * LANES) == 0};
+                       head_dim % (2 * LANES) == 0,
+                   !direct || kv_row_bytes(kv_dtype, head_dim) <= VALUES_AHEAD_MAX_ROW_BYTES};
     const int num_tiles = count_tiles(query_start_loc, seq_ids, num_selected, query_tile);
     /* each thread's own list (a few entries per sequence): no thread waits for another's */
     Tile *tiles = malloc((size_t)(num_tiles > 0 ? num_tiles : 1) * sizeof(Tile));
