@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headrace.sdk import launch
 from headrace.sdk.cli_help import DeprecatedAlias, HelpFormatter
@@ -22,6 +22,9 @@ from headrace.sdk.generate import add_generate_command
 from headrace.sdk.security import add_server_security_arguments, server_security
 from headrace.sdk.streams import FlowLimits
 from headrace.sdk.tool_formats import TOOL_CALL_FORMATS
+
+if TYPE_CHECKING:
+    from headrace.worker.config import EngineConfig
 
 USAGE = """headrace: serve LLMs over gRPC.
 
@@ -181,12 +184,11 @@ def _add_models(subparsers: SubParsers) -> None:
     prepare.set_defaults(handler=_models_prepare)
 
 
-def _worker(args: argparse.Namespace) -> int:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine a `headrace worker` with these parsed flags runs."""
     from headrace.worker.config import EngineConfig
     from headrace.worker.distributed.nodes import NodeConfig
-    from headrace.worker.serving.server import ServerOptions, run
 
-    setup_logging(args.log_level)
     nodes = NodeConfig(
         nnodes=args.nnodes,
         node_rank=args.node_rank,
@@ -194,7 +196,7 @@ def _worker(args: argparse.Namespace) -> int:
         ranks_per_node=args.ranks_per_node,
         node_timeout_s=args.node_timeout,
     )
-    engine_config = EngineConfig(
+    return EngineConfig(
         model=args.model,
         dtype=args.dtype,
         device=args.device,
@@ -235,17 +237,30 @@ def _worker(args: argparse.Namespace) -> int:
         speculative_model=args.speculative_model,
         speculative_quantization=args.speculative_quantization,
     )
-    if nodes.node_rank > 0:  # runs only its ranks; node 0 serves
+
+
+def worker_engine_config(argv: Sequence[str]) -> EngineConfig:
+    """The engine `headrace worker ARGV...` would run, its flags checked as the worker checks
+    them (an unknown or bad one exits, naming it, as the worker would)."""
+    return engine_config(build_parser().parse_args(["worker", *argv]))
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from headrace.worker.serving.server import ServerOptions, run
+
+    setup_logging(args.log_level)
+    config = engine_config(args)
+    if config.nodes.node_rank > 0:  # runs only its ranks; node 0 serves
         from headrace.worker.serving.follower import run_follower
 
-        return run_follower(engine_config, args.host, args.health_port)
+        return run_follower(config, args.host, args.health_port)
     options = ServerOptions(
         served_model_name=args.served_model_name,
         tool_call_parser=args.tool_call_parser,
         max_message_mib=args.max_message_mib,
         **listen_options(args),
     )
-    return run(engine_config, options)
+    return run(config, options)
 
 
 WORKER_DESCRIPTION = """Load a model and serve the Generation, WorkerControl and GenerationControl

@@ -323,6 +323,14 @@ def serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"--baseline, {DEFAULT_MODEL})",
     )
     add("--dtype", default="float32", help="without --target: the worker's dtype")
+    add(
+        "--worker-args",
+        default="",
+        metavar="FLAGS",
+        help='without --target: more flags for the worker it starts, e.g. "--scheduling-policy '
+        'fcfs" (after its own, so they win; the in-process engine takes them too, and a '
+        "--baseline peer the limits they make)",
+    )
     add("--rounds", type=int, default=3, help="without --target: rounds of each path")
     add(
         "--api",

@@ -31,16 +31,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
+from headrace.sdk.cli import worker_engine_config
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.bench.common import Report, Summary, Workload, make_workload
 
 if TYPE_CHECKING:
+    from headrace.worker.config import EngineConfig
     from headrace.worker.engine.async_engine import AsyncEngine
 
 
@@ -205,6 +208,17 @@ def _model_info(target: str) -> pb.ModelInfo:
             return await client.model_info()
 
     return asyncio.run(ask())
+
+
+def worker_flags(
+    args: argparse.Namespace, model: str, max_num_seqs: int
+) -> tuple[list[str], EngineConfig]:
+    """The flags of the worker `bench serve` starts (its dtype and room for the load, then
+    ``--worker-args``, whose flags win), and the engine they make, checked as the worker
+    checks them before anything starts: an unknown or bad flag exits, naming it."""
+    flags = ["--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs)]
+    flags += shlex.split(args.worker_args)
+    return flags, worker_engine_config(["--model", model, *flags])
 
 
 def describe_workload(args: argparse.Namespace, model: str) -> str:

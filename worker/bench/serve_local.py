@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -31,9 +32,9 @@ from headrace.worker.bench.serve import (
     describe_workload,
     run_in_process,
     run_load,
+    worker_flags,
 )
 from headrace.worker.bench.serve_http import run_http_load
-from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
@@ -55,16 +56,15 @@ def run_local(args: argparse.Namespace) -> Summary:
 def _run_rounds(
     args: argparse.Namespace, model: str, name: str, tmp: Path
 ) -> dict[str, list[Report]]:
-    max_num_seqs = str(max(256, args.max_concurrency or args.num_requests))
-    engine = AsyncEngine(
-        EngineConfig(model=model, dtype=args.dtype, max_num_seqs=int(max_num_seqs))
-    )
+    max_num_seqs = max(256, args.max_concurrency or args.num_requests)
+    # The in-process engine is the one the worker runs: the same flags make both.
+    flags, config = worker_flags(args, model, max_num_seqs)
+    engine = AsyncEngine(config)
     workload = make_workload(
         engine.vocab_size, args.num_requests, args.prompt_lens, args.output_lens, args.seed
     )
-    print(describe_workload(args, name) + f", dtype {args.dtype}")
-    worker_args = ["--dtype", args.dtype, "--max-num-seqs", max_num_seqs]
-    worker = start_worker(model, *worker_args, log_path=tmp / "worker.log")
+    print(describe_workload(args, name) + f", worker flags: {shlex.join(flags)}")
+    worker = start_worker(model, *flags, log_path=tmp / "worker.log")
     router_args = ["--log-level", "warning"] + (
         ["--http-port", "0"] if args.api == "openai" else []
     )

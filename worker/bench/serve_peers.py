@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -57,7 +58,7 @@ from headrace.worker.bench.peers import (
     peers_dir,
     require_peer_python,
 )
-from headrace.worker.bench.serve import describe_workload, door_target
+from headrace.worker.bench.serve import describe_workload, door_target, worker_flags
 from headrace.worker.bench.serve_http import run_http_load
 from headrace.worker.bench.serve_metrics import VLLM, WORKER, LoadMetrics, ServerSplit
 from headrace.worker.config import EngineConfig
@@ -306,6 +307,10 @@ def worker_limits(model: str, dtype: str, num_requests: int) -> tuple[int, int]:
 def run_against_peer(args: argparse.Namespace) -> Summary:
     model = Path(resolve_model(args.model or DEFAULT_MODEL))
     max_num_seqs, budget = worker_limits(str(model), args.dtype, args.num_requests)
+    flags: list[str] = []
+    if not args.target:  # our worker, whose flags (--worker-args too) set the peer's limits
+        flags, config = worker_flags(args, str(model), max_num_seqs)
+        max_num_seqs, budget = config.max_num_seqs, config.max_num_batched_tokens
     # The workload's longest sequence: llama.cpp's slots share a context of this many each.
     max_model_len = args.prompt_lens[1] + args.output_lens[1]
     name = model.name
@@ -322,6 +327,8 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
     python = Path(args.peer_python or default_peer_python(args.baseline))
     server = Path(args.peer_server or default_peer_server())
     print(describe_workload(args, name) + f", dtype {args.dtype}")
+    if flags:
+        print(f"headrace's worker flags: {shlex.join(flags)}")
     print(
         f"{args.baseline}: {setup.max_num_seqs} sequences, {setup.max_num_batched_tokens}-token "
         f"steps, CPUs {cpu_ranges(setup.cpus)}"
@@ -330,10 +337,9 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
         door = door_target(args) if args.target else None
         ours = None
         if door is None:
-            worker_args = ["--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs)]
             worker = stack.enter_context(
                 start_worker(
-                    model, *worker_args, "--metrics-port", "0", log_path=Path(tmp) / "worker.log"
+                    model, *flags, "--metrics-port", "0", log_path=Path(tmp) / "worker.log"
                 )
             )
             router = stack.enter_context(

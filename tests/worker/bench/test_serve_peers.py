@@ -18,6 +18,7 @@ from headrace.worker.bench.cli import serve_arguments
 from headrace.worker.bench.common import Report, build_tiny_checkpoint, make_workload
 from headrace.worker.bench.peer_driver import cpu_ranges
 from headrace.worker.bench.peers import PeerError, PeerSetup
+from headrace.worker.bench.serve import worker_flags
 from headrace.worker.bench.serve_peers import (
     ServedPairs,
     peer_server_command,
@@ -267,6 +268,61 @@ def test_served_against_a_peer_same_prompts_each_pair_new_ones_each_round(
     assert summary["vllm_agreement"] == 0.0  # a tiny random model's text is not the fake's
     out = capsys.readouterr().out
     assert "headrace / vllm tok/s" in out and "headrace / vllm TTFT p50" in out
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_worker_args_come_after_the_bench_flags_and_make_its_engine(tmp_path: Path) -> None:
+    """`bench serve --worker-args`: the worker's flags, later ones winning as the worker's
+    parser takes them, and the in-process engine those flags make."""
+    model = str(tmp_path / "model")  # only named: no engine is built
+    args = serve_args(
+        "--dtype", "bfloat16", "--worker-args", "--scheduling-policy fcfs --max-num-seqs 7"
+    )
+    flags, config = worker_flags(args, model, 256)
+    assert flags == [
+        "--dtype", "bfloat16", "--max-num-seqs", "256", "--scheduling-policy", "fcfs",
+        "--max-num-seqs", "7",
+    ]  # fmt: skip
+    assert (config.model, config.dtype) == (model, "bfloat16")
+    assert (config.scheduling_policy, config.max_num_seqs) == ("fcfs", 7)
+    # None given: the worker's defaults, as `headrace worker` alone would run.
+    _, plain = worker_flags(serve_args(), model, 300)
+    assert (plain.scheduling_policy, plain.max_num_seqs) == ("shortest-first", 300)
+
+
+def test_a_bad_worker_arg_is_refused_by_name_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flags, named in (("--no-such-flag", "--no-such-flag"), ("--max-num-seqs x", "x")):
+        args = serve_args(f"--worker-args={flags}")  # (a lone flag needs the = form)
+        with pytest.raises(SystemExit) as exit_:
+            worker_flags(args, str(tmp_path), 256)
+        assert exit_.value.code == 2
+        assert named in capsys.readouterr().err
+
+
+def test_served_with_worker_args_the_worker_runs_them_and_the_peer_gets_its_limits(
+    fake_python: Path, tmp_path: Path, smollm2_dir: Path
+) -> None:
+    """--worker-args "--max-num-seqs 1": the worker runs the four requests one at a time (a
+    prompt step and four decode steps each, read from its metrics), and the peer is given the
+    same one sequence."""
+    model = build_tiny_checkpoint(tmp_path / "tiny", smollm2_dir)
+    args = serve_args(
+        "--model", str(model), "--baseline", "vllm", "--peer-python", str(fake_python),
+        "--num-requests", "4", "--prompt-lens", "8-12", "--output-lens", "5", "--rounds", "1",
+        "--worker-args", "--max-num-seqs 1",
+    )  # fmt: skip
+    summary = run_against_peer(args)
+    argv = records(tmp_path)[0]["argv"]
+    assert isinstance(argv, list)
+    assert argv[argv.index("--max-num-seqs") + 1] == "1"
+    assert summary["worker_prompt_steps"] == 4 and summary["worker_decode_steps"] == 4 * 4
 
 
 def test_a_turn_waits_for_a_busy_process_to_finish() -> None:
