@@ -113,6 +113,47 @@ def test_high_priority_arrival_preempts_lower_running_work():
     assert step.preempted == [] and planned(step) == {low2.request_id: 1}
 
 
+def test_a_step_takes_prompts_of_the_highest_priority_only():
+    """Where priorities differ, a step plans prompt chunks of the highest priority with a
+    prompt to compute; lower-priority sequences decode, their prompts (part done or not yet
+    started) wait, and resume once no higher prompt is left."""
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    decoding = make_seq(3, priority=0)
+    scheduler.add(decoding)
+    run_step(scheduler)  # its prompt, whole: it decodes from now on
+    long = make_seq(40, priority=0)
+    scheduler.add(long)
+    assert planned(run_step(scheduler)) == {decoding.request_id: 1, long.request_id: 15}
+    urgent = make_seq(20, priority=5)
+    scheduler.add(urgent)
+    # Running first would have given long the other 15 tokens and urgent none; instead
+    # long's prompt waits and urgent takes the 15 the decode leaves.
+    assert planned(run_step(scheduler)) == {decoding.request_id: 1, urgent.request_id: 15}
+    # urgent still has 5 prompt tokens: a priority-0 newcomer waits with long, budget or not.
+    newcomer = make_seq(4, priority=0)
+    scheduler.add(newcomer)
+    step = run_step(scheduler)
+    assert planned(step) == {decoding.request_id: 1, urgent.request_id: 5}
+    assert step.chunks[-1].samples and newcomer.status == SequenceStatus.WAITING
+    # No priority-5 prompt left: the priority-0 ones take the budget again, running first.
+    step = run_step(scheduler)
+    assert planned(step) == {urgent.request_id: 1, decoding.request_id: 1, long.request_id: 14}
+    assert newcomer.status == SequenceStatus.WAITING  # (no budget left for it)
+
+
+def test_one_priority_throughout_plans_prompts_as_they_come():
+    """The same arrivals at one priority: the running prompt keeps its chunks, as before."""
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    decoding, long = make_seq(3), make_seq(40)
+    scheduler.add(decoding)
+    run_step(scheduler)
+    scheduler.add(long)
+    run_step(scheduler)
+    late = make_seq(20)
+    scheduler.add(late)
+    assert planned(run_step(scheduler)) == {decoding.request_id: 1, long.request_id: 15}
+
+
 def test_sequence_cap_limits_running_sequences():
     scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
     seqs = [make_seq(3) for _ in range(3)]

@@ -19,6 +19,13 @@ prompt never stalls running decodes.
    already planned into this step (their chunk is taken back): when blocks run out, and when
    the running set is at `max_num_seqs`, so a high-priority arrival starts in the next step
    rather than after some running sequence finishes.
+3. Where priorities differ, a step takes prompt chunks of one priority only: the highest that
+   has prompt tokens to compute (the waiting queue's head, or a running sequence part way
+   through its prompt). Lower-priority sequences still decode, but their prompts (starting or
+   part done) wait. A step's length is mostly its prompt tokens, and a prompt's first token
+   comes at the end of its step, so a high-priority arrival's first token is not held back
+   by a budget's worth of lower-priority prompts planned beside it. With one priority
+   throughout this changes nothing.
 
 The result is a `SchedulerOutput`: plain data, no tensors. The engine runs it, samples, then
 calls `update_from_output`, the one place a step's results change sequences: computed-token
@@ -79,6 +86,12 @@ class _StepPlan:
     out_of_blocks: list[Sequence] = field(default_factory=list)
     #: Chunks planned per LoRA adapter.
     adapters: dict[str, int] = field(default_factory=dict)
+    #: The only priority whose prompt chunks the step takes (design note, 3); None: any.
+    prompt_priority: int | None = None
+
+    def holds_prompt_of(self, seq: Sequence) -> bool:
+        """Whether seq's prompt waits this step for a higher priority's."""
+        return self.prompt_priority is not None and seq.priority < self.prompt_priority
 
     def add(self, seq: Sequence, num_new_tokens: int, draft: list[int] | None = None) -> None:
         """Plan tokens [computed, computed + num_new_tokens) of seq, the last len(draft) of
@@ -121,6 +134,12 @@ def _back_off(seq: Sequence, num_kept: int) -> None:
     seq.speculation_misses = 0 if num_kept else seq.speculation_misses + 1
     if seq.speculation_misses >= 2:
         seq.speculation_backoff = min(2 ** (seq.speculation_misses - 1), MAX_SPECULATION_BACKOFF)
+
+
+def _in_prompt(seq: Sequence) -> bool:
+    """Part way through a prompt (or a preempted sequence's recompute): more than the one
+    token a decode computes."""
+    return seq.num_tokens - seq.num_computed_tokens > 1
 
 
 def _is_started_beam(seq: Sequence) -> bool:
@@ -266,6 +285,7 @@ class Scheduler:
         cap = self.config.max_num_seqs if max_seqs is None else max_seqs
         max_adapters = self.config.max_loras if self.config.enable_lora else 0
         plan = _StepPlan(self.config.max_num_batched_tokens, cap, busy, max_adapters)
+        plan.prompt_priority = self._prompt_priority()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -281,6 +301,23 @@ class Scheduler:
             self.block_manager.take_copies(),
         )
 
+    def _prompt_priority(self) -> int | None:
+        """The priority whose prompt chunks a step takes (design note, 3): the highest of the
+        waiting queue's head and the running sequences part way through a prompt (not held),
+        or None when the running set (sorted by priority) and the head share one priority."""
+        head = self._peek_waiting()
+        ends = {seq.priority for seq in self.running[:1] + self.running[-1:]}
+        if head is not None:
+            ends.add(head.priority)
+        if len(ends) < 2:
+            return None
+        prompting = [
+            seq.priority
+            for seq in self.running
+            if _in_prompt(seq) and seq.seq_id not in self._held_ids
+        ]
+        return max([*prompting, *([head.priority] if head is not None else [])], default=None)
+
     def _chunk_size(self, num_uncomputed: int, budget: int) -> int:
         """Tokens to run this step out of num_uncomputed, or 0 to wait for a bigger budget."""
         if num_uncomputed <= budget:
@@ -294,6 +331,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
             skip = seq.seq_id in plan.busy or seq.seq_id in self._held_ids
+            skip = skip or (_in_prompt(seq) and plan.holds_prompt_of(seq))
             if num_new == 0 or skip or not plan.fits_adapter(seq):
                 i += 1
                 continue
@@ -361,7 +399,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         while plan.budget > 0:
             seq = self._peek_waiting()
-            if seq is None:
+            if seq is None or plan.holds_prompt_of(seq):  # (the rest rank no higher)
                 return
             if len(self.running) >= self.config.max_num_seqs and not _is_started_beam(seq):
                 # At the sequence cap a higher priority takes the place of the lowest one.
