@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import warnings
 from dataclasses import InitVar, dataclass, field
@@ -373,3 +374,55 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine a `headrace worker` with these parsed flags (`headrace.sdk.cli`) runs."""
+    nodes = NodeConfig(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr,
+        ranks_per_node=args.ranks_per_node,
+        node_timeout_s=args.node_timeout,
+    )
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        int8_activations=args.int8_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_gib=args.kv_cache_gib,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        shortest_first_window_s=args.shortest_first_window,
+        seed=args.seed,
+        kernel_backend=args.kernel_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        nodes=nodes,
+        pipeline_micro_batches=args.pipeline_micro_batches,
+        overlap_steps=args.overlap_steps,
+        cpu_threads=args.cpu_threads,
+        cpu_bind=args.cpu_bind,
+        max_prompt_bytes=args.max_prompt_bytes,
+        weight_version=args.weight_version,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_ngram_min=args.speculative_ngram_min,
+        speculative_ngram_max=args.speculative_ngram_max,
+        speculative_max_seqs=args.speculative_max_seqs,
+        speculative_model=args.speculative_model,
+        speculative_quantization=args.speculative_quantization,
+    )

@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headrace.protos import generation_pb2 as pb
-from headrace.sdk.cli import worker_engine_config
+from headrace.sdk.cli import build_parser
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
 from headrace.worker.bench.common import Report, Summary, Workload, make_workload
+from headrace.worker.config import EngineConfig, worker_engine_config
 
 if TYPE_CHECKING:
-    from headrace.worker.config import EngineConfig
     from headrace.worker.engine.async_engine import AsyncEngine
 
 
@@ -218,7 +218,8 @@ def worker_flags(
     checks them before anything starts: an unknown or bad flag exits, naming it."""
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(max_num_seqs)]
     flags += shlex.split(args.worker_args)
-    return flags, worker_engine_config(["--model", model, *flags])
+    parsed = build_parser().parse_args(["worker", "--model", model, *flags])
+    return flags, worker_engine_config(parsed)
 
 
 def describe_workload(args: argparse.Namespace, model: str) -> str:
