@@ -40,6 +40,7 @@ from headrace.protos import generation_pb2 as pb
 from headrace.sdk.cli import build_parser
 from headrace.sdk.client import AsyncClient
 from headrace.sdk.config import GenerationConfig
+from headrace.sdk.errors import InvalidArgumentError
 from headrace.worker.bench.common import Report, Summary, Workload, make_workload
 from headrace.worker.config import EngineConfig, worker_engine_config
 
@@ -158,6 +159,10 @@ HTTP = "router HTTP (OpenAI door)"
 
 
 def run(args: argparse.Namespace) -> Summary:
+    if args.target and args.worker_args:
+        raise InvalidArgumentError(
+            "--worker-args", "sets the worker bench serve starts; --target names a running one"
+        )
     if args.baseline != "none":
         from headrace.worker.bench.serve_peers import run_against_peer
 

@@ -14,6 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from headrace.sdk.errors import InvalidArgumentError
+from headrace.worker.bench import serve
 from headrace.worker.bench.cli import serve_arguments
 from headrace.worker.bench.common import Report, build_tiny_checkpoint, make_workload
 from headrace.worker.bench.peer_driver import cpu_ranges
@@ -304,6 +306,12 @@ def test_a_bad_worker_arg_is_refused_by_name_before_anything_starts(
             worker_flags(args, str(tmp_path), 256)
         assert exit_.value.code == 2
         assert named in capsys.readouterr().err
+
+
+def test_worker_args_with_a_target_are_refused_by_name() -> None:
+    args = serve_args("--target", "localhost:1", "--worker-args", "--max-num-seqs 1")
+    with pytest.raises(InvalidArgumentError, match="--worker-args"):
+        serve.run(args)
 
 
 def test_served_with_worker_args_the_worker_runs_them_and_the_peer_gets_its_limits(
