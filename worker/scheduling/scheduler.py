@@ -331,7 +331,8 @@ class Scheduler:
             seq = self.running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
             skip = seq.seq_id in plan.busy or seq.seq_id in self._held_ids
-            skip = skip or (_in_prompt(seq) and plan.holds_prompt_of(seq))
+            if plan.prompt_priority is not None:  # (None unless priorities differ)
+                skip = skip or (_in_prompt(seq) and plan.holds_prompt_of(seq))
             if num_new == 0 or skip or not plan.fits_adapter(seq):
                 i += 1
                 continue
