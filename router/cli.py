@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shlex
 import signal
 import sys
 import threading
@@ -129,7 +130,11 @@ def add_up_command(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         help="the workers' dtype: auto, float32/fp32, bfloat16/bf16 or float16/fp16",
     )
-    add("--worker-args", default="", help='more flags for each worker, e.g. "--max-num-seqs 64"')
+    add(
+        "--worker-args",
+        default="",
+        help='more flags for each worker, e.g. "--max-num-seqs 64" (split as a shell splits them)',
+    )
     add_router_options(up)
     up.set_defaults(handler=_up)
 
@@ -175,7 +180,13 @@ def _up(args: argparse.Namespace) -> int:
     if args.deprecated_workers is not None:
         print("headrace up: --workers N is deprecated; use --num-workers N", file=sys.stderr)
         num_workers = args.deprecated_workers
-    worker_args = ["--dtype", args.dtype, "--log-level", args.log_level, *args.worker_args.split()]
+    worker_args = [
+        "--dtype",
+        args.dtype,
+        "--log-level",
+        args.log_level,
+        *shlex.split(args.worker_args),
+    ]
     children: list[ServerProcess] = []
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

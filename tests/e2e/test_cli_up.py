@@ -35,10 +35,12 @@ def test_up_still_takes_the_old_workers_flag_with_a_deprecation_line(tmp_path: P
 
 
 def test_up_serves_the_openai_api_on_http_port(tiny_model: Path) -> None:
-    """`headrace up --http-port` passes the flag to its router and says where the API is."""
+    """`headrace up --http-port` passes the flag to its router and says where the API is;
+    `--worker-args` reach the worker split as a shell splits them (a quoted value whole)."""
     up = subprocess.Popen(
         [sys.executable, "-m", "headrace.sdk.cli", "up", "--model", str(tiny_model),
-         "--host", "127.0.0.1", "--port", "0", "--http-port", "0"],
+         "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+         "--worker-args", "--served-model-name 'tiny model'"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -47,7 +49,7 @@ def test_up_serves_the_openai_api_on_http_port(tiny_model: Path) -> None:
         match = re.search(r"OpenAI API on (http://127\.0\.0\.1:\d+/v1)", banner)
         assert match, banner
         models = httpx.get(f"{match.group(1)}/models", timeout=30).json()
-        assert models["data"][0]["id"] == str(tiny_model)
+        assert models["data"][0]["id"] == "tiny model"
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=90) == 0
