@@ -214,19 +214,23 @@ def test_a_missing_peer_is_an_error_naming_how_to_make_it(tmp_path: Path) -> Non
         pass
 
 
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
 def test_served_against_a_peer_same_prompts_each_pair_new_ones_each_round(
     fake_python: Path, tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """headrace's own servers (a tiny model) and the fake peer take turns; each round's
     prompts reach the peer as the workload of that round's seed made them."""
     model = build_tiny_checkpoint(tmp_path / "tiny", smollm2_dir)
-    parser = argparse.ArgumentParser()
-    serve_arguments(parser)
-    args = parser.parse_args(
-        ["--model", str(model), "--baseline", "vllm", "--peer-python", str(fake_python)]
-        + ["--num-requests", "4", "--prompt-lens", "8-12", "--output-lens", "5", "--rounds", "2"]
-        + ["--seed", "7"]
-    )
+    args = serve_args(
+        "--model", str(model), "--baseline", "vllm", "--peer-python", str(fake_python),
+        "--num-requests", "4", "--prompt-lens", "8-12", "--output-lens", "5", "--rounds", "2",
+        "--seed", "7",
+    )  # fmt: skip
     summary = run_against_peer(args)
 
     log = records(tmp_path)
@@ -270,12 +274,6 @@ def test_served_against_a_peer_same_prompts_each_pair_new_ones_each_round(
     assert summary["vllm_agreement"] == 0.0  # a tiny random model's text is not the fake's
     out = capsys.readouterr().out
     assert "headrace / vllm tok/s" in out and "headrace / vllm TTFT p50" in out
-
-
-def serve_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    serve_arguments(parser)
-    return parser.parse_args(list(argv))
 
 
 def test_worker_args_come_after_the_bench_flags_and_make_its_engine(tmp_path: Path) -> None:
