@@ -18,6 +18,7 @@ Each layer attends within its own sliding window, or to every key.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections.abc import Callable, Sequence
@@ -268,7 +269,7 @@ def decode_layers(
     out = hidden.contiguous().clone()
     residual = torch.empty_like(out) if len(bounds) > 2 else out  # (unused in one call)
     tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)
-    seq_ids = torch.arange(metadata.num_seqs, dtype=torch.int32)
+    seq_ids = _all_seqs(metadata.num_seqs)
     slots = metadata.slot_mapping.to(torch.int64).contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     for first, end in itertools.pairwise(bounds):
@@ -309,3 +310,9 @@ def decode_layers(
         if status != 0:
             raise MemoryError("the decode layers could not allocate their buffers")
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _all_seqs(num_seqs: int) -> torch.Tensor:  # [num_seqs] int32: 0, 1, ...
+    """The ids of every sequence of a step, kept per count (the C stack only reads them)."""
+    return torch.arange(num_seqs, dtype=torch.int32)

@@ -480,7 +480,7 @@ def _skinny(
     out = torch.empty(x.shape[0], num_outputs, dtype=store_dtype)
     if run(x, bias, out) != 0:
         raise MemoryError("the skinny matmul could not allocate its float32 copy of x")
-    return out.to(out_dtype)
+    return out if store_dtype == out_dtype else out.to(out_dtype)
 
 
 def quantized_linear(

@@ -5,7 +5,12 @@ import pytest
 import torch
 from headrace.kernels import reference
 from headrace.worker.layers.rotary import RopeConfig, RotaryEmbedding
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from tests.kernels.paged import build_paged_batch, contiguous_attention
 
@@ -128,3 +133,20 @@ def test_rotary_matches_transformers(dtype):
     )
     assert torch.equal(got_q, want_q[0].transpose(0, 1))
     assert torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_cos_and_sin_are_transformers_in_each_dtype(dtype):
+    """The tables cast once per dtype give, call after call, the values transformers computes
+    per call in float32 and casts to the model's dtype."""
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, rope_theta=10000.0, max_position_embeddings=4096
+    )
+    ours = RotaryEmbedding(RopeConfig(64, 4096, 10000.0))
+    theirs = LlamaRotaryEmbedding(config)
+    for seed in range(3):  # the second call on reads the cast tables
+        positions = torch.randint(0, 4096, (9,), generator=torch.Generator().manual_seed(seed))
+        cos, sin = ours(positions, dtype)  # [T, 1, D]
+        want_cos, want_sin = theirs(torch.zeros(1, 9, 1, dtype=dtype), positions[None])
+        assert cos.dtype == sin.dtype == dtype and cos.shape == (9, 1, 64)
+        assert torch.equal(cos[:, 0], want_cos[0]) and torch.equal(sin[:, 0], want_sin[0])

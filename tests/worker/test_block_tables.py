@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 from headrace.worker.execution.block_tables import BlockTables
+from headrace.worker.execution.model_runner import cache_slots
 
 
 def padded(block_lists: list[list[int]]) -> np.ndarray:
@@ -71,3 +72,16 @@ def test_an_unchanged_decode_copies_no_block_ids(monkeypatch):
     assert writes == []
     lists[1].append(6)
     assert np.array_equal(tables.gather(lists), padded(lists)) and len(writes) == 1
+
+
+def test_cache_slots_are_each_positions_block_and_offset():
+    """A chunk's slots, built a block at a time, are what the definition gives position by
+    position: the position's block id times block_size, plus its offset in the block."""
+    rng = random.Random(3)
+    for _ in range(300):
+        block_size = rng.choice([1, 2, 3, 16])
+        block_ids = rng.sample(range(1000), rng.randrange(1, 12))
+        end = rng.randrange(1, len(block_ids) * block_size + 1)
+        start = rng.randrange(0, end)
+        want = [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        assert cache_slots(block_ids, start, end, block_size) == want

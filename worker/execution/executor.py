@@ -52,15 +52,13 @@ class UniprocExecutor(Executor):
         #: On a CPU: the thread count, applied on each thread before it computes.
         self.threads = threads
 
-    def submit(self, step: SchedulerOutput) -> InFlightStep[Future[StepResult]]:
-        done: Future[StepResult] = Future()
+    def submit(self, step: SchedulerOutput) -> InFlightStep[Any]:
         with self._computing(step.num_batched_tokens):
-            done.set_result(self.runner.execute(step))
-        return InFlightStep(step, done)
+            return InFlightStep(step, self.runner.execute(step))  # (done: its result)
 
-    def collect(self, in_flight: InFlightStep[Future[StepResult]]) -> StepResult:
+    def collect(self, in_flight: InFlightStep[Any]) -> StepResult:
         self._apply_threads()  # the engine samples on this thread next
-        return in_flight.pending.result()
+        return cast(StepResult, in_flight.pending)
 
     def _apply_threads(self) -> None:
         if self.threads is not None:
@@ -96,6 +94,10 @@ class OverlappedExecutor(UniprocExecutor):
         batch = self.runner.prepare(step.chunks)  # now: it reads what the engine changes
         running = self.device_thread.submit(self._run, step, batch)
         return InFlightStep(step, running)
+
+    def collect(self, in_flight: InFlightStep[Any]) -> StepResult:
+        self._apply_threads()
+        return cast(Future[StepResult], in_flight.pending).result()
 
     def _run(self, step: SchedulerOutput, batch: PreparedBatch) -> StepResult:
         with self._computing(step.num_batched_tokens):

@@ -13,7 +13,6 @@ dequantizes the rows it looks up, and the LM head multiplies with the kernel set
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from headrace.kernels import KernelSet, quantized
 from headrace.kernels.argmax import RunningArgmax
 from headrace.kernels.precision import linear
@@ -63,7 +62,7 @@ class VocabParallelEmbedding(Quantizable):
 
     def _look_up(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.quantized is None:
-            return F.embedding(ids, self.weight)
+            return torch.embedding(self.weight, ids)  # (F.embedding's op, without its checks)
         rows = quantized.dequantize(self.quantized.gather(ids))
         return rows.to(self.weight.dtype)
 
@@ -143,11 +142,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         tokens as an argmax of `forward`'s logits, which never exist whole."""
         assert self.parallel.is_single, "the greedy head needs the whole vocabulary"
         rows_per_call = max(1, GREEDY_BLOCK_FLOATS // self.num_embeddings)
-        tokens = []
-        for start in range(0, hidden.shape[0], rows_per_call):
-            rows = hidden[start : start + rows_per_call]
-            logits = self._multiply(rows)
-            running = RunningArgmax(rows.shape[0], hidden.device, self.kernels)
-            running.update(logits, 0)
-            tokens.append(running.index)
-        return tokens[0] if len(tokens) == 1 else torch.cat(tokens)
+        if hidden.shape[0] <= rows_per_call:  # (no slice: every small op counts in a step)
+            return self._greedy_rows(hidden)
+        calls = range(0, hidden.shape[0], rows_per_call)
+        return torch.cat([self._greedy_rows(hidden[i : i + rows_per_call]) for i in calls])
+
+    def _greedy_rows(self, rows: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
+        running = RunningArgmax(rows.shape[0], rows.device, self.kernels)
+        running.update(self._multiply(rows), 0)
+        return running.index

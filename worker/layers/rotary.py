@@ -123,13 +123,24 @@ class RotaryEmbedding(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         if config.attention_factor != 1.0:
             cos, sin = cos * config.attention_factor, sin * config.attention_factor
-        self.register_buffer("cos_cache", cos.to(device), persistent=False)
-        self.register_buffer("sin_cache", sin.to(device), persistent=False)
+        # [max_position, 1, head_dim]: a step's rows come out in the shape layers take
+        self.register_buffer("cos_cache", cos[:, None].contiguous().to(device), persistent=False)
+        self.register_buffer("sin_cache", sin[:, None].contiguous().to(device), persistent=False)
+        #: The caches cast to another dtype (the same rounded values a cast per step makes),
+        #: made on first use, so a step looks its rows up in one operation each.
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> cos, sin: [T, 1, head_dim]
         """cos and sin for each token, looked up once per step and shared by every layer."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
-        return cos, sin
+        cos, sin = self._caches(dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _caches(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype == self.cos_cache.dtype:
+            return self.cos_cache, self.sin_cache
+        cast = self._cast.get(dtype)
+        if cast is None or cast[0].device != self.cos_cache.device:
+            cast = self._cast[dtype] = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
+        return cast

@@ -134,15 +134,11 @@ class LlamaDecoderLayer(nn.Module):
             )
         self.input_layernorm = norm_of(config, config.hidden_size, dtype, kernels)
         self.post_attention_layernorm = norm_of(config, config.hidden_size, dtype, kernels)
-        # The projections LoRA may adapt (a mixture's experts take none). A tuple, not a
-        # ModuleList: read each decode step, without nn.Module's lookup.
-        self._projections: tuple[nn.Module, ...] = (self.self_attn.qkv_proj, self.self_attn.o_proj)
+        #: The projections LoRA may adapt (a mixture's experts take none). A tuple, not a
+        #: ModuleList: read each decode step, without nn.Module's lookup.
+        self.projections: tuple[nn.Module, ...] = (self.self_attn.qkv_proj, self.self_attn.o_proj)
         if isinstance(self.mlp, GatedMLP):
-            self._projections += (self.mlp.gate_up_proj, self.mlp.down_proj)
-
-    def has_adapters(self) -> bool:
-        """Whether LoRA adapters are attached to any of its projections."""
-        return any(linear.lora is not None for linear in self._projections)
+            self.projections += (self.mlp.gate_up_proj, self.mlp.down_proj)
 
     def decode_weights(self) -> cpu_decode.DecoderLayerWeights:
         """This layer's parameters for `cpu_decode` (a dense layer's)."""
@@ -216,6 +212,8 @@ class LlamaModel(nn.Module):
         self.decode_shape = _decode_shape(config, parallel, kernels)
         #: Built at the first decode step with `decode_shape` (None: layer by layer).
         self._decode_stack: cpu_decode.DecoderStack | None = None
+        #: The stack's layers' `projections`, flat (set with the stack).
+        self._adaptable: tuple[nn.Module, ...] = ()
         #: Called between two layers with the share run (`watch_layers`), or None.
         self._between_layers: Callable[[float], None] | None = None
 
@@ -277,14 +275,16 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | None:  # [T, hidden] normed, or None: run layer by layer
         if self.decode_shape is None or self.norm is None:
             return None
-        own = [layer for layer in layers if isinstance(layer, LlamaDecoderLayer)]
         if self._decode_stack is None:
+            own = [layer for layer in layers if isinstance(layer, LlamaDecoderLayer)]
             weights = [layer.decode_weights() for layer in own]
             self._decode_stack = cpu_decode.DecoderStack(
                 weights, self.norm.weight, self.decode_shape
             )
+            self._adaptable = tuple(linear for layer in own for linear in layer.projections)
         stack = self._decode_stack
-        if any(layer.has_adapters() for layer in own) or not stack.fits(
+        # (LoRA adapters run layer by layer; one flat pass over the projections a step)
+        if any(linear.lora is not None for linear in self._adaptable) or not stack.fits(
             hidden, kv_caches, metadata
         ):
             return None
