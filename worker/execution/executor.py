@@ -57,7 +57,7 @@ class UniprocExecutor(Executor):
             return InFlightStep(step, self.runner.execute(step))  # (done: its result)
 
     def collect(self, in_flight: InFlightStep[Any]) -> StepResult:
-        self._apply_threads()  # the engine samples on this thread next
+        # (the engine samples next on this thread, which ran the step at the governor's count)
         return cast(StepResult, in_flight.pending)
 
     def _apply_threads(self) -> None:
@@ -96,7 +96,7 @@ class OverlappedExecutor(UniprocExecutor):
         return InFlightStep(step, running)
 
     def collect(self, in_flight: InFlightStep[Any]) -> StepResult:
-        self._apply_threads()
+        self._apply_threads()  # the engine samples on this thread next
         return cast(Future[StepResult], in_flight.pending).result()
 
     def _run(self, step: SchedulerOutput, batch: PreparedBatch) -> StepResult:
