@@ -54,7 +54,7 @@ class UniprocExecutor(Executor):
 
     def submit(self, step: SchedulerOutput) -> InFlightStep[Any]:
         with self._computing(step.num_batched_tokens):
-            return InFlightStep(step, self.runner.execute(step))  # (done: its result)
+            return InFlightStep(step, self.runner.execute(step))  # (pending: the result)
 
     def collect(self, in_flight: InFlightStep[Any]) -> StepResult:
         # (the engine samples next on this thread, which ran the step at the governor's count)
