@@ -67,7 +67,7 @@ from headrace.worker.bench.profile import StepProfile
 from headrace.worker.bench.speculative import compare_speculation, text_workload
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
-from headrace.worker.execution.host_memory import freeze_startup_heap
+from headrace.worker.execution.host_memory import quiet_collector
 from headrace.worker.execution.kv_cache import kv_block_bytes
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
@@ -253,7 +253,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     warm_up = make_workload(engine.vocab_size, 4, (8, 16), (4, 4), 1)
     for sampled in {False, args.sampled}:
         run_headrace(engine, warm_up, "warm-up", sampled=sampled)
-    freeze_startup_heap()  # as a worker does
+    quiet_collector()  # as a worker does
     profile = StepProfile() if args.profile else None
     if profile is not None:
         profile.attach(engine)

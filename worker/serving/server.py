@@ -23,7 +23,7 @@ from headrace.sdk.serving import GENERATION_SERVICE
 from headrace.sdk.tool_formats import TOOL_CALL_FORMATS
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.async_engine import AsyncEngine
-from headrace.worker.execution.host_memory import freeze_startup_heap
+from headrace.worker.execution.host_memory import quiet_collector
 from headrace.worker.serving.generation_control import GenerationControlService
 from headrace.worker.serving.metrics import WorkerMetrics
 from headrace.worker.serving.service import GenerationService, ServingState, model_info
@@ -119,7 +119,7 @@ class WorkerServer:
 def run(engine_config: EngineConfig, options: ServerOptions) -> int:
     """Load the model, serve until SIGTERM / SIGINT, drain, and return the exit code (0)."""
     engine = AsyncEngine(engine_config)
-    freeze_startup_heap()
+    quiet_collector()
     model_name = options.served_model_name or engine_config.model
 
     async def main() -> None:
