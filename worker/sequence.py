@@ -37,6 +37,11 @@ class SequenceStatus(IntEnum):
     FINISHED = 4
 
 
+#: `Sequence.is_finished`'s bound, read as a module global: an enum member looked up on its
+#: class costs ~80 ns on Python 3.11, and the engine asks each sequence several times a step.
+_FINISHED = SequenceStatus.FINISHED
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: int
@@ -105,7 +110,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= SequenceStatus.FINISHED
+        return self.status >= _FINISHED
 
 
 def is_plain_greedy(seq: Sequence) -> bool:

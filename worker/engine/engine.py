@@ -482,7 +482,8 @@ class Engine:
         speculating chunk the proposals kept and the model's next token (`accept`: against
         the greedy tokens, or a sampled sequence's `_speculative_draws`), up to a stop
         string."""
-        sampled = []
+        sampled: list[SampledToken] = []
+        append, add_tokens = sampled.append, self.detokenizer.add_tokens  # (a row each)
         targets = draft_targets or [[]] * len(chunks)  # (read only)
         for chunk, token_id, logprob, checked in zip(
             chunks, token_ids, logprobs, targets, strict=True
@@ -498,11 +499,11 @@ class Engine:
                 emitted, kept = accept(draft, checked, token_id, seq.stop_token_ids)
                 self.speculation.record(len(draft), kept)
             for token in emitted:
-                text = self.detokenizer.add_tokens(seq.detok_state, [token])
+                text = add_tokens(seq.detok_state, [token])
                 hit_stop = text.stop_string is not None
                 if logprob is not None:
                     self.detokenizer.token_names.name(logprob, seq.token_ids)
-                sampled.append(SampledToken(seq, token, logprob, text.text, hit_stop))
+                append(SampledToken(seq, token, logprob, text.text, hit_stop))
                 if hit_stop:
                     break
         return sampled
@@ -513,23 +514,24 @@ class Engine:
         """Each sampled token as its sample's delta; the last one of a sample that ended now
         carries the finish reason (and the detokenizer's held-back text, unless a stop string
         ended it)."""
-        now = time.monotonic()
+        now, requests = time.monotonic(), self._requests
         deltas: dict[int, tuple[SampleDelta, SampledToken]] = {}  # by seq id: one a sample
         for token in sampled:
             seq = token.seq
-            if seq.seq_id in deltas:  # a speculating sample's next token of this step
-                delta = deltas[seq.seq_id][0]
-            else:
-                delta = SampleDelta(seq.sample_index, [], "")
+            earlier = deltas.get(seq.seq_id)
+            if earlier is None:
+                delta = SampleDelta(seq.sample_index, [token.token_id], token.text)
                 _output_of(outputs, seq.request_id).samples.append(delta)
+                times = requests[seq.request_id].times
+                if times.first_token_s is None:
+                    times.first_token_s = now
+            else:  # a speculating sample's next token of this step
+                delta = earlier[0]
+                delta.token_ids.append(token.token_id)
+                delta.text += token.text
             deltas[seq.seq_id] = (delta, token)
-            delta.token_ids.append(token.token_id)
-            delta.text += token.text
             if token.logprob is not None:
                 delta.logprobs.append(token.logprob)
-            times = self._requests[seq.request_id].times
-            if times.first_token_s is None:
-                times.first_token_s = now
         for delta, last in deltas.values():
             seq = last.seq
             if seq.is_finished:

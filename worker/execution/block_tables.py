@@ -28,8 +28,11 @@ class BlockTables:
         self.table = np.zeros((num_rows, num_columns), dtype=np.int32)
         #: Row -> the block list it mirrors (held, so its id is never reused while mapped).
         self._lists: list[list[int] | None] = [None] * num_rows
-        #: Row -> how many of that list's block ids the row holds.
+        #: Row -> how many of that list's block ids the row holds, and the last of them (the
+        #: check that a list only grew reads it here, not from the numpy table: a Python
+        #: list's item costs a tenth of an array element's, for every sequence of every step).
         self._written = [0] * num_rows
+        self._tails = [0] * num_rows
         self._row_of: dict[int, int] = {}  # id(block list) -> row
         #: Mapped rows, least recently used first.
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -51,12 +54,12 @@ class BlockTables:
         written, total = self._written[row], len(block_ids)
         # A list only grows while it is the sequence's (a copy-on-write change to its last
         # block would show here: then the row is written whole).
-        if written and (total < written or self.table[row, written - 1] != block_ids[written - 1]):
+        if written and (total < written or self._tails[row] != block_ids[written - 1]):
             self.table[row, :written] = 0
             written = 0
         if total != written:
             self.table[row, written:total] = block_ids[written:]
-            self._written[row] = total
+            self._written[row], self._tails[row] = total, block_ids[-1]
         self._lru.move_to_end(row)
         return row
 
@@ -87,5 +90,6 @@ class BlockTables:
         old_rows = self.table.shape[0]
         self._lists.extend([None] * (num_rows - old_rows))
         self._written.extend([0] * (num_rows - old_rows))
+        self._tails.extend([0] * (num_rows - old_rows))
         self._free.extend(range(num_rows - 1, old_rows - 1, -1))
         self.table = table
