@@ -306,7 +306,8 @@ class ModelRunner:
                 sample_chunks.append(chunk)
                 # Row r of a speculating chunk predicts the token after its input r: its
                 # first rows check the proposals, its last samples what follows them.
-                draft_rows.extend(range(first_row, first_row + len(chunk.draft_token_ids)))
+                if chunk.draft_token_ids:
+                    draft_rows.extend(range(first_row, first_row + len(chunk.draft_token_ids)))
             if chunk.seq.wants_prompt_logprobs:
                 rows = prompt_logprob_rows(chunk, first_row)
                 if rows is not None:

@@ -136,17 +136,18 @@ class BlockManager:
     # --- allocation ---------------------------------------------------------------------
 
     def num_new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        return self._num_appended(seq, num_new_tokens) + self._must_copy(seq)
+        copy, num_appended = self._growth(seq, num_new_tokens)
+        return copy + num_appended
 
-    def _num_appended(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to append so that num_new_tokens more computed tokens fit."""
-        total = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_ids))
-
-    def _must_copy(self, seq: Sequence) -> bool:
-        """Whether the block that seq's next token goes into is shared (copy it first)."""
-        index = seq.num_computed_tokens // self.block_size
-        return index < len(seq.block_ids) and self.ref_counts[seq.block_ids[index]] > 1
+    def _growth(self, seq: Sequence, num_new_tokens: int) -> tuple[bool, int]:
+        """Whether the block that seq's next token goes into is shared (copy it first), and
+        the blocks to append so that num_new_tokens more computed tokens fit. (One call: the
+        scheduler asks it of every running sequence, every step.)"""
+        block_ids, computed = seq.block_ids, seq.num_computed_tokens
+        index = computed // self.block_size
+        copy = index < len(block_ids) and self.ref_counts[block_ids[index]] > 1
+        total = self.num_blocks_for(computed + num_new_tokens)
+        return copy, max(0, total - len(block_ids))
 
     def cost_of(self, cached_block_ids: list[int], num_new_blocks: int) -> int:
         """Free blocks used up by taking these cached blocks plus num_new_blocks fresh ones."""
@@ -169,7 +170,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append enough fresh blocks to hold num_new_tokens more computed tokens."""
-        copy, num_new = self._must_copy(seq), self._num_appended(seq, num_new_tokens)
+        copy, num_new = self._growth(seq, num_new_tokens)
         assert copy + num_new <= len(self.free_queue), "caller must check can_allocate first"
         if copy:  # (in place: the runner's block table sees the change)
             index = seq.num_computed_tokens // self.block_size

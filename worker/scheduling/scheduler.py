@@ -327,25 +327,26 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
         speculating = self._speculates(plan)
-        while i < len(self.running) and not plan.is_full:
-            seq = self.running[i]
+        bm, running, held = self.block_manager, self.running, self._held_ids  # (a row each)
+        while i < len(running) and not plan.is_full:
+            seq = running[i]
             num_new = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, plan.budget)
-            skip = seq.seq_id in plan.busy or seq.seq_id in self._held_ids
+            skip = seq.seq_id in plan.busy or seq.seq_id in held
             if plan.prompt_priority is not None:  # (None unless priorities differ)
                 skip = skip or (_in_prompt(seq) and plan.holds_prompt_of(seq))
             if num_new == 0 or skip or not plan.fits_adapter(seq):
                 i += 1
                 continue
             draft = self._propose(seq, plan.budget - 1) if speculating and num_new == 1 else []
-            needed = self.block_manager.num_new_blocks_needed(seq, num_new + len(draft))
+            needed = bm.num_new_blocks_needed(seq, num_new + len(draft))
             # Proposals never preempt anyone nor end a sequence: they take blocks only while
             # a block for each running sequence's next token would still be left.
-            if draft and not self.block_manager.can_allocate(needed + len(self.running)):
+            if draft and not bm.can_allocate(needed + len(running)):
                 draft = []
-                needed = self.block_manager.num_new_blocks_needed(seq, num_new)
+                needed = bm.num_new_blocks_needed(seq, num_new)
             num_new += len(draft)
-            while not self.block_manager.can_allocate(needed):
-                if len(self.running) == 1:
+            while not bm.can_allocate(needed):
+                if len(running) == 1:
                     # Alone and still too big for the pool: recomputing would loop forever.
                     self.finish(seq, FinishReason.LENGTH)
                     plan.out_of_blocks.append(seq)
@@ -357,7 +358,7 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is seq:
                     return
-            self.block_manager.allocate(seq, num_new)
+            bm.allocate(seq, num_new)
             plan.add(seq, num_new, draft)
             i += 1
 
