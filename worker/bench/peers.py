@@ -7,7 +7,9 @@ peer lives in a venv of its own (``make bench-peers``), so it runs in a process 
 JSON line per run (`PeerProcess`). headrace and the peer then take turns on the same CPUs
 (headrace, peer, headrace, peer, ...: a shared host's speed drifts, and alternating spreads
 the drift over both), and `PairedRounds` reports each pair's ratio of tok/s, their median,
-and greedy agreement: the fraction of requests whose generated tokens are identical.
+and greedy agreement: the fraction of requests whose generated tokens are identical. Each run
+starts once the CPUs are quiet (`wait_until_quiet`): an engine's process may keep computing,
+or spinning, after its run has answered.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,7 @@ from typing import IO, Any
 
 from headrace.sdk.errors import HeadraceError
 from headrace.worker.bench.common import Report, Summary, Workload, make_workload, quantile
+from headrace.worker.execution.cpu_threads import CpuSample, allowed_cpus, others_cores, sample
 from headrace.worker.models.store import KNOWN_MODELS, cache_dir, locate_gguf
 
 #: The peers ``--baseline`` names, and the folder under ``peers_dir()`` of each one's venv.
@@ -34,6 +38,13 @@ DRIVER = Path(__file__).with_name("peer_driver.py")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 #: ``--peer-gguf shipped``: the quantized GGUF the known model's package ships.
 SHIPPED_GGUF = "shipped"
+#: A run starts once other processes keep less than QUIET_CORES of the CPUs busy over a
+#: QUIET_WINDOW_S window, or after QUIET_MAX_S. vLLM's process (0.32, CPU) kept a core busy
+#: for over a second after each run had answered (2026-12-01), and headrace's thread
+#: governor, starting its run beside that, gave a thread up for its first prefill.
+QUIET_CORES = 0.2
+QUIET_WINDOW_S = 0.1
+QUIET_MAX_S = 10.0
 
 
 class PeerError(HeadraceError):
@@ -259,6 +270,8 @@ class PairedRounds:
     key: str
     ours: list[Report] = field(default_factory=list)
     theirs: list[Report] = field(default_factory=list)
+    #: Seconds each run after the first waited for the CPUs to go quiet, in run order.
+    waits: list[float] = field(default_factory=list)
 
     def add(self, ours: Report, theirs: Report) -> None:
         self.ours.append(ours)
@@ -310,6 +323,9 @@ class PairedRounds:
         )
         agreements = ", ".join(f"{a:.0%}" for a in self.agreements)
         lines.append(f"  greedy agreement (requests with identical tokens): {agreements}")
+        if self.waits:
+            waits = ", ".join(f"{w:.1f}" for w in self.waits)
+            lines.append(f"  waits for quiet CPUs before each run after the first (s): {waits}")
         if self.is_single_stream:
             lines.append(
                 "  single stream, ms per token (the run's wall time / tokens; after the first "
@@ -335,23 +351,46 @@ def _per_token_text(reports: list[Report]) -> str:
     return f"{_median_ms_per_token(reports):.1f}" + ("" if decode is None else f" ({decode:.1f})")
 
 
+def wait_until_quiet(
+    read: Callable[[list[int]], CpuSample] = sample,
+    sleep: Callable[[float], None] = time.sleep,
+    max_s: float = QUIET_MAX_S,
+) -> float:
+    """Wait until other processes keep less than `QUIET_CORES` of this process's CPUs busy
+    over a `QUIET_WINDOW_S` window (at most ``max_s``); the seconds waited."""
+    cpus = allowed_cpus()
+    first = last = read(cpus)
+    while last.at - first.at < max_s:
+        sleep(QUIET_WINDOW_S)
+        now = read(cpus)
+        if others_cores(last, now) < QUIET_CORES:
+            return now.at - first.at
+        last = now
+    return last.at - first.at
+
+
 def compare_with_peer(
     peer: PeerProcess,
     key: str,
     workloads: list[Workload],
     first: Report,
     run_ours: Callable[[Workload], Report],
+    settle: Callable[[], float] = wait_until_quiet,
 ) -> PairedRounds:
     """``first`` (headrace's run of ``workloads[0]``, just made) against the peer's, then a
     (headrace, peer) pair on each further workload: one round each. A round's prompts are new
     (both engines keep a prefix cache, so a repeated prompt would skip its prefill). The peer
-    warms up first on a small workload of its own."""
+    warms up first on a small workload of its own. Each run starts once ``settle`` has
+    waited for the CPUs to go quiet; `PairedRounds.waits` keeps how long it took."""
     # No more sequences than the workload's: llama.cpp's context holds that many.
     peer.run(make_workload(1000, min(2, len(workloads[0].prompts)), (8, 16), (4, 4), 1))
     name = peer.info.get("version") or key
     paired = PairedRounds(key)
+    paired.waits.append(settle())
     paired.add(first, peer.run(workloads[0]).report(name))
     for workload in workloads[1:]:
+        paired.waits.append(settle())
         ours = run_ours(workload)
+        paired.waits.append(settle())
         paired.add(ours, peer.run(workload).report(name))
     return paired

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from headrace.worker.bench.common import Report, Workload
 from headrace.worker.bench.engine import _peer_setup, _workload_shape
 from headrace.worker.bench.peer_driver import _prefill_chunks, cpu_ranges
 from headrace.worker.bench.peers import (
+    QUIET_WINDOW_S,
     PairedRounds,
     PeerError,
     PeerProcess,
@@ -27,8 +29,10 @@ from headrace.worker.bench.peers import (
     parse_run,
     peer_model,
     start_peer,
+    wait_until_quiet,
 )
 from headrace.worker.config import CPU_STEP_TOKENS, EngineConfig
+from headrace.worker.execution.cpu_threads import CpuSample
 from headrace.worker.models.store import CACHE_ENV
 
 #: Answers like the real driver: each request's tokens are its prompt's last token + 1, + 2, ...
@@ -192,17 +196,28 @@ def test_runs_alternate_after_the_peers_warm_up_each_round_on_its_own_prompts(fa
     rounds = [workload([100, 101], [200 + r], max_tokens=4) for r in range(3)]
     our_workloads: list[Workload] = []
     our_runs: list[Report] = []
+    events: list[str] = []
 
     def run_ours(work: Workload) -> Report:
+        events.append("ours")
         our_workloads.append(work)
         our_runs.append(ours(1.0, fake_tokens(work)))
         return our_runs[-1]
 
+    def settle() -> float:
+        events.append("quiet")
+        return 0.5
+
     with start_peer(Path(sys.executable), setup(), fake_driver) as peer:
         assert peer.describe() == "fake 1.0 (fake)"
+        peer_run = peer.run
+        peer.run = lambda work: (events.append("peer"), peer_run(work))[1]  # type: ignore[method-assign]
         first = ours(1.0, fake_tokens(rounds[0]))
-        paired = compare_with_peer(peer, "vllm", rounds, first, run_ours)
+        paired = compare_with_peer(peer, "vllm", rounds, first, run_ours, settle)
     assert our_workloads == rounds[1:] and paired.ours == [first, *our_runs]
+    # The peer's warm-up, then every run after the first once the CPUs are quiet.
+    assert events == ["peer"] + ["quiet", "peer"] + ["quiet", "ours", "quiet", "peer"] * 2
+    assert paired.waits == [0.5] * 5
     # The peer ran each round's prompts (its tokens follow each prompt's last).
     assert [r.token_ids for r in paired.theirs] == [fake_tokens(w) for w in rounds]
     # Run 1 was the peer's warm-up; each pair then got the next run (its seconds: 2, 3, 4).
@@ -215,11 +230,40 @@ def test_runs_alternate_after_the_peers_warm_up_each_round_on_its_own_prompts(fa
     assert paired.theirs[0].ttft_s == [0.25, 0.25]
 
 
+class ScriptedCpus:
+    """Others' busy cores over time as a test scripts it (``busy(t)``), read by
+    `wait_until_quiet` through its clock-advancing sleep."""
+
+    def __init__(self, busy: Callable[[float], float]) -> None:
+        self.busy_cores, self.now, self.busy_s = busy, 0.0, 0.0
+
+    def read(self, cpus: list[int]) -> CpuSample:
+        return CpuSample(self.now, self.busy_s, 0.0)
+
+    def sleep(self, seconds: float) -> None:
+        self.busy_s += self.busy_cores(self.now) * seconds
+        self.now += seconds
+
+
+def test_a_run_waits_until_the_last_engines_process_goes_quiet() -> None:
+    # A core busy for 1.2 s after the last run answered (vLLM's process did), then quiet.
+    cpus = ScriptedCpus(lambda t: 1.0 if t < 1.2 else 0.05)
+    waited = wait_until_quiet(cpus.read, cpus.sleep)
+    assert 1.2 <= waited <= 1.2 + 2 * QUIET_WINDOW_S
+    quiet = ScriptedCpus(lambda t: 0.0)
+    assert wait_until_quiet(quiet.read, quiet.sleep) == pytest.approx(QUIET_WINDOW_S)
+
+
+def test_the_wait_for_quiet_cpus_gives_up_after_its_limit() -> None:
+    cpus = ScriptedCpus(lambda t: 1.0)  # a neighbour that never stops
+    assert wait_until_quiet(cpus.read, cpus.sleep, max_s=2.0) == pytest.approx(2.0)
+
+
 def test_a_single_stream_peer_warms_up_on_no_more_sequences_than_it_holds(fake_driver: Path):
     work = workload([100] * 8)
     first = ours(1.0, fake_tokens(work))
     with start_peer(Path(sys.executable), setup(max_num_seqs=1), fake_driver) as peer:
-        paired = compare_with_peer(peer, "llama_cpp", [work], first, no_more_runs)
+        paired = compare_with_peer(peer, "llama_cpp", [work], first, no_more_runs, lambda: 0.0)
     assert paired.is_single_stream and paired.agreements == [1.0]
 
 
