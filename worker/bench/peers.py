@@ -38,13 +38,16 @@ DRIVER = Path(__file__).with_name("peer_driver.py")
 GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 #: ``--peer-gguf shipped``: the quantized GGUF the known model's package ships.
 SHIPPED_GGUF = "shipped"
-#: A run starts once other processes keep less than QUIET_CORES of the CPUs busy over a
-#: QUIET_WINDOW_S window, or after QUIET_MAX_S. vLLM's process (0.32, CPU) kept a core busy
-#: for over a second after each run had answered (2026-12-01), and headrace's thread
-#: governor, starting its run beside that, gave a thread up for its first prefill.
-QUIET_CORES = 0.2
-QUIET_WINDOW_S = 0.1
-QUIET_MAX_S = 10.0
+#: Before a turn the peer benches wait (`wait_until_quiet`) until other processes keep less
+#: than QUIET_CORES of the CPUs busy over a QUIET_WINDOW_S window, or QUIET_TIMEOUT_S: an
+#: engine goes on working for a moment after its last token (vLLM 0.32's CPU process kept a
+#: core busy for about a second after each run), and a turn started meanwhile meets it as a
+#: neighbour (served, headrace's turns right after vLLM's had a TTFT p50 of 4.7-5.0 s
+#: against 3.7 s for the first; offline, headrace's thread governor gave a thread up for its
+#: first prefill).
+QUIET_CORES = 0.1
+QUIET_WINDOW_S = 0.5
+QUIET_TIMEOUT_S = 30.0
 
 
 class PeerError(HeadraceError):
@@ -351,22 +354,34 @@ def _per_token_text(reports: list[Report]) -> str:
     return f"{_median_ms_per_token(reports):.1f}" + ("" if decode is None else f" ({decode:.1f})")
 
 
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    """What `wait_until_quiet` found: how long it waited, and the cores other processes used
+    in its last window (below its limit unless it gave up)."""
+
+    waited_s: float
+    others: float
+
+
 def wait_until_quiet(
+    limit_cores: float = QUIET_CORES,
+    window_s: float = QUIET_WINDOW_S,
+    timeout_s: float = QUIET_TIMEOUT_S,
     read: Callable[[list[int]], CpuSample] = sample,
     sleep: Callable[[float], None] = time.sleep,
-    max_s: float = QUIET_MAX_S,
-) -> float:
-    """Wait until other processes keep less than `QUIET_CORES` of this process's CPUs busy
-    over a `QUIET_WINDOW_S` window (at most ``max_s``); the seconds waited."""
+) -> Quiet:
+    """Wait until other processes keep less than ``limit_cores`` of this process's CPUs busy
+    over a ``window_s`` window, or ``timeout_s`` has passed (``read`` and ``sleep``: tests
+    give their own)."""
     cpus = allowed_cpus()
     first = last = read(cpus)
-    while last.at - first.at < max_s:
-        sleep(QUIET_WINDOW_S)
+    while True:
+        sleep(window_s)
         now = read(cpus)
-        if others_cores(last, now) < QUIET_CORES:
-            return now.at - first.at
+        others = others_cores(last, now)
+        if others < limit_cores or now.at - first.at >= timeout_s:
+            return Quiet(now.at - first.at, others)
         last = now
-    return last.at - first.at
 
 
 def compare_with_peer(
@@ -375,7 +390,7 @@ def compare_with_peer(
     workloads: list[Workload],
     first: Report,
     run_ours: Callable[[Workload], Report],
-    settle: Callable[[], float] = wait_until_quiet,
+    settle: Callable[[], Quiet] = wait_until_quiet,
 ) -> PairedRounds:
     """``first`` (headrace's run of ``workloads[0]``, just made) against the peer's, then a
     (headrace, peer) pair on each further workload: one round each. A round's prompts are new
@@ -386,11 +401,11 @@ def compare_with_peer(
     peer.run(make_workload(1000, min(2, len(workloads[0].prompts)), (8, 16), (4, 4), 1))
     name = peer.info.get("version") or key
     paired = PairedRounds(key)
-    paired.waits.append(settle())
+    paired.waits.append(settle().waited_s)
     paired.add(first, peer.run(workloads[0]).report(name))
     for workload in workloads[1:]:
-        paired.waits.append(settle())
+        paired.waits.append(settle().waited_s)
         ours = run_ours(workload)
-        paired.waits.append(settle())
+        paired.waits.append(settle().waited_s)
         paired.add(ours, peer.run(workload).report(name))
     return paired

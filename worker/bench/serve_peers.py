@@ -50,6 +50,7 @@ from headrace.sdk.launch import start_router, start_worker
 from headrace.worker.bench.common import Report, Summary, make_workload, quantile
 from headrace.worker.bench.peer_driver import cpu_ranges
 from headrace.worker.bench.peers import (
+    QUIET_CORES,
     PeerError,
     PeerSetup,
     agreement,
@@ -57,19 +58,17 @@ from headrace.worker.bench.peers import (
     peer_model,
     peers_dir,
     require_peer_python,
+    wait_until_quiet,
 )
 from headrace.worker.bench.serve import describe_workload, door_target, worker_flags
 from headrace.worker.bench.serve_http import run_http_load
 from headrace.worker.bench.serve_metrics import VLLM, WORKER, LoadMetrics, ServerSplit
 from headrace.worker.config import EngineConfig
-from headrace.worker.execution.cpu_threads import allowed_cpus, others_cores, sample
 from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 #: How long a peer's server may take to answer its first /v1/models (vLLM compiles its model
 #: at start: 1.5-3 minutes on two busy cores).
 PEER_START_TIMEOUT_S = 900.0
-#: Cores of other processes' work below which the machine counts as quiet between turns.
-QUIET_CORES = 0.1
 
 
 def default_peer_server() -> Path:
@@ -398,8 +397,11 @@ def _alternate(
         workload = make_workload(vocab, args.num_requests, args.prompt_lens, args.output_lens, seed)
         round_args = argparse.Namespace(**{**vars(args), "seed": seed})
         for side in sides:
-            if (busy := wait_until_quiet()) >= QUIET_CORES:
-                print(f"(other processes kept {busy:.2f} cores busy before {side.name}'s turn)")
+            if (quiet := wait_until_quiet()).others >= QUIET_CORES:
+                print(
+                    f"(other processes kept {quiet.others:.2f} cores busy before "
+                    f"{side.name}'s turn)"
+                )
             start = None if side.metrics is None else side.metrics.start
             report = asyncio.run(
                 run_http_load(side.door, workload, round_args, side.name, True, start)
@@ -410,23 +412,6 @@ def _alternate(
                 side.servers.append(side.metrics.finish(report.seconds))
                 print(side.servers[-1].describe())
     return pairs
-
-
-def wait_until_quiet(
-    limit_cores: float = QUIET_CORES, window_s: float = 0.5, timeout_s: float = 30.0
-) -> float:
-    """Wait for the CPUs to go quiet before a turn (at most ``timeout_s``): a server goes on
-    working for a moment after its last token (vLLM's engine for a second or more), and a
-    load started meanwhile meets it as a neighbour (in one measurement, headrace's turns right
-    after vLLM's had a TTFT p50 of 4.7-5.0 s against 3.7 s for the first). Returns the cores
-    others used in the last window."""
-    cpus, deadline = allowed_cpus(), time.monotonic() + timeout_s
-    while True:
-        before = sample(cpus)
-        time.sleep(window_s)
-        busy = others_cores(before, sample(cpus))
-        if busy < limit_cores or time.monotonic() > deadline:
-            return busy
 
 
 def vocab_size(model: Path) -> int:

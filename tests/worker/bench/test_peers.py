@@ -19,11 +19,13 @@ from headrace.worker.bench.common import Report, Workload
 from headrace.worker.bench.engine import _peer_setup, _workload_shape
 from headrace.worker.bench.peer_driver import _prefill_chunks, cpu_ranges
 from headrace.worker.bench.peers import (
+    QUIET_CORES,
     QUIET_WINDOW_S,
     PairedRounds,
     PeerError,
     PeerProcess,
     PeerSetup,
+    Quiet,
     agreement,
     compare_with_peer,
     parse_run,
@@ -204,9 +206,9 @@ def test_runs_alternate_after_the_peers_warm_up_each_round_on_its_own_prompts(fa
         our_runs.append(ours(1.0, fake_tokens(work)))
         return our_runs[-1]
 
-    def settle() -> float:
+    def settle() -> Quiet:
         events.append("quiet")
-        return 0.5
+        return Quiet(0.5, 0.0)
 
     with start_peer(Path(sys.executable), setup(), fake_driver) as peer:
         assert peer.describe() == "fake 1.0 (fake)"
@@ -230,6 +232,10 @@ def test_runs_alternate_after_the_peers_warm_up_each_round_on_its_own_prompts(fa
     assert paired.theirs[0].ttft_s == [0.25, 0.25]
 
 
+def no_wait() -> Quiet:
+    return Quiet(0.0, 0.0)
+
+
 class ScriptedCpus:
     """Others' busy cores over time as a test scripts it (``busy(t)``), read by
     `wait_until_quiet` through its clock-advancing sleep."""
@@ -248,22 +254,23 @@ class ScriptedCpus:
 def test_a_run_waits_until_the_last_engines_process_goes_quiet() -> None:
     # A core busy for 1.2 s after the last run answered (vLLM's process did), then quiet.
     cpus = ScriptedCpus(lambda t: 1.0 if t < 1.2 else 0.05)
-    waited = wait_until_quiet(cpus.read, cpus.sleep)
-    assert 1.2 <= waited <= 1.2 + 2 * QUIET_WINDOW_S
-    quiet = ScriptedCpus(lambda t: 0.0)
-    assert wait_until_quiet(quiet.read, quiet.sleep) == pytest.approx(QUIET_WINDOW_S)
+    quiet = wait_until_quiet(read=cpus.read, sleep=cpus.sleep)
+    assert 1.2 <= quiet.waited_s <= 1.2 + 2 * QUIET_WINDOW_S and quiet.others < QUIET_CORES
+    calm = ScriptedCpus(lambda t: 0.0)
+    assert wait_until_quiet(read=calm.read, sleep=calm.sleep) == Quiet(QUIET_WINDOW_S, 0.0)
 
 
 def test_the_wait_for_quiet_cpus_gives_up_after_its_limit() -> None:
     cpus = ScriptedCpus(lambda t: 1.0)  # a neighbour that never stops
-    assert wait_until_quiet(cpus.read, cpus.sleep, max_s=2.0) == pytest.approx(2.0)
+    quiet = wait_until_quiet(timeout_s=2.0, read=cpus.read, sleep=cpus.sleep)
+    assert quiet.waited_s == pytest.approx(2.0) and quiet.others == pytest.approx(1.0)
 
 
 def test_a_single_stream_peer_warms_up_on_no_more_sequences_than_it_holds(fake_driver: Path):
     work = workload([100] * 8)
     first = ours(1.0, fake_tokens(work))
     with start_peer(Path(sys.executable), setup(max_num_seqs=1), fake_driver) as peer:
-        paired = compare_with_peer(peer, "llama_cpp", [work], first, no_more_runs, lambda: 0.0)
+        paired = compare_with_peer(peer, "llama_cpp", [work], first, no_more_runs, no_wait)
     assert paired.is_single_stream and paired.agreements == [1.0]
 
 

@@ -19,7 +19,7 @@ from headrace.worker.bench import serve
 from headrace.worker.bench.cli import serve_arguments
 from headrace.worker.bench.common import Report, build_tiny_checkpoint, make_workload
 from headrace.worker.bench.peer_driver import cpu_ranges
-from headrace.worker.bench.peers import PeerError, PeerSetup
+from headrace.worker.bench.peers import PeerError, PeerSetup, wait_until_quiet
 from headrace.worker.bench.serve import worker_flags
 from headrace.worker.bench.serve_peers import (
     ServedPairs,
@@ -27,7 +27,6 @@ from headrace.worker.bench.serve_peers import (
     run_against_peer,
     start_peer_server,
     vocab_size,
-    wait_until_quiet,
 )
 from headrace.worker.config import CPU_STEP_TOKENS
 
@@ -338,9 +337,9 @@ def test_a_turn_waits_for_a_busy_process_to_finish() -> None:
         [sys.executable, "-c", BUSY_FOR_A_WHILE], stdout=subprocess.PIPE, text=True
     )
     assert busy.stdout is not None and busy.stdout.readline() == "busy\n"
-    others = wait_until_quiet(limit_cores=0.5, window_s=0.3, timeout_s=120)
+    quiet = wait_until_quiet(limit_cores=0.5, window_s=0.3, timeout_s=120)
     assert busy.poll() == 0
-    assert others < 0.5
+    assert quiet.others < 0.5
 
 
 #: Busy for two seconds of its own CPU time, saying so when it starts.
