@@ -21,7 +21,8 @@ samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Fig
 With ``--baseline hf`` each transformers mode runs the same prompts and output length, and
 ``ratio_hf_generate`` / ``ratio_hf_generate_batch`` are headrace's tok/s over theirs.
 With ``--baseline vllm`` or ``llama.cpp`` the peer engine runs in a process and venv of its own
-(`headrace.worker.bench.peers`), its runs alternating with headrace's: ``ratio_vllm`` /
+(`headrace.worker.bench.peers`), its runs alternating with headrace's, each started once the
+CPUs are quiet (an engine's process may go on working after its run): ``ratio_vllm`` /
 ``ratio_llama_cpp`` is the median pair's headrace tok/s over the peer's, and ``*_agreement``
 the fraction of requests whose greedy tokens are identical in every pair.
 ``ratio_sampled_greedy_step`` is the sampled run's decode step p50 over the greedy run's: the
