@@ -331,7 +331,7 @@ class ModelRunner:
         for chunk in chunks:
             seq, start, num_new = chunk.seq, chunk.start, chunk.num_new_tokens
             end = start + num_new
-            if num_new == 1:
+            if num_new == 1:  # (cache_slots of one position, inline: every decode row)
                 input_ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(seq.block_ids[start // block_size] * block_size + start % block_size)

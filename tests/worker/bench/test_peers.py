@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -264,6 +265,29 @@ def test_the_wait_for_quiet_cpus_gives_up_after_its_limit() -> None:
     cpus = ScriptedCpus(lambda t: 1.0)  # a neighbour that never stops
     quiet = wait_until_quiet(timeout_s=2.0, read=cpus.read, sleep=cpus.sleep)
     assert quiet.waited_s == pytest.approx(2.0) and quiet.others == pytest.approx(1.0)
+
+
+def test_a_turn_waits_for_a_busy_process_to_finish() -> None:
+    """A process that keeps a core busy for a while: the wait returns only once it is gone
+    (what the turn after a server's last token waits for), and reports the quiet it found."""
+    busy = subprocess.Popen(
+        [sys.executable, "-c", BUSY_FOR_A_WHILE], stdout=subprocess.PIPE, text=True
+    )
+    assert busy.stdout is not None and busy.stdout.readline() == "busy\n"
+    quiet = wait_until_quiet(limit_cores=0.5, window_s=0.3, timeout_s=120)
+    assert busy.poll() == 0
+    assert quiet.others < 0.5
+
+
+#: Busy for two seconds of its own CPU time, saying so when it starts.
+BUSY_FOR_A_WHILE = textwrap.dedent(
+    """
+    import time
+    print("busy", flush=True)
+    while time.process_time() < 2.0:
+        pass
+    """
+)
 
 
 def test_a_single_stream_peer_warms_up_on_no_more_sequences_than_it_holds(fake_driver: Path):

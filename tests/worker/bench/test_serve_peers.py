@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,7 +18,7 @@ from headrace.worker.bench import serve
 from headrace.worker.bench.cli import serve_arguments
 from headrace.worker.bench.common import Report, build_tiny_checkpoint, make_workload
 from headrace.worker.bench.peer_driver import cpu_ranges
-from headrace.worker.bench.peers import PeerError, PeerSetup, wait_until_quiet
+from headrace.worker.bench.peers import PeerError, PeerSetup
 from headrace.worker.bench.serve import worker_flags
 from headrace.worker.bench.serve_peers import (
     ServedPairs,
@@ -328,26 +327,3 @@ def test_served_with_worker_args_the_worker_runs_them_and_the_peer_gets_its_limi
     assert isinstance(argv, list)
     assert argv[argv.index("--max-num-seqs") + 1] == "1"
     assert summary["worker_prompt_steps"] == 4 and summary["worker_decode_steps"] == 4 * 4
-
-
-def test_a_turn_waits_for_a_busy_process_to_finish() -> None:
-    """A process that keeps a core busy for a while: the wait returns only once it is gone
-    (what the turn after a server's last token waits for), and reports the quiet it found."""
-    busy = subprocess.Popen(
-        [sys.executable, "-c", BUSY_FOR_A_WHILE], stdout=subprocess.PIPE, text=True
-    )
-    assert busy.stdout is not None and busy.stdout.readline() == "busy\n"
-    quiet = wait_until_quiet(limit_cores=0.5, window_s=0.3, timeout_s=120)
-    assert busy.poll() == 0
-    assert quiet.others < 0.5
-
-
-#: Busy for two seconds of its own CPU time, saying so when it starts.
-BUSY_FOR_A_WHILE = textwrap.dedent(
-    """
-    import time
-    print("busy", flush=True)
-    while time.process_time() < 2.0:
-        pass
-    """
-)
