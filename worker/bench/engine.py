@@ -37,12 +37,13 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from headrace.sdk.config import GenerationConfig
-from headrace.worker.bench.bandwidth import compare_with_read
+from headrace.worker.bench.bandwidth import ReadsBeside, read_buffer, read_once, weight_bytes
 from headrace.worker.bench.cli import WORKLOADS
 from headrace.worker.bench.common import (
     TINY_MODEL,
@@ -117,9 +118,11 @@ def run_headrace(
     sampled: bool = False,
     profile: StepProfile | None = None,
     configs: list[GenerationConfig] | None = None,
+    after_step: Callable[[float, bool], None] | None = None,
 ) -> Report:
     """Run the workload to completion; ``configs``: one per request (default:
-    `request_config`'s)."""
+    `request_config`'s); ``after_step(seconds, is_decode)``: called after each step, outside
+    its time and the run's."""
     timed = _TimedModel(engine.runner.model, engine.device)
     engine.runner.model = timed  # type: ignore[assignment]
     start = time.perf_counter()
@@ -152,6 +155,10 @@ def run_headrace(
             report.host_overhead_s.append(now - step_start - timed.seconds)
         if profile is not None:
             profile.end_step(now - step_start, bool(is_decode))
+        if after_step is not None:
+            paused = time.perf_counter()
+            after_step(now - step_start, bool(is_decode))
+            start += time.perf_counter() - paused
     report.seconds = time.perf_counter() - start
     report.ttft_s = list(first_token.values())
     report.token_ids = list(tokens.values())
@@ -264,12 +271,12 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     summary: Summary = {"bench": "engine", "model": model_name, "dtype": args.dtype}
     summary.update(ours.summary())
     summary.update(_kv_cache_summary(engine, args.kv_cache_dtype))
-    if num_requests == 1 and ours.decode_step_s:  # a single stream: each step reads it all
-        summary.update(compare_with_read(engine.runner.model, quantile(ours.decode_step_s, 0.5)))
     if profile is not None:
         print(profile.describe())
         summary.update(profile.summary())
         profile.detach()
+    if num_requests == 1 and ours.decode_step_s and engine.device.type == "cpu":
+        summary.update(_read_beside_steps(engine, workload))
     if args.sampled:
         summary.update(_run_sampled(engine, workload, ours, args.profile, args.rounds))
     if args.speculative:
@@ -282,6 +289,15 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
     if args.noisy_neighbour:
         summary.update(run_noisy_neighbour(config, workload, args.rounds))
     return summary
+
+
+def _read_beside_steps(engine: Engine, workload: Workload) -> Summary:
+    """The single stream again, each decode step followed by a read of a buffer in memory
+    (`ReadsBeside`): the step against the weights' read at the memory's rate of that moment."""
+    buffer = read_buffer()
+    reads = ReadsBeside(weight_bytes(engine.runner.model), lambda: read_once(buffer))
+    run_headrace(engine, workload, "beside reads", after_step=reads.after_step)
+    return reads.summary()
 
 
 def _run_sampled(
