@@ -42,7 +42,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +53,7 @@ from headrace.worker.bench.peers import (
     QUIET_CORES,
     PeerError,
     PeerSetup,
+    Quiet,
     agreement,
     default_peer_python,
     peer_model,
@@ -303,7 +304,11 @@ def worker_limits(model: str, dtype: str, num_requests: int) -> tuple[int, int]:
     return max(config.max_num_seqs, num_requests), config.max_num_batched_tokens
 
 
-def run_against_peer(args: argparse.Namespace) -> Summary:
+def run_against_peer(
+    args: argparse.Namespace, settle: Callable[[], Quiet] = wait_until_quiet
+) -> Summary:
+    """The load, headrace's servers and the peer's taking turns, each turn started once
+    ``settle`` has waited for the CPUs to go quiet (tests give their own)."""
     model = Path(resolve_model(args.model or DEFAULT_MODEL))
     max_num_seqs, budget = worker_limits(str(model), args.dtype, args.num_requests)
     flags: list[str] = []
@@ -351,9 +356,8 @@ def run_against_peer(args: argparse.Namespace) -> Summary:
             start_peer_server(setup, name, python, server, args.peer_start_timeout)
         )
         print(f"{args.baseline} server up in {time.perf_counter() - started:.0f} s")
-        pairs = _alternate(
-            args, door, peer.target, vocab_size(model), (ours, _peer_metrics(peer, setup))
-        )
+        metrics = (ours, _peer_metrics(peer, setup))
+        pairs = _alternate(args, door, peer.target, vocab_size(model), metrics, settle)
     print(pairs.describe())
     summary: Summary = {"bench": "serve", "model": name, "baseline": args.baseline}
     summary.update(pairs.summary())
@@ -386,6 +390,7 @@ def _alternate(
     peer_door: str,
     vocab: int,
     metrics: tuple[LoadMetrics | None, LoadMetrics | None],
+    settle: Callable[[], Quiet],
 ) -> ServedPairs:
     pairs = ServedPairs(args.baseline.replace(".", "_"), [], [])
     sides = (
@@ -397,7 +402,7 @@ def _alternate(
         workload = make_workload(vocab, args.num_requests, args.prompt_lens, args.output_lens, seed)
         round_args = argparse.Namespace(**{**vars(args), "seed": seed})
         for side in sides:
-            if (quiet := wait_until_quiet()).others >= QUIET_CORES:
+            if (quiet := settle()).others >= QUIET_CORES:
                 print(
                     f"(other processes kept {quiet.others:.2f} cores busy before "
                     f"{side.name}'s turn)"

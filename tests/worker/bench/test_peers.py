@@ -40,6 +40,8 @@ from headrace.worker.config import CPU_STEP_TOKENS, EngineConfig
 from headrace.worker.execution.cpu_threads import CpuSample
 from headrace.worker.models.store import CACHE_ENV
 
+from tests.worker.bench.settle import no_wait
+
 #: Answers like the real driver: each request's tokens are its prompt's last token + 1, + 2, ...
 #: and a run's "seconds" is its number (the warm-up is run 1). FAKE_MODE in the setup's model
 #: field makes it fail at setup, exit without answering, or answer short token lists.
@@ -233,10 +235,6 @@ def test_runs_alternate_after_the_peers_warm_up_each_round_on_its_own_prompts(fa
     assert paired.agreements == [1.0, 1.0, 1.0]
     assert paired.theirs[0].token_ids == [[102, 103, 104, 105], [201, 202, 203, 204]]
     assert paired.theirs[0].ttft_s == [0.25, 0.25]
-
-
-def no_wait() -> Quiet:
-    return Quiet(0.0, 0.0)
 
 
 class ScriptedCpus:

@@ -29,6 +29,8 @@ from headrace.worker.bench.serve_peers import (
 )
 from headrace.worker.config import CPU_STEP_TOKENS
 
+from tests.worker.bench.settle import no_wait
+
 #: An OpenAI-style server: /v1/models, and streamed /v1/completions whose text is the prompt's
 #: last id + 1, + 2, ... as " <id>" pieces, then a usage event, then [DONE], and then it closes
 #: the connection (so the load client must open another for its next request); /metrics has
@@ -229,7 +231,7 @@ def test_served_against_a_peer_same_prompts_each_pair_new_ones_each_round(
         "--num-requests", "4", "--prompt-lens", "8-12", "--output-lens", "5", "--rounds", "2",
         "--seed", "7",
     )  # fmt: skip
-    summary = run_against_peer(args)
+    summary = run_against_peer(args, no_wait)
 
     log = records(tmp_path)
     started, requests = log[0], [entry["request"] for entry in log[1:]]
@@ -322,7 +324,7 @@ def test_served_with_worker_args_the_worker_runs_them_and_the_peer_gets_its_limi
         "--num-requests", "4", "--prompt-lens", "8-12", "--output-lens", "5", "--rounds", "1",
         "--worker-args", "--max-num-seqs 1",
     )  # fmt: skip
-    summary = run_against_peer(args)
+    summary = run_against_peer(args, no_wait)
     argv = records(tmp_path)[0]["argv"]
     assert isinstance(argv, list)
     assert argv[argv.index("--max-num-seqs") + 1] == "1"
