@@ -12,6 +12,8 @@ import time
 from headrace.worker.bench.neighbour import neighbour_configs
 from headrace.worker.config import EngineConfig
 
+from tests.worker.bench.processes import cpu_seconds, stat_fields
+
 _BENCH = """
 import os, time
 from headrace.worker.bench.neighbour import busy_neighbour
@@ -21,23 +23,14 @@ with busy_neighbour(sorted(os.sched_getaffinity(0))[-1]) as pid:
 """
 
 
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name; None once the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return None
-
-
 def _cpu_seconds(pid: int) -> float:
-    fields = _stat(pid)
-    assert fields is not None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    seconds = cpu_seconds(pid)
+    assert seconds is not None
+    return seconds
 
 
 def _running(pid: int) -> bool:
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return fields is not None and fields[0] != "Z"
 
 

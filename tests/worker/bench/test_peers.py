@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -40,7 +39,7 @@ from headrace.worker.config import CPU_STEP_TOKENS, EngineConfig
 from headrace.worker.execution.cpu_threads import CpuSample
 from headrace.worker.models.store import CACHE_ENV
 
-from tests.worker.bench.settle import no_wait
+from tests.worker.bench.processes import cpu_seconds, no_wait
 
 #: Answers like the real driver: each request's tokens are its prompt's last token + 1, + 2, ...
 #: and a run's "seconds" is its number (the warm-up is run 1). FAKE_MODE in the setup's model
@@ -270,14 +269,12 @@ def test_the_wait_for_quiet_cpus_gives_up_after_its_limit() -> None:
 def _cpu_time_of(pid: int) -> Callable[[list[int]], CpuSample]:
     """A `wait_until_quiet` reader that sees one process's CPU time and nothing else (the
     machine's other work, such as a test running beside this one, would never go quiet)."""
-    ticks, seen = os.sysconf("SC_CLK_TCK"), [0.0]
+    seen = [0.0]
 
     def read(cpus: list[int]) -> CpuSample:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            seen[0] = (int(fields[11]) + int(fields[12])) / ticks
-        except FileNotFoundError:  # gone: its last time stands
-            pass
+        seconds = cpu_seconds(pid)
+        if seconds is not None:  # (gone: its last time stands)
+            seen[0] = seconds
         return CpuSample(time.monotonic(), seen[0], 0.0)
 
     return read

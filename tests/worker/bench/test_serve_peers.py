@@ -29,7 +29,7 @@ from headrace.worker.bench.serve_peers import (
 )
 from headrace.worker.config import CPU_STEP_TOKENS
 
-from tests.worker.bench.settle import no_wait
+from tests.worker.bench.processes import no_wait
 
 #: An OpenAI-style server: /v1/models, and streamed /v1/completions whose text is the prompt's
 #: last id + 1, + 2, ... as " <id>" pieces, then a usage event, then [DONE], and then it closes
