@@ -31,7 +31,9 @@ __all__ = [
     "stream_through_a_fault",
     "two_workers_behind_a_router",
     "wait_all_blocks_free",
+    "wait_for_text",
     "wait_serving",
+    "wait_workers_up",
 ]
 
 
@@ -135,6 +137,23 @@ def pause(seconds: float, *processes: ServerProcess) -> None:
     request is under way, so that its timeout passes while the request runs."""
     with stopped(*processes):
         time.sleep(seconds)
+
+
+def wait_for_text(path: Path, text: str, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in (log := path.read_text()):
+            return log
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in {path} after {timeout_s} s")
+
+
+def wait_workers_up(router_log: Path, *targets: str) -> None:
+    """Wait until the router has taken every one of ``targets`` into rotation: its health
+    says SERVING once the first is up, and a burst sent before the others are would all go
+    to that one."""
+    for target in targets:
+        wait_for_text(router_log, f"worker {target} is up")
 
 
 def stream_through_a_fault(

@@ -31,10 +31,13 @@ from headrace.worker.engine.llm import LLM
 from tests.deploy.lws import lws_node_command
 from tests.e2e.processes import (
     ServerProcess,
+    load_report,
     start_router,
     start_worker,
     stream_through_a_fault,
+    wait_for_text,
     wait_serving,
+    wait_workers_up,
 )
 from tests.e2e.test_parallel_worker import alive, child_pids, wait_gone
 from tests.e2e.test_weight_updates import free_port, run_trainer
@@ -163,15 +166,6 @@ def two_nodes(
         leader.kill()
 
 
-def wait_for_text(path: Path, text: str, timeout_s: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and text in (log := path.read_text()):
-            return log
-        time.sleep(0.1)
-    raise AssertionError(f"{text!r} not in {path} after {timeout_s} s")
-
-
 def generate(target: str) -> list[list[int]]:
     with Client(target) as client:
         return [client.generate(prompt, GREEDY).token_ids for prompt in PROMPTS]
@@ -266,9 +260,11 @@ def test_router_fails_over_when_node_one_is_killed_mid_stream(
         start_router([single.target, leader.target], log_path=tmp_path / "router.log") as router,
     ):
         assert wait_serving(router.target)
+        wait_workers_up(tmp_path / "router.log", single.target, leader.target)
         killed_at: list[float] = []
 
         def kill_node_one() -> None:
+            assert load_report(leader.target).running_requests > 0
             follower.kill()
             killed_at.append(time.time())
 

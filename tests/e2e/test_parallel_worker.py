@@ -28,6 +28,7 @@ from tests.e2e.processes import (
     start_worker,
     stream_through_a_fault,
     wait_serving,
+    wait_workers_up,
 )
 
 PROMPTS = ["the quick brown fox", "a story about the sea", "to be or not", "hello"]
@@ -111,6 +112,7 @@ def test_router_fails_over_when_a_rank_of_a_parallel_worker_dies(
     router = start_router([single.target, parallel.target], log_path=tmp_path / "router.log")
     with single, parallel, router:
         assert wait_serving(router.target)
+        wait_workers_up(tmp_path / "router.log", single.target, parallel.target)
 
         def kill_a_rank() -> None:
             assert load_report(parallel.target).running_requests > 0
