@@ -377,6 +377,14 @@ def _add_speculative_arguments(worker: argparse.ArgumentParser) -> None:
         "n-gram matched earlier in the prompt and output), checked in one step; greedy and "
         "plain sampled requests speculate, their tokens unchanged (default 0: off)",
     )
+    add(
+        "--num-decode-steps",
+        type=int,
+        default=1,
+        help="multi-step decode: tokens a step decodes per sequence when all running ones "
+        "are plain greedy decodes and none waits, in one call to the model; tokens arrive "
+        "that many at a time (default 1: off)",
+    )
     add("--speculative-ngram-min", type=int, default=1, help="shortest n-gram matched")
     add("--speculative-ngram-max", type=int, default=4, help="longest n-gram matched")
     add(

@@ -157,6 +157,13 @@ class EngineConfig:
     #: How the draft model holds its weights (`quantization`'s values): "gguf" with this
     #: model's name drafts with its shipped 4-bit file.
     speculative_quantization: str = "auto"
+    #: Multi-step decode: tokens a step decodes for each sequence when every running one is a
+    #: plain greedy decode and nothing waits (1: off). The runner feeds each row's greedy
+    #: token back as its next input in one call (`ModelRunner.run`), so the scheduling,
+    #: batch building and reporting around a step are paid once per that many tokens; a
+    #: stream's tokens then arrive that many at a time, and a request that arrives mid-step
+    #: waits for the whole step. One rank, no speculation.
+    num_decode_steps: int = 1
     #: On a CPU: threads computing each step (torch's and the C kernels' one OpenMP pool).
     #: 0 adapts: at most the CPUs the process may use (its affinity, within a cgroup CPU
     #: quota), one fewer for each core other processes keep busy (execution/cpu_threads.py).
@@ -281,6 +288,7 @@ class EngineConfig:
             raise InvalidArgumentError(
                 "speculative_model", "needs num_speculative_tokens > 0 (the tokens it proposes)"
             )
+        self._check_decode_steps()
         if self.speculative_max_seqs < 1:
             raise InvalidArgumentError(
                 "speculative_max_seqs", f"must be >= 1, got {self.speculative_max_seqs}"
@@ -341,6 +349,20 @@ class EngineConfig:
     def lora_cpu_capacity(self) -> int:
         """Adapters the host-memory pool holds."""
         return self.max_cpu_loras or 4 * self.max_loras
+
+    def _check_decode_steps(self) -> None:
+        if self.num_decode_steps < 1:
+            raise InvalidArgumentError(
+                "num_decode_steps", f"must be >= 1, got {self.num_decode_steps}"
+            )
+        if self.num_decode_steps > 1 and self.world_size > 1:
+            raise InvalidArgumentError(
+                "num_decode_steps", "is for one rank: the ranks run a step's plan as it was sent"
+            )
+        if self.num_decode_steps > 1 and self.num_speculative_tokens:
+            raise InvalidArgumentError(
+                "num_decode_steps", "cannot be combined with num_speculative_tokens: choose one"
+            )
 
     @property
     def world_size(self) -> int:
@@ -425,4 +447,5 @@ def worker_engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative_max_seqs=args.speculative_max_seqs,
         speculative_model=args.speculative_model,
         speculative_quantization=args.speculative_quantization,
+        num_decode_steps=args.num_decode_steps,
     )

@@ -218,6 +218,14 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="the draft model's weights (as --quantization)",
     )
     add(
+        "--num-decode-steps",
+        type=int,
+        default=1,
+        metavar="K",
+        help="multi-step decode (the worker's --num-decode-steps): K tokens a step per "
+        "sequence when all running ones are plain greedy decodes",
+    )
+    add(
         "--prompts",
         choices=["random", "copy", "story"],
         default="random",

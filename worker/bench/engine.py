@@ -148,16 +148,19 @@ def run_headrace(
             first_token.setdefault(output.request_id, now - start)
             tokens[output.request_id].extend(t for d in output.samples for t in d.token_ids)
         plan = engine.last_step
-        # Every scheduled sequence decoded one token: a pure decode step.
+        # Every scheduled sequence decoded: a pure decode step, of num_runs one-row runs
+        # (multi-step decode); its times count per run, a token of each sequence.
         is_decode = plan is not None and plan.chunks and plan.num_decode_seqs == len(plan.chunks)
+        num_runs = plan.chunks[0].num_decode_steps if plan is not None and is_decode else 1
+        step_s = (now - step_start) / num_runs
         if is_decode:
-            report.decode_step_s.append(now - step_start)
-            report.host_overhead_s.append(now - step_start - timed.seconds)
+            report.decode_step_s.append(step_s)
+            report.host_overhead_s.append(step_s - timed.seconds / num_runs)
         if profile is not None:
             profile.end_step(now - step_start, bool(is_decode))
         if after_step is not None:
             paused = time.perf_counter()
-            after_step(now - step_start, bool(is_decode))
+            after_step(step_s, bool(is_decode))
             start += time.perf_counter() - paused
     report.seconds = time.perf_counter() - start
     report.ttft_s = list(first_token.values())
@@ -232,6 +235,7 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         speculative_model=args.speculative_model,
         speculative_max_seqs=args.speculative_max_seqs,
         speculative_quantization=args.speculative_quantization,
+        num_decode_steps=args.num_decode_steps,
     )
     engine = Engine(config)
 

@@ -418,6 +418,8 @@ class Engine:
         chunks, targets = result.sample_chunks, result.draft_targets
         if (token_ids := result.sample_token_ids) is not None:  # the model's greedy head's
             nones: list[TokenLogprob | None] = [None] * len(token_ids)
+            if result.decoded_token_ids:  # a multi-step decode's
+                return StepPicks(self._detokenize_runs(chunks, result.decoded_token_ids, token_ids))
             return StepPicks(self._detokenize(chunks, token_ids, nones, targets))
         if (logits := result.sample_logits) is None:
             return StepPicks()
@@ -483,7 +485,6 @@ class Engine:
         the greedy tokens, or a sampled sequence's `_speculative_draws`), up to a stop
         string."""
         sampled: list[SampledToken] = []
-        append, add_tokens = sampled.append, self.detokenizer.add_tokens  # (a row each)
         targets = draft_targets or [[]] * len(chunks)  # (read only)
         for chunk, token_id, logprob, checked in zip(
             chunks, token_ids, logprobs, targets, strict=True
@@ -498,15 +499,41 @@ class Engine:
                     *checked, token_id = speculative_draws[seq.seq_id]
                 emitted, kept = accept(draft, checked, token_id, seq.stop_token_ids)
                 self.speculation.record(len(draft), kept)
-            for token in emitted:
-                text = add_tokens(seq.detok_state, [token])
-                hit_stop = text.stop_string is not None
-                if logprob is not None:
-                    self.detokenizer.token_names.name(logprob, seq.token_ids)
-                append(SampledToken(seq, token, logprob, text.text, hit_stop))
-                if hit_stop:
-                    break
+            self._detokenize_tokens(seq, emitted, logprob, sampled)
         return sampled
+
+    def _detokenize_runs(
+        self, chunks: list[ScheduledChunk], decoded: list[list[int]], last_token_ids: list[int]
+    ) -> list[SampledToken]:
+        """A multi-step decode's tokens, each live chunk's in order: those its runs drew
+        before the last, then the last's, up to the first stop token (its sequence has
+        min_tokens out: any stop token ends it) or stop string."""
+        sampled: list[SampledToken] = []
+        for chunk, earlier, last in zip(chunks, decoded, last_token_ids, strict=True):
+            if not chunk.seq.is_finished:  # else aborted while its step was in flight
+                tokens = [*earlier, last]
+                stops = chunk.seq.stop_token_ids
+                end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+                self._detokenize_tokens(chunk.seq, tokens[:end], None, sampled)
+        return sampled
+
+    def _detokenize_tokens(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        logprob: TokenLogprob | None,
+        sampled: list[SampledToken],
+    ) -> None:
+        """Detokenize a sequence's new tokens in order into ``sampled``, up to a stop
+        string."""
+        for token in token_ids:
+            text = self.detokenizer.add_tokens(seq.detok_state, [token])
+            hit_stop = text.stop_string is not None
+            if logprob is not None:
+                self.detokenizer.token_names.name(logprob, seq.token_ids)
+            sampled.append(SampledToken(seq, token, logprob, text.text, hit_stop))
+            if hit_stop:
+                break
 
     # --- report -------------------------------------------------------------------------
 

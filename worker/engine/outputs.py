@@ -69,14 +69,16 @@ class StepStats:
     num_decode_steps: int = 0
     prompt_step_s: float = 0.0
     decode_step_s: float = 0.0
-    #: Tokens the steps computed: of prompts, and the rest (decodes, proposals checked).
+    #: Tokens the steps computed: of prompts, and the rest (decodes, a multi-step decode's
+    #: every run, proposals checked).
     num_prompt_tokens: int = 0
     num_decode_tokens: int = 0
 
     def record(self, step: SchedulerOutput, seconds: float) -> None:
         num_prompt_tokens = sum(c.num_new_tokens for c in step.chunks if c.computes_prompt)
         self.num_prompt_tokens += num_prompt_tokens
-        self.num_decode_tokens += step.num_batched_tokens - num_prompt_tokens
+        num_later_runs = sum(c.num_decode_steps - 1 for c in step.chunks)
+        self.num_decode_tokens += step.num_batched_tokens - num_prompt_tokens + num_later_runs
         if num_prompt_tokens:
             self.num_prompt_steps += 1
             self.prompt_step_s += seconds

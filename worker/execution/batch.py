@@ -100,6 +100,9 @@ class StepResult:
     #: The logits of those positions, every speculating chunk's in turn (a sampled
     #: sequence draws at each); None when the step took tokens from the greedy head.
     draft_logits: torch.Tensor | None = None
+    #: Multi-step decode: for each sampling chunk, the greedy tokens its runs drew before
+    #: the last (whose token is its sample_token_ids entry); [] when the step ran once.
+    decoded_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,9 @@ class PreparedBatch:
     prompt_rows: list[PromptRows]
     #: Rows whose next token checks a proposal, in sampling-chunk order (speculation).
     draft_rows: list[int] = field(default_factory=list)
+    #: Multi-step decode (every chunk a one-row decode): for each run after the first, each
+    #: row's KV cache slot; [] when the step runs once.
+    later_slots: list[list[int]] = field(default_factory=list)
     #: Whether the step needs no logits at all: rows sample, every one plain greedy, and no
     #: prompt logprobs are asked for. Decided when the batch is built, from the sequences as
     #: they stand then (the step may run while the engine appends other steps' tokens).

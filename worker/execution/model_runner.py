@@ -8,6 +8,7 @@ prompt rows whose logprobs were asked for.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -240,12 +241,43 @@ class ModelRunner:
         if batch.is_plain_greedy:
             rows = batch.sample_rows + batch.draft_rows
             tokens = self.model.compute_greedy(self._rows(hidden, rows)).tolist()
+            if batch.later_slots:
+                return self._decode_later_runs(batch, tokens)
             num_samples = len(batch.sample_rows)
             result = StepResult(batch.sample_chunks, None, sample_token_ids=tokens[:num_samples])
             result.draft_targets = batch.split_drafts(tokens[num_samples:])
             return result
+        assert not batch.later_slots, "a multi-step decode is plain greedy"
         rows = batch.logit_rows
         return batch.result(self.compute_logits(hidden, rows, self._logits_buffer(len(rows))))
+
+    def _decode_later_runs(self, batch: PreparedBatch, first: list[int]) -> StepResult:
+        """Multi-step decode: the batch's runs after the first (every row a sequence's
+        decode), each row's input the greedy token its run before drew (``first``: the first
+        run's). Each chunk's tokens but the last are its `decoded_token_ids`."""
+        inputs, drawn = batch.inputs, [first]
+        for slots in batch.later_slots:
+            inputs = self._next_decode_inputs(inputs, drawn[-1], slots)
+            hidden = self.forward(inputs)
+            drawn.append(self.model.compute_greedy(hidden).tolist())
+        result = StepResult(batch.sample_chunks, None, sample_token_ids=drawn[-1])
+        result.decoded_token_ids = [list(tokens) for tokens in zip(*drawn[:-1], strict=True)]
+        return result
+
+    def _next_decode_inputs(
+        self, inputs: ModelInputs, token_ids: list[int], slots: list[int]
+    ) -> ModelInputs:
+        """A run of one-row decodes after ``inputs``: each row one position on, its input
+        ``token_ids``, written into ``slots``; the block tables already hold those slots."""
+        seq_lens = [seq_len + 1 for seq_len in inputs.metadata.seq_lens_cpu]
+        metadata = dataclasses.replace(
+            inputs.metadata,
+            slot_mapping=self._to_device(host_array(slots, np.int64)),
+            seq_lens=self._to_device(host_array(seq_lens, np.int32)),
+            seq_lens_cpu=seq_lens,
+        )
+        input_ids = self._to_device(host_array(token_ids, np.int64))
+        return ModelInputs(input_ids, inputs.positions + 1, metadata, inputs.lora_indices)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer (copy-on-write of shared
@@ -314,7 +346,22 @@ class ModelRunner:
                     prompt_rows.append(rows)
             first_row += chunk.num_new_tokens
         inputs = self.build_inputs(chunks)
-        return PreparedBatch(inputs, sample_rows, sample_chunks, prompt_rows, draft_rows)
+        batch = PreparedBatch(inputs, sample_rows, sample_chunks, prompt_rows, draft_rows)
+        batch.later_slots = self._later_slots(chunks)
+        return batch
+
+    def _later_slots(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
+        """A multi-step decode's KV cache slots (`PreparedBatch.later_slots`), read from the
+        block tables now: the step may run while the scheduler changes them."""
+        num_runs = chunks[0].num_decode_steps if chunks else 1
+        if num_runs == 1:
+            return []
+        assert all(c.num_new_tokens == 1 and c.num_decode_steps == num_runs for c in chunks)
+        per_chunk = [  # positions start + 1 .. start + num_runs - 1 of each
+            cache_slots(c.seq.block_ids, c.start + 1, c.start + num_runs, self.block_size)
+            for c in chunks
+        ]
+        return [list(slots) for slots in zip(*per_chunk, strict=True)]
 
     def build_inputs(self, chunks: Sequence[BatchChunk]) -> ModelInputs:
         """The flattened varlen batch of ``chunks``, which must come decodes first.

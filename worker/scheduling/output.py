@@ -27,6 +27,22 @@ class ScheduledChunk:
     #: Speculative decoding: tokens proposed to follow the newest one, run after it in this
     #: chunk (num_new_tokens counts them) so the step can check each (`proposals.py`).
     draft_token_ids: list[int] = field(default_factory=list)
+    #: Multi-step decode (`EngineConfig.num_decode_steps`): a one-row decode runs this many
+    #: times in the step, each run's greedy token the next one's input; its blocks hold the
+    #: KV of them all.
+    num_decode_steps: int = 1
+
+    @property
+    def num_tokens_run(self) -> int:
+        """Tokens the model runs for the chunk (KV it writes): its new tokens, and a
+        multi-step decode's later runs."""
+        return self.num_new_tokens + self.num_decode_steps - 1
+
+    @property
+    def appends_several(self) -> bool:
+        """The step may append more than one token to the sequence (it speculates, or
+        decodes several steps), so how far its KV counts is settled by what was kept."""
+        return bool(self.draft_token_ids) or self.num_decode_steps > 1
 
     @property
     def computes_prompt(self) -> bool:

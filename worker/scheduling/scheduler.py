@@ -67,7 +67,13 @@ from headrace.worker.scheduling.block_manager import BlockManager
 from headrace.worker.scheduling.output import SampledToken, ScheduledChunk, SchedulerOutput
 from headrace.worker.scheduling.proposals import NgramProposer, Proposer
 from headrace.worker.scheduling.stops import check_stop
-from headrace.worker.sequence import FinishReason, Sequence, SequenceStatus, is_plain
+from headrace.worker.sequence import (
+    FinishReason,
+    Sequence,
+    SequenceStatus,
+    is_plain,
+    is_plain_greedy,
+)
 
 
 @dataclass(slots=True)
@@ -93,14 +99,23 @@ class _StepPlan:
         """Whether seq's prompt waits this step for a higher priority's."""
         return self.prompt_priority is not None and seq.priority < self.prompt_priority
 
-    def add(self, seq: Sequence, num_new_tokens: int, draft: list[int] | None = None) -> None:
+    def add(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        draft: list[int] | None = None,
+        num_decode_steps: int = 1,
+    ) -> None:
         """Plan tokens [computed, computed + num_new_tokens) of seq, the last len(draft) of
-        them proposed ones (speculative decoding)."""
+        them proposed ones (speculative decoding); a one-row decode may run num_decode_steps
+        times (multi-step decode)."""
         if seq.adapter is not None:
             self.adapters[seq.adapter] = self.adapters.get(seq.adapter, 0) + 1
         start, draft = seq.num_computed_tokens, draft or []
         samples = start + num_new_tokens - len(draft) == seq.num_tokens
-        self.chunks[seq.seq_id] = ScheduledChunk(seq, start, num_new_tokens, samples, draft)
+        self.chunks[seq.seq_id] = ScheduledChunk(
+            seq, start, num_new_tokens, samples, draft, num_decode_steps
+        )
         self.budget -= num_new_tokens
 
     def fits_adapter(self, seq: Sequence) -> bool:
@@ -327,6 +342,7 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         i = 0
         speculating = self._speculates(plan)
+        num_steps = self._decode_steps(plan)  # (every running sequence decodes when > 1)
         bm, running, held = self.block_manager, self.running, self._held_ids  # (a row each)
         while i < len(running) and not plan.is_full:
             seq = running[i]
@@ -338,7 +354,7 @@ class Scheduler:
                 i += 1
                 continue
             draft = self._propose(seq, plan.budget - 1) if speculating and num_new == 1 else []
-            needed = bm.num_new_blocks_needed(seq, num_new + len(draft))
+            needed = bm.num_new_blocks_needed(seq, num_new + len(draft) + num_steps - 1)
             # Proposals never preempt anyone nor end a sequence: they take blocks only while
             # a block for each running sequence's next token would still be left.
             if draft and not bm.can_allocate(needed + len(running)):
@@ -358,8 +374,8 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is seq:
                     return
-            bm.allocate(seq, num_new)
-            plan.add(seq, num_new, draft)
+            bm.allocate(seq, num_new + num_steps - 1)
+            plan.add(seq, num_new, draft, num_steps)
             i += 1
 
     def speculate(self, enabled: bool) -> None:
@@ -380,6 +396,27 @@ class Scheduler:
             and s.seq_id not in self._held_ids
         )
         return decoding <= self.config.speculative_max_seqs
+
+    def _decode_steps(self, plan: _StepPlan) -> int:
+        """Tokens each sequence decodes this step: 1, or up to num_decode_steps when every
+        running sequence is a plain greedy one-row decode (a prompt chunk or a drawn token
+        would wait for the others' steps), none is busy or held, nothing waits (an arrival
+        waits for the whole step), and the pool has the blocks for all their tokens. None
+        decodes past its max_tokens or the context."""
+        num_steps = self.config.num_decode_steps
+        if num_steps == 1 or self.num_waiting or plan.busy or self._held_ids:
+            return 1
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not is_plain_greedy(seq):
+                return 1
+            num_steps = min(
+                num_steps,
+                seq.config.max_tokens - seq.num_output_tokens,
+                self.max_model_len - seq.num_tokens,
+            )
+        bm = self.block_manager
+        needed = sum(bm.num_new_blocks_needed(seq, num_steps) for seq in self.running)
+        return num_steps if num_steps > 1 and bm.can_allocate(needed) else 1
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """Proposed tokens to follow seq's newest, for a plain sequence (`is_plain`): at most
@@ -484,24 +521,26 @@ class Scheduler:
         accepted proposals and the model's next token), and the sequences the stop checks
         end are finished, their blocks freed."""
         for chunk in step.chunks:
-            if not chunk.seq.is_finished and not chunk.draft_token_ids:  # else aborted
+            if not chunk.seq.is_finished and not chunk.appends_several:  # else aborted
                 self._advance_computed(chunk)
         for token in sampled:
             assert not token.seq.is_finished, "the engine samples live sequences only"
             self._append(token)
         for chunk in step.chunks:
-            if chunk.draft_token_ids and not chunk.seq.is_finished:
-                self._settle_speculation(chunk)
+            if chunk.appends_several and not chunk.seq.is_finished:
+                self._settle_several(chunk)
 
-    def _settle_speculation(self, chunk: ScheduledChunk) -> None:
-        """After a speculating chunk's tokens are appended: the KV of its newest token and of
-        the proposals the model accepted is kept (they are the tokens appended, but the last,
-        which the next step computes); the rest, written for rejected proposals, is dropped
-        with the blocks only they used, so the prefix cache never holds a rejected token."""
+    def _settle_several(self, chunk: ScheduledChunk) -> None:
+        """After the tokens of a chunk that may append several are appended: the KV of its
+        newest token and of the tokens kept (appended, but the last, which the next step
+        computes) is kept; the rest, written for rejected proposals, is dropped with the
+        blocks only they used, so the prefix cache never holds a rejected token. (A
+        multi-step decode keeps all it wrote, unless a stop ended the sequence.)"""
         seq, block_size = chunk.seq, self.block_manager.block_size
         seq.num_computed_tokens = seq.num_tokens - 1
-        assert chunk.start < seq.num_computed_tokens <= chunk.start + chunk.num_new_tokens
-        _back_off(seq, num_kept=seq.num_computed_tokens - chunk.start - 1)
+        assert chunk.start < seq.num_computed_tokens <= chunk.start + chunk.num_tokens_run
+        if chunk.draft_token_ids:
+            _back_off(seq, num_kept=seq.num_computed_tokens - chunk.start - 1)
         if seq.num_computed_tokens // block_size != chunk.start // block_size:
             self.block_manager.commit_full_blocks(seq)
         self.block_manager.trim(seq)

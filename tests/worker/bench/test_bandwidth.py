@@ -37,6 +37,7 @@ def _run_recording(engine: Engine, max_tokens: int) -> list[bool]:
     steps: list[bool] = []
     report = run_headrace(engine, workload, after_step=lambda _s, decode: steps.append(decode))
     assert report.num_tokens == max_tokens
+    assert len(report.decode_step_s) == steps.count(True)
     return steps
 
 
@@ -44,3 +45,10 @@ def test_the_run_calls_after_step_once_a_step_telling_the_decodes(engine: Engine
     steps = _run_recording(engine, max_tokens=5)
     # the prompt's step draws the first token; each of the other four decodes one
     assert steps == [False, True, True, True, True]
+
+
+def test_a_multi_step_decode_is_one_step_of_several_runs():
+    """With num_decode_steps=4, nine tokens take three steps: the prompt's (one token), then
+    two of four runs each; the hook and the report see one decode step each (timed per run)."""
+    config = EngineConfig(model=str(cached_checkpoint()), dtype="float32", num_decode_steps=4)
+    assert _run_recording(Engine(config), max_tokens=9) == [False, True, True]
