@@ -223,7 +223,8 @@ def engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="K",
         help="multi-step decode (the worker's --num-decode-steps): K tokens a step per "
-        "sequence when all running ones are plain greedy decodes",
+        "sequence when all running ones are plain greedy decodes; also runs the workload "
+        "without it, rounds alternating (--rounds): tok/s ratio, step and host time per run",
     )
     add(
         "--prompts",

@@ -13,7 +13,8 @@ samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Fig
 
 - tok/s: generated tokens over the run's wall time (prefill included);
 - TTFT: from the run's start (all requests arrive at once) to each request's first token;
-- decode step: wall time of steps in which every scheduled sequence decoded one token;
+- decode step: wall time of steps in which every scheduled sequence decoded one token (with
+  ``--num-decode-steps`` a step's time over its runs: per token of each sequence);
 - host overhead: a decode step's time minus the time spent in the model's forward and LM head,
   i.e. what the engine's own Python costs per step (schedule, build the batch, sample,
   detokenize, outputs). The tiny model makes the forward cheap, so this is most of its step.
@@ -29,6 +30,8 @@ the fraction of requests whose greedy tokens are identical in every pair.
 median of ``--rounds`` alternating (greedy, sampled) pairs, as the host's speed drifts.
 ``--profile`` splits the decode steps into phases (`headrace.worker.bench.profile`).
 ``--noisy-neighbour`` runs it beside a busy loop on one CPU (`headrace.worker.bench.neighbour`).
+``--speculative K`` and ``--num-decode-steps K`` also run the workload with the feature off,
+rounds alternating (`headrace.worker.bench.speculative`, `headrace.worker.bench.multi_step`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from headrace.worker.bench.common import (
     quantile,
 )
 from headrace.worker.bench.hf import load_hf_model, run_hf_generate, run_hf_generate_batch
+from headrace.worker.bench.multi_step import compare_decode_steps
 from headrace.worker.bench.neighbour import run_noisy_neighbour
 from headrace.worker.bench.peers import (
     PEER_VENVS,
@@ -285,6 +289,8 @@ def _run(args: argparse.Namespace, model_path: Path, model_name: str) -> Summary
         summary.update(_run_sampled(engine, workload, ours, args.profile, args.rounds))
     if args.speculative:
         summary.update(compare_speculation(config, engine, workload, args.rounds, run_headrace))
+    if args.num_decode_steps > 1:
+        summary.update(compare_decode_steps(engine, workload, args.rounds, run_headrace))
     if args.baseline == "hf":
         summary.update(_run_baselines(model_path, engine, workload, ours))
     elif peer is not None:

@@ -1,11 +1,10 @@
 """`headrace bench engine --speculative K`: the same workload with and without speculation.
 
 One engine proposing K tokens a step (`num_speculative_tokens`) runs the workload with
-speculation on and off (`Scheduler.speculate`), in alternating rounds, each pair in the
-other order than the last (the host's speed drifts between runs); each round's ratio is
-speculation's tok/s over the plain runs', and the median round is reported with the
-proposals made and kept, per position, and whether every request got the same tokens
-(speculation must not change them: greedy, or seeded).
+speculation on and off (`Scheduler.speculate`), in alternating rounds (`switched.py`); each
+round's ratio is speculation's tok/s over the plain runs', and the median round is reported
+with the proposals made and kept, per position, and whether every request got the same
+tokens (speculation must not change them: greedy, or seeded).
 
 `--prompts copy` replaces the random prompts with ones whose output copies from them: a
 passage of the shipped public-domain text, then "The same passage again, word for word:" and
@@ -23,6 +22,7 @@ from collections.abc import Callable
 
 from headrace.worker.bench.common import Report, Summary, Workload, quantile
 from headrace.worker.bench.quality import load_text
+from headrace.worker.bench.switched import alternate
 from headrace.worker.config import EngineConfig
 from headrace.worker.engine.engine import Engine
 from transformers import PreTrainedTokenizerBase
@@ -71,22 +71,11 @@ def compare_speculation(
     run_headrace: Callable[..., Report],
 ) -> Summary:
     """Alternate the workload without and with speculation on ``engine`` (warmed up and
-    measured once by the caller), ``rounds`` pairs (``run_headrace`` runs one: `bench
-    engine`'s); print and return the ratios. One engine runs both, speculation switched off
-    for the plain runs: two engines measured apart by 5-15% on this machine in either role,
-    whichever was built second running faster."""
-    pairs: list[tuple[Report, Report]] = []
+    measured once by the caller), ``rounds`` pairs (`switched.alternate`); print and return
+    the ratios."""
     before = engine.speculation.snapshot()
-    try:
-        for i in range(rounds):  # which runs first alternates too
-            runs = {}
-            for speculating in (True, False) if i % 2 else (False, True):
-                engine.scheduler.speculate(speculating)
-                name = "headrace, speculating" if speculating else "headrace, no speculation"
-                runs[speculating] = run_headrace(engine, workload, name)
-            pairs.append((runs[False], runs[True]))
-    finally:
-        engine.scheduler.speculate(True)
+    names = ("headrace, no speculation", "headrace, speculating")
+    pairs = alternate(engine, workload, rounds, engine.scheduler.speculate, names, run_headrace)
     stats = engine.speculation.since(before)  # these rounds' counts
     ratios = [spec.tokens_per_s / base.tokens_per_s for base, spec in pairs]
     same = all(base.token_ids == spec.token_ids for base, spec in pairs)

@@ -213,6 +213,8 @@ class Scheduler:
             proposer = NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
         self.proposer = proposer
         self._speculating = self.proposer is not None
+        #: Multi-step decode's most runs a step (num_decode_steps); `decode_several` switches.
+        self._max_decode_steps = config.num_decode_steps
 
     # --- queue management ----------------------------------------------------------------
 
@@ -383,6 +385,11 @@ class Scheduler:
         runs with and without it on one engine); it needs a proposer to turn on."""
         self._speculating = enabled and self.proposer is not None
 
+    def decode_several(self, enabled: bool) -> None:
+        """Turn multi-step decode off for the steps to come, or back on to num_decode_steps
+        (a benchmark's runs with and without it on one engine)."""
+        self._max_decode_steps = self.config.num_decode_steps if enabled else 1
+
     def _speculates(self, plan: _StepPlan) -> bool:
         """Whether this step speculates: it is on and at most speculative_max_seqs running
         sequences decode (past a few rows proposals cost more than they save)."""
@@ -403,7 +410,7 @@ class Scheduler:
         would wait for the others' steps), none is busy or held, nothing waits (an arrival
         waits for the whole step), and the pool has the blocks for all their tokens. None
         decodes past its max_tokens or the context."""
-        num_steps = self.config.num_decode_steps
+        num_steps = self._max_decode_steps
         if num_steps == 1 or self.num_waiting or plan.busy or self._held_ids:
             return 1
         for seq in self.running:
