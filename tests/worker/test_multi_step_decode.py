@@ -20,6 +20,7 @@ from tests.factories import build_checkpoint, hf_greedy
 from tests.worker.test_engine_oracle import COMPOSITIONS, WINDOWED, assert_all_blocks_free
 from tests.worker.test_speculative import (
     assert_cache_holds_only_real_blocks,
+    assert_stop_strings_cut_as_one_token_a_step,
     greedy,
     repeating_prompts,
     run,
@@ -143,14 +144,7 @@ def test_a_stop_token_mid_step_ends_the_sample_there(oracle, position):
 
 def test_stop_strings_cut_the_text_as_decoding_once_a_step(oracle):
     path, prompts, _ = oracle("llama")
-    plain = LLM(str(path), dtype="float32")
-    first = plain.generate(prompts[:1], greedy())[0].text
-    stop = first[len(first) // 2 : len(first) // 2 + 3]
-    config = greedy(stop=[stop])
-    want = [(r.text, r.token_ids, r.finish_reason) for r in plain.generate(prompts, config)]
-    llm = LLM(str(path), **decoding(5))
-    got = [(r.text, r.token_ids, r.finish_reason) for r in llm.generate(prompts, config)]
-    assert got == want and want[0][2] == "stop"
+    assert_stop_strings_cut_as_one_token_a_step(path, prompts, decoding(5))
 
 
 def test_streamed_deltas_carry_up_to_k_tokens_a_step(oracle):

@@ -235,12 +235,19 @@ def test_a_stop_token_among_kept_proposals_ends_the_sample_there(oracle, positio
 
 def test_stop_strings_cut_the_text_as_without_speculation(oracle):
     path, prompts, _ = oracle("llama")
+    assert_stop_strings_cut_as_one_token_a_step(path, prompts, speculating(5))
+
+
+def assert_stop_strings_cut_as_one_token_a_step(path, prompts, options: dict) -> None:
+    """A stop string from the middle of the first prompt's greedy text: an engine with
+    ``options`` gives every prompt the text, tokens and finish reason of an engine decoding
+    one token a step."""
     plain = LLM(str(path), dtype="float32")
     first = plain.generate(prompts[:1], greedy())[0].text
     stop = first[len(first) // 2 : len(first) // 2 + 3]
     config = greedy(stop=[stop])
     want = [(r.text, r.token_ids, r.finish_reason) for r in plain.generate(prompts, config)]
-    llm = LLM(str(path), **speculating(5))
+    llm = LLM(str(path), **options)
     got = [(r.text, r.token_ids, r.finish_reason) for r in llm.generate(prompts, config)]
     assert got == want and want[0][2] == "stop"
 
