@@ -159,7 +159,8 @@ class DecoderStack:
 
     def fits(
         self,
-        hidden: torch.Tensor,  # [T, hidden]
+        num_rows: int,
+        dtype: torch.dtype,  # the rows'
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> bool:
@@ -168,8 +169,7 @@ class DecoderStack:
         and in float32, or bf16 on panels, prompt chunks beside them), the stack's dtype
         throughout (the caches in it, or all int8), and every chunk one the per-op path
         attends to in the C kernel."""
-        rows = hidden.shape[0]
-        if not self.usable or hidden.dtype != self.dtype or not rows <= self._max_rows():
+        if not self.usable or dtype != self.dtype or not num_rows <= self._max_rows():
             return False
         cache_dtype = kv_caches[0].dtype if kv_caches else self.dtype
         if cache_dtype not in (self.dtype, torch.int8):
@@ -194,6 +194,32 @@ class DecoderStack:
         parts = PARTS if between is not None and hidden.shape[0] >= PARTS_MIN_ROWS else 1
         return decode_layers(
             hidden, table, self, kv_caches[0].dtype, cos, sin, metadata, parts, between
+        )
+
+    def greedy_runs(
+        self,
+        first: list[int],  # [T]: the first run's greedy tokens
+        positions: torch.Tensor,  # [T] int64: the first run's
+        later_slots: list[list[int]],  # [runs][T]: each later run's KV cache slots
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,  # the first run's: T one-row decodes
+        tables: GreedyTables,
+    ) -> list[list[int]] | None:  # [runs][T], or None: run them one by one
+        """A multi-step decode's runs after the first in one C call (decode_stack.c's
+        `headrace_decode_greedy_runs`), each token the one the runs one by one draw (the
+        same embedding rows, stack, head matmul and argmax), where they would all run in C:
+        a step the stack `fits` in one call, and a head the C matmul multiplies."""
+        num_rows = len(first)
+        in_c, panels = cpu_ops.skinny_operands(num_rows, self.dtype, tables.head)
+        dtype_held = all(in_kernel(t, self.dtype) for t in tables.tensors())
+        one_call = num_rows < PARTS_MIN_ROWS and self.fits(
+            num_rows, self.dtype, kv_caches, metadata
+        )
+        if not (in_c and dtype_held and one_call):
+            return None
+        table = self._pointers.get(lambda: self._pointer_list(kv_caches), kv_caches)
+        return greedy_runs(
+            first, positions, later_slots, tables, panels, table, self, kv_caches[0].dtype, metadata
         )
 
     def _pointer_list(self, kv_caches: list[torch.Tensor]) -> list[int]:  # [L * 15]
@@ -262,9 +288,8 @@ def decode_layers(
     """The C stack on `DecoderStack.decode`'s pointer table, its layers in ``parts`` calls of
     as many layers each as they divide into (``between`` before each call but the first): the
     final norm's output, in a copy of hidden that the calls overwrite in place."""
-    shape, layout = stack.shape, stack.weights
     num_layers = len(stack.layers)
-    assert pointers.numel() == num_layers * _LAYER_TENSORS and layout is not None
+    assert pointers.numel() == num_layers * _LAYER_TENSORS
     bounds = sorted({num_layers * part // parts for part in range(parts + 1)})
     out = hidden.contiguous().clone()
     residual = torch.empty_like(out) if len(bounds) > 2 else out  # (unused in one call)
@@ -284,16 +309,7 @@ def decode_layers(
             end - first,
             pointers.data_ptr() + first * _LAYER_TENSORS * pointers.element_size(),
             stack.sliding_windows.data_ptr() + first * stack.sliding_windows.element_size(),
-            stack.final_norm.data_ptr(),
-            shape.eps,
-            shape.hidden_size,
-            shape.intermediate_size,
-            shape.num_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            cpu_ops.dtype_code(stack.dtype),
-            cpu_ops.kv_dtype_code(kv_cache_dtype),
-            *layout,
+            *_shape_args(stack, kv_cache_dtype),
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
@@ -304,12 +320,95 @@ def decode_layers(
             seq_ids.data_ptr(),
             metadata.num_seqs,
             metadata.block_size,
-            shape.scale,
+            stack.shape.scale,
             cpu_ops.QUERY_TILE,
         )
         if status != 0:
             raise MemoryError("the decode layers could not allocate their buffers")
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class GreedyTables:
+    """What a model's greedy runs (`DecoderStack.greedy_runs`) read besides its layers, each in
+    the stack's dtype."""
+
+    embedding: torch.Tensor  # [vocabulary, hidden]: the token embeddings
+    head: torch.Tensor  # [N, hidden]: the LM head's weight, as its greedy matmul takes it
+    cos: torch.Tensor  # [positions, 1, head_dim]: the rotary tables
+    sin: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.embedding, self.head, self.cos, self.sin)
+
+
+def greedy_runs(
+    first: list[int],  # [T]
+    positions: torch.Tensor,  # [T] int64
+    later_slots: list[list[int]],  # [runs][T]
+    tables: GreedyTables,
+    head_panels: torch.Tensor | None,
+    pointers: torch.Tensor,  # [L * 15] int64
+    stack: DecoderStack,
+    kv_cache_dtype: torch.dtype,
+    metadata: AttentionMetadata,
+) -> list[list[int]]:  # [runs][T]
+    """`DecoderStack.greedy_runs`'s C call (it checked that they fit)."""
+    num_runs, num_rows = len(later_slots), len(first)
+    tokens = torch.empty(num_runs + 1, num_rows, dtype=torch.int64)
+    tokens[0] = torch.tensor(first, dtype=torch.int64)
+    slots = torch.tensor(later_slots, dtype=torch.int64)
+    tables_i32, starts, seq_lens = cpu_ops.attention_arrays(metadata)
+    seq_lens = seq_lens.clone()  # (the call counts them up)
+    positions = positions.to(torch.int64).contiguous()
+    status = cpu_ops.library().headrace_decode_greedy_runs(
+        num_runs,
+        num_rows,
+        tokens.data_ptr(),
+        tables.embedding.data_ptr(),
+        tables.head.data_ptr(),
+        None if head_panels is None else head_panels.data_ptr(),
+        tables.head.shape[0],
+        tables.cos.data_ptr(),
+        tables.sin.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        seq_lens.data_ptr(),
+        len(stack.layers),
+        pointers.data_ptr(),
+        stack.sliding_windows.data_ptr(),
+        *_shape_args(stack, kv_cache_dtype),
+        tables_i32.data_ptr(),
+        tables_i32.stride(0),
+        starts.data_ptr(),
+        _all_seqs(metadata.num_seqs).data_ptr(),
+        metadata.num_seqs,
+        metadata.block_size,
+        stack.shape.scale,
+        cpu_ops.QUERY_TILE,
+    )
+    if status != 0:
+        raise MemoryError("the greedy decode runs could not allocate their buffers")
+    return tokens[1:].tolist()
+
+
+def _shape_args(stack: DecoderStack, kv_cache_dtype: torch.dtype) -> tuple[object, ...]:
+    """The stack's final norm, eps, shape, dtypes and matrix layout, as the C stacks take
+    them (native.py's `_STACK_SHAPE`)."""
+    shape, layout = stack.shape, stack.weights
+    assert layout is not None, "a usable stack has one layout"
+    return (
+        stack.final_norm.data_ptr(),
+        shape.eps,
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        cpu_ops.dtype_code(stack.dtype),
+        cpu_ops.kv_dtype_code(kv_cache_dtype),
+        *layout,
+    )
 
 
 @functools.lru_cache(maxsize=64)

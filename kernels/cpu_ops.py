@@ -393,8 +393,9 @@ def linear(
     output's sum in a fixed order, whatever the other rows), and bf16 rows against a weight's
     panels at any row count (`panel_copy`); else torch's on the weight packed once
     (`prepacked.linear`)."""
-    panels = panel_copy(weight) if x.dtype == torch.bfloat16 and x.dim() == 2 else None
-    if panels is None and not _takes_skinny(x, weight):
+    on_cpu = x.dim() == 2 and x.device.type == "cpu"
+    in_c, panels = skinny_operands(x.shape[0], x.dtype, weight) if on_cpu else (False, None)
+    if not in_c:
         return prepacked.linear(x, weight, bias, out_dtype)
 
     def run(x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> int:
@@ -588,11 +589,16 @@ def _pairs_beat_torch() -> bool:
     return available() and bf16_pairs() and not cpu_has_flag("amx_bf16")
 
 
-def _takes_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    on_cpu = x.device.type == weight.device.type == "cpu"
-    rows = x.shape[0] if x.dim() == 2 else 0
-    in_kernel = on_cpu and x.dtype in _DTYPE_CODES and weight.is_contiguous() and rows > 0
-    return in_kernel and rows <= skinny_max_rows(weight.dtype)
+def skinny_operands(
+    num_rows: int, dtype: torch.dtype, weight: torch.Tensor
+) -> tuple[bool, torch.Tensor | None]:
+    """Whether `linear` multiplies ``num_rows`` rows of ``dtype`` in CPU memory by weight in
+    the C kernel, and the weight's panels it reads there (bf16 rows against a weight that has
+    them), or None."""
+    panels = panel_copy(weight) if dtype == torch.bfloat16 else None
+    in_kernel = weight.device.type == "cpu" and dtype in _DTYPE_CODES and weight.is_contiguous()
+    skinny = in_kernel and 0 < num_rows <= skinny_max_rows(weight.dtype)
+    return panels is not None or skinny, panels
 
 
 #: Widest row `rms_norm` takes in C (its row buffer lives on the stack); wider go to torch.

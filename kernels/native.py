@@ -66,6 +66,9 @@ _error: str | None = None
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
+#: A decoder stack's final norm, its eps and shape, dtypes and matrix layout, as both C stacks
+#: (decode_stack.c) take them.
+_STACK_SHAPE = [_P, ctypes.c_float, _I64, _I64] + [_INT] * 6 + [_I64, _INT]
 #: Argument types of each exported function, checked by ctypes on every call.
 _SIGNATURES = {
     "headrace_paged_attention": (
@@ -106,11 +109,18 @@ _SIGNATURES = {
         None,
     ),
     "headrace_decode_layers": (
-        [_P, _P, _INT, _INT, _I64, _INT, _P, _P, _P, ctypes.c_float, _I64, _I64]
-        + [_INT] * 6
-        + [_I64, _INT]
+        [_P, _P, _INT, _INT, _I64, _INT, _P, _P]
+        + _STACK_SHAPE
         + [_P] * 4
         + [_I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT],
+        _INT,
+    ),
+    "headrace_decode_greedy_runs": (
+        [_INT, _I64, _P, _P, _P, _P, _I64]
+        + [_P] * 5
+        + [_INT, _P, _P]
+        + _STACK_SHAPE
+        + [_P, _I64, _P, _P, _INT, _INT, ctypes.c_float, _INT],
         _INT,
     ),
     "headrace_moe_experts": ([_P, _P, _INT, _P, _P, _I64, _I64, _INT, _INT, _I64, _INT], _INT),

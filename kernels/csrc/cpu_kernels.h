@@ -105,6 +105,14 @@ void hr_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, c
                       const void *panels, int w_dtype, int64_t N, int64_t K, const float *bias,
                       void *y, int64_t y_stride, int y_dtype, float *wide_x);
 
+/* The exported matmul and running argmax (cpu_kernels.c), each a region of its own, as the
+   greedy head calls them from Python; decode_stack.c's greedy runs call them the same way. */
+int headrace_skinny_linear(const void *x, int64_t x_stride, int x_dtype, int64_t M, const void *w,
+                           const void *panels, int w_dtype, int64_t N, int64_t K,
+                           const float *bias, void *y, int64_t y_stride, int y_dtype);
+void headrace_argmax_update(const float *x, int64_t num_rows, int64_t num_cols,
+                            int64_t row_stride, int64_t offset, float *best, int64_t *index);
+
 /* panel_linear.c: bf16 x [M, K] against bf16 weights [N, K] packed into panels
    (headrace_pack_panels), as every thread of a region runs it; only where the CPU has
    AVX512-BF16. */

@@ -18,6 +18,7 @@
    otherwise. Each layer attends within its own sliding window, or to all
    keys (sliding_windows). */
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -144,5 +145,65 @@ int headrace_decode_layers(
         memcpy(residual, b.residual, rows_bytes);
     }
     free(base);
+    return failed ? -1 : 0;
+}
+
+/* A multi-step decode's runs after the first, each sequence one row, greedy, in one call
+   (no Python between the runs: ~1.3 ms a run on SmolLM2-135M, 13% of a bf16 one-row run).
+   Run r looks up the embeddings of the tokens run r - 1 drew, runs the layers at positions
+   + r into the KV slots slots[r - 1] (headrace_decode_layers), multiplies the final norm's
+   output by the LM head into float32 logits (headrace_skinny_linear) and takes each row's
+   first maximum (headrace_argmax_update): the calls the runs from Python make, on the same
+   values, so each token is the one they draw. Returns 0, or -1 when memory ran out (the
+   tokens and the KV cache are then undefined). */
+int headrace_decode_greedy_runs(
+    int num_runs, int64_t T,
+    int64_t *tokens,          /* [num_runs + 1, T]: row 0 the first run's; the call fills the rest */
+    const void *embedding,    /* [vocabulary, hidden] */
+    const void *head, const void *head_panels, int64_t head_rows, /* [head_rows, hidden]; panels or NULL */
+    const void *cos_table, const void *sin_table, /* [positions, head_dim] */
+    const int64_t *positions, /* [T]: the first run's */
+    const int64_t *slots,     /* [num_runs, T]: each run's KV cache slots */
+    int32_t *seq_lens,        /* [T]: the first run's; the call adds one a run */
+    int num_layers, const int64_t *layers, const int32_t *sliding_windows,
+    const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
+    int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype, int weight_bits,
+    int64_t group_size, int int8_activations,
+    const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
+    const int32_t *seq_ids, int num_seqs, int block_size, float scale, int query_tile) {
+    const size_t size = dtype == F32 ? 4 : 2;
+    const size_t row_bytes = (size_t)hidden_size * size, rotary_bytes = (size_t)head_dim * size;
+    char *hidden = malloc((size_t)T * row_bytes);
+    char *cos = malloc((size_t)T * rotary_bytes), *sin = malloc((size_t)T * rotary_bytes);
+    float *logits = malloc((size_t)(T * head_rows) * sizeof(float)), *best = malloc(T * sizeof(float));
+    int failed = hidden == NULL || cos == NULL || sin == NULL || logits == NULL || best == NULL;
+    for (int r = 1; r <= num_runs && !failed; r++) {
+        const int64_t *drawn = tokens + (r - 1) * T;
+        int64_t *next = tokens + r * T;
+        for (int64_t i = 0; i < T; i++) {
+            memcpy(hidden + i * row_bytes, (const char *)embedding + drawn[i] * row_bytes, row_bytes);
+            const size_t at = (size_t)(positions[i] + r) * rotary_bytes;
+            memcpy(cos + i * rotary_bytes, (const char *)cos_table + at, rotary_bytes);
+            memcpy(sin + i * rotary_bytes, (const char *)sin_table + at, rotary_bytes);
+            seq_lens[i] += 1;
+            best[i] = -INFINITY;
+            next[i] = 0;
+        }
+        failed = headrace_decode_layers(
+                     hidden, hidden, 1, 1, T, num_layers, layers, sliding_windows, final_norm,
+                     eps, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim,
+                     dtype, kv_dtype, weight_bits, group_size, int8_activations, cos, sin,
+                     slots + (r - 1) * T, block_tables, block_table_stride, query_start_loc,
+                     seq_lens, seq_ids, num_seqs, block_size, scale, query_tile) != 0;
+        failed = failed || headrace_skinny_linear(hidden, hidden_size, dtype, T, head, head_panels,
+                                                  dtype, head_rows, hidden_size, NULL, logits,
+                                                  head_rows, F32) != 0;
+        if (!failed) headrace_argmax_update(logits, T, head_rows, head_rows, 0, best, next);
+    }
+    free(hidden);
+    free(cos);
+    free(sin);
+    free(logits);
+    free(best);
     return failed ? -1 : 0;
 }

@@ -280,7 +280,7 @@ def test_per_layer_sliding_windows_in_one_call_are_the_per_op_forward_bit_for_bi
     def run(stack: cpu_decode.DecoderStack, one_call: bool) -> torch.Tensor:
         caches = [batch.kv_cache.clone() for _ in layers]  # each layer's, written as it runs
         if one_call:
-            assert stack.fits(hidden, caches, batch.metadata)
+            assert stack.fits(hidden.shape[0], hidden.dtype, caches, batch.metadata)
             return stack.decode(hidden, cos, sin, caches, batch.metadata)
         return per_op_layers(hidden, stack, cos, sin, caches, batch.metadata)
 

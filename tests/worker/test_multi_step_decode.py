@@ -67,6 +67,23 @@ def most_runs(engine: Engine) -> list[int]:
     return runs
 
 
+def runs_in_one_call(engine: Engine, take: bool = True) -> list[int]:
+    """Record, from now on, how many later runs each step the model ran in one call
+    (`decode_greedy_runs`; 0 where it ran them one by one); with ``take`` False the model
+    is never let to, so every step runs them one by one."""
+    counts: list[int] = []
+    model = engine.runner.model
+    in_one_call = model.decode_greedy_runs
+
+    def recording(first, positions, later_slots, *rest):
+        later = in_one_call(first, positions, later_slots, *rest) if take else None
+        counts.append(0 if later is None else len(later_slots))
+        return later
+
+    model.decode_greedy_runs = recording  # type: ignore[method-assign]
+    return counts
+
+
 # --- against the oracle ----------------------------------------------------------------------
 
 
@@ -99,13 +116,33 @@ def test_every_composition_equals_transformers(oracle, family, composition, back
     if "preempting" in composition and family not in WINDOWED:
         options["num_kv_blocks"] = 24  # five sequences of up to 63 tokens in 4-token blocks
     llm = LLM(str(path), **decoding(4, **options))
-    runs = most_runs(llm.engine)
+    runs, one_call = most_runs(llm.engine), runs_in_one_call(llm.engine)
     assert run(llm, prompts, greedy()) == expected
     # (overlapped steps run several only when no step is in flight beside them)
     assert max(runs) == 4 or composition.startswith("overlapped")
+    # The one-call C stack serves Llama's and Mistral's layers on the CPU kernels, and so
+    # their later runs; Qwen3's q/k norms and the other kernel sets run them one by one.
+    if max(runs) == 4:
+        assert (max(one_call) == 3) == (backend == "cpu" and family != "qwen3")
     if "preempting" in composition:
         assert llm.engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_later_runs_in_one_call_draw_the_tokens_of_runs_one_by_one(oracle, dtype):
+    """The later runs in one C call (embedding rows, the stack, the head's matmul and argmax
+    in C) draw every token the runs one by one draw, in bf16 too (no oracle there: the runs
+    one by one are the reference), for one sequence and for a batch."""
+    path, prompts, _ = oracle("llama")
+    tokens = {}
+    for take in (True, False):
+        llm = LLM(str(path), **{**decoding(5, kernel_backend="cpu"), "dtype": dtype})
+        one_call = runs_in_one_call(llm.engine, take)
+        tokens[take] = run(llm, prompts, greedy()), run(llm, prompts[:1], greedy())
+        assert (max(one_call) == 4) == take
+        assert_all_blocks_free(llm.engine)
+    assert tokens[True] == tokens[False]
 
 
 # --- limits and stops --------------------------------------------------------------------

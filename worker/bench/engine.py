@@ -106,6 +106,9 @@ class _TimedModel:
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._timed(self._model.compute_greedy, hidden)
 
+    def decode_greedy_runs(self, *args: Any) -> list[list[int]] | None:
+        return self._timed(self._model.decode_greedy_runs, *args)
+
 
 def request_config(max_tokens: int, sampled: bool, index: int) -> GenerationConfig:
     if sampled:

@@ -254,15 +254,28 @@ class ModelRunner:
     def _decode_later_runs(self, batch: PreparedBatch, first: list[int]) -> StepResult:
         """Multi-step decode: the batch's runs after the first (every row a sequence's
         decode), each row's input the greedy token its run before drew (``first``: the first
-        run's). Each chunk's tokens but the last are its `decoded_token_ids`."""
-        inputs, drawn = batch.inputs, [first]
-        for slots in batch.later_slots:
-            inputs = self._next_decode_inputs(inputs, drawn[-1], slots)
-            hidden = self.forward(inputs)
-            drawn.append(self.model.compute_greedy(hidden).tolist())
+        run's), in one call of the model's where it can (`decode_greedy_runs`), else one by
+        one. Each chunk's tokens but the last are its `decoded_token_ids`."""
+        inputs = batch.inputs
+        later = self.model.decode_greedy_runs(
+            first, inputs.positions, batch.later_slots, self.kv_caches, inputs.metadata
+        )
+        if later is None:
+            later = self._runs_one_by_one(inputs, first, batch.later_slots)
+        drawn = [first, *later]
         result = StepResult(batch.sample_chunks, None, sample_token_ids=drawn[-1])
         result.decoded_token_ids = [list(tokens) for tokens in zip(*drawn[:-1], strict=True)]
         return result
+
+    def _runs_one_by_one(
+        self, inputs: ModelInputs, first: list[int], later_slots: list[list[int]]
+    ) -> list[list[int]]:  # [runs][rows]
+        drawn = [first]
+        for slots in later_slots:
+            inputs = self._next_decode_inputs(inputs, drawn[-1], slots)
+            hidden = self.forward(inputs)
+            drawn.append(self.model.compute_greedy(hidden).tolist())
+        return drawn[1:]
 
     def _next_decode_inputs(
         self, inputs: ModelInputs, token_ids: list[int], slots: list[int]

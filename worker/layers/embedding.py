@@ -60,6 +60,11 @@ class VocabParallelEmbedding(Quantizable):
         embeddings = self._look_up(local_ids) * in_range.unsqueeze(-1)
         return all_reduce(embeddings, self.parallel)
 
+    def lookup_table(self) -> torch.Tensor | None:  # [vocabulary, hidden]
+        """The table the embedding copies its rows from as they are (one rank, not
+        quantized), or None."""
+        return self.weight if self.parallel.is_single and self.quantized is None else None
+
     def _look_up(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if self.quantized is None:
             return torch.embedding(self.weight, ids)  # (F.embedding's op, without its checks)
@@ -141,11 +146,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Each row's argmax over its logits, a few rows at a time (one rank only): the same
         tokens as an argmax of `forward`'s logits, which never exist whole."""
         assert self.parallel.is_single, "the greedy head needs the whole vocabulary"
-        rows_per_call = max(1, GREEDY_BLOCK_FLOATS // self.num_embeddings)
+        rows_per_call = self._greedy_rows_per_call()
         if hidden.shape[0] <= rows_per_call:  # (no slice: every small op counts in a step)
             return self._greedy_rows(hidden)
         calls = range(0, hidden.shape[0], rows_per_call)
         return torch.cat([self._greedy_rows(hidden[i : i + rows_per_call]) for i in calls])
+
+    def greedy_weight(self, num_rows: int) -> torch.Tensor | None:  # [N, hidden]
+        """The weight `greedy` multiplies ``num_rows`` rows by in one matmul of the backend's
+        into float32 logits, then one running argmax over them all (one rank, not
+        quantized), or None."""
+        one_call = num_rows <= self._greedy_rows_per_call()
+        return self.weight if one_call and self.lookup_table() is not None else None
+
+    def _greedy_rows_per_call(self) -> int:
+        return max(1, GREEDY_BLOCK_FLOATS // self.num_embeddings)
 
     def _greedy_rows(self, rows: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N] int64
         running = RunningArgmax(rows.shape[0], rows.device, self.kernels)

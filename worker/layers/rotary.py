@@ -134,10 +134,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T] -> cos, sin: [T, 1, head_dim]
         """cos and sin for each token, looked up once per step and shared by every layer."""
-        cos, sin = self._caches(dtype)
+        cos, sin = self.tables(dtype)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def _caches(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position ([positions, 1, head_dim]) in ``dtype``."""
         if dtype == self.cos_cache.dtype:
             return self.cos_cache, self.sin_cache
         cast = self._cast.get(dtype)

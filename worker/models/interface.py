@@ -43,6 +43,22 @@ class CausalLM(Protocol):
         forward, progress the share of them run (the thread governor's look in a long step)."""
         ...
 
+    def decode_greedy_runs(
+        self,
+        first: list[int],
+        positions: torch.Tensor,
+        later_slots: list[list[int]],
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> list[list[int]] | None:
+        """A multi-step decode's runs after the first (every row one sequence's decode, its
+        input the token the run before drew; the first run's ``first`` tokens, ``positions``
+        and ``attn_metadata``; each later run one position on, written into its
+        ``later_slots``): their greedy tokens, [runs][rows], computed in one call where the
+        model can, each the token `__call__` and `compute_greedy` would draw; None where it
+        cannot (the runner then runs them one by one)."""
+        ...
+
 
 class LoadableModel(CausalLM, Protocol):
     """A model as the registry builds it and the runner holds it: weights loaded at start,

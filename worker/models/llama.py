@@ -283,12 +283,38 @@ class LlamaModel(nn.Module):
             )
             self._adaptable = tuple(linear for layer in own for linear in layer.projections)
         stack = self._decode_stack
-        # (LoRA adapters run layer by layer; one flat pass over the projections a step)
-        if any(linear.lora is not None for linear in self._adaptable) or not stack.fits(
-            hidden, kv_caches, metadata
+        if self._adapters_on() or not stack.fits(
+            hidden.shape[0], hidden.dtype, kv_caches, metadata
         ):
             return None
         return stack.decode(hidden, *rotary, kv_caches, metadata, self._between_layers)
+
+    def _adapters_on(self) -> bool:
+        """Whether a LoRA adapter is on a projection: those run layer by layer (one flat pass
+        over the projections a step)."""
+        return any(linear.lora is not None for linear in self._adaptable)
+
+    def decode_greedy_runs(
+        self,
+        first: list[int],  # [T]: the first run's greedy tokens
+        positions: torch.Tensor,  # [T]: the first run's
+        later_slots: list[list[int]],  # [runs][T]
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,  # the first run's
+        head: torch.Tensor,  # [N, hidden]: the LM head's `greedy_weight`
+    ) -> list[list[int]] | None:  # [runs][T], or None: run them one by one
+        """A multi-step decode's runs after the first in one call of the one-call stack
+        (`cpu_decode.DecoderStack.greedy_runs`), where it serves the step: built by the first
+        run, no adapter on, embeddings looked up as they lie and no local rotary."""
+        stack, embedding = self._decode_stack, self.embed_tokens
+        plain = self.embedding_scale is None and self.local_rotary_emb is None
+        if stack is None or embedding is None or not plain or self._adapters_on():
+            return None
+        table = embedding.lookup_table()
+        if table is None:
+            return None
+        tables = cpu_decode.GreedyTables(table, head, *self.rotary_emb.tables(stack.dtype))
+        return stack.greedy_runs(first, positions, later_slots, kv_caches, metadata, tables)
 
 
 def _decode_shape(
@@ -389,6 +415,24 @@ class LlamaForCausalLM(nn.Module):
 
     def watch_layers(self, between: Callable[[float], None]) -> None:
         self.model.watch_layers(between)
+
+    def decode_greedy_runs(
+        self,
+        first: list[int],
+        positions: torch.Tensor,
+        later_slots: list[list[int]],
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> list[list[int]] | None:
+        head = self.lm_head
+        if head is None or self.config.final_softcap is not None:
+            return None
+        weight = head.greedy_weight(len(first))
+        if weight is None:
+            return None
+        return self.model.decode_greedy_runs(
+            first, positions, later_slots, kv_caches, attn_metadata, weight
+        )
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
         """Each row's greedy token: the argmax of `compute_logits` (one rank only). Capped
