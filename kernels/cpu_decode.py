@@ -14,6 +14,10 @@ path otherwise. The four matrices of every
 layer may instead be quantized alike (`headrace.kernels.quantized`: the same bits, and groups
 of one size or one per row), and the KV cache may be int8 (`headrace.kernels.kv_layout`).
 Each layer attends within its own sliding window, or to every key.
+
+Multi-step decode's runs after a step's first, greedy one-row decodes, run in one C call too
+(`DecoderStack.greedy_runs`): each run's embedding rows, the stack, the LM head's matmul and
+argmax, with no Python between runs, every token the one the runs one by one draw.
 """
 
 from __future__ import annotations

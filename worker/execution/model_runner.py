@@ -4,6 +4,10 @@ The scheduler's chunks become `input_ids [T]`, `positions [T]`, `slot_mapping [T
 `AttentionMetadata` (query_start_loc, seq_lens, block_tables) shared by every layer. Only the
 rows that need logits go through the LM head: the last row of each chunk that samples, and
 prompt rows whose logprobs were asked for.
+
+A multi-step decode's step (`PreparedBatch.later_slots`) runs the model again after its first
+run, each row's input the greedy token the run before drew: in one call of the model's where
+it can (`decode_greedy_runs`: the CPU's one-call stack), else run by run.
 """
 
 from __future__ import annotations

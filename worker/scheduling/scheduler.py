@@ -47,6 +47,12 @@ head of the queue stops admission until it fits, so nothing behind it overtakes 
 A held sequence (its reader fell behind, see `hold`) is not scheduled: a running one keeps
 its blocks but may be preempted, a waiting one is HELD out of the queue until `release`.
 
+Multi-step decode (`num_decode_steps` K): a step whose chunks are all plain greedy one-row
+decodes, with nothing waiting, busy or held, runs the model up to K times (`_decode_steps`:
+fewer where max_tokens, the context or the pool would be passed); the blocks of all K tokens
+are allocated here, and `update_from_output` appends the runs' tokens as it appends a
+speculating sequence's kept proposals, cut at a stop.
+
 Beam search forks running sequences (`fork`): the child joins the running set with the
 parent's blocks shared. Forks may take the running set past `max_num_seqs` for a while, and a
 beam whose siblings wait for it (one already generating) is admitted past the cap, and may
