@@ -297,8 +297,7 @@ def decode_layers(
     bounds = sorted({num_layers * part // parts for part in range(parts + 1)})
     out = hidden.contiguous().clone()
     residual = torch.empty_like(out) if len(bounds) > 2 else out  # (unused in one call)
-    tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)
-    seq_ids = _all_seqs(metadata.num_seqs)
+    arrays = cpu_ops.attention_arrays(metadata)
     slots = metadata.slot_mapping.to(torch.int64).contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     for first, end in itertools.pairwise(bounds):
@@ -317,15 +316,7 @@ def decode_layers(
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
-            tables.data_ptr(),
-            tables.stride(0),
-            starts.data_ptr(),
-            seq_lens.data_ptr(),
-            seq_ids.data_ptr(),
-            metadata.num_seqs,
-            metadata.block_size,
-            stack.shape.scale,
-            cpu_ops.QUERY_TILE,
+            *_attention_args(arrays, stack, metadata),
         )
         if status != 0:
             raise MemoryError("the decode layers could not allocate their buffers")
@@ -362,8 +353,8 @@ def greedy_runs(
     tokens = torch.empty(num_runs + 1, num_rows, dtype=torch.int64)
     tokens[0] = torch.tensor(first, dtype=torch.int64)
     slots = torch.tensor(later_slots, dtype=torch.int64)
-    tables_i32, starts, seq_lens = cpu_ops.attention_arrays(metadata)
-    seq_lens = seq_lens.clone()  # (the call counts them up)
+    block_tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)
+    arrays = (block_tables, starts, seq_lens.clone())  # (the call counts the lengths up)
     positions = positions.to(torch.int64).contiguous()
     status = cpu_ops.library().headrace_decode_greedy_runs(
         num_runs,
@@ -377,23 +368,37 @@ def greedy_runs(
         tables.sin.data_ptr(),
         positions.data_ptr(),
         slots.data_ptr(),
-        seq_lens.data_ptr(),
         len(stack.layers),
         pointers.data_ptr(),
         stack.sliding_windows.data_ptr(),
         *_shape_args(stack, kv_cache_dtype),
-        tables_i32.data_ptr(),
-        tables_i32.stride(0),
+        *_attention_args(arrays, stack, metadata),
+    )
+    if status != 0:
+        raise MemoryError("the greedy decode runs could not allocate their buffers")
+    return tokens[1:].tolist()
+
+
+def _attention_args(
+    arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # `cpu_ops.attention_arrays`'
+    stack: DecoderStack,
+    metadata: AttentionMetadata,
+) -> tuple[object, ...]:
+    """The step's block tables, query starts and sequence lengths (``arrays``, which the
+    caller holds through the call), its sequences, block size, scale and query tile, as the
+    C stacks take them."""
+    tables, starts, seq_lens = arrays
+    return (
+        tables.data_ptr(),
+        tables.stride(0),
         starts.data_ptr(),
+        seq_lens.data_ptr(),
         _all_seqs(metadata.num_seqs).data_ptr(),
         metadata.num_seqs,
         metadata.block_size,
         stack.shape.scale,
         cpu_ops.QUERY_TILE,
     )
-    if status != 0:
-        raise MemoryError("the greedy decode runs could not allocate their buffers")
-    return tokens[1:].tolist()
 
 
 def _shape_args(stack: DecoderStack, kv_cache_dtype: torch.dtype) -> tuple[object, ...]:

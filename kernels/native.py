@@ -69,6 +69,9 @@ _INT = ctypes.c_int
 #: A decoder stack's final norm, its eps and shape, dtypes and matrix layout, as both C stacks
 #: (decode_stack.c) take them.
 _STACK_SHAPE = [_P, ctypes.c_float, _I64, _I64] + [_INT] * 6 + [_I64, _INT]
+#: A step's block tables, their stride, query starts, sequence lengths and ids, how many, the
+#: block size, softmax scale and query tile, as both take them.
+_STACK_ATTENTION = [_P, _I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT]
 #: Argument types of each exported function, checked by ctypes on every call.
 _SIGNATURES = {
     "headrace_paged_attention": (
@@ -109,18 +112,15 @@ _SIGNATURES = {
         None,
     ),
     "headrace_decode_layers": (
-        [_P, _P, _INT, _INT, _I64, _INT, _P, _P]
-        + _STACK_SHAPE
-        + [_P] * 4
-        + [_I64, _P, _P, _P, _INT, _INT, ctypes.c_float, _INT],
+        [_P, _P, _INT, _INT, _I64, _INT, _P, _P] + _STACK_SHAPE + [_P] * 3 + _STACK_ATTENTION,
         _INT,
     ),
     "headrace_decode_greedy_runs": (
         [_INT, _I64, _P, _P, _P, _P, _I64]
-        + [_P] * 5
+        + [_P] * 4
         + [_INT, _P, _P]
         + _STACK_SHAPE
-        + [_P, _I64, _P, _P, _INT, _INT, ctypes.c_float, _INT],
+        + _STACK_ATTENTION,
         _INT,
     ),
     "headrace_moe_experts": ([_P, _P, _INT, _P, _P, _I64, _I64, _INT, _INT, _I64, _INT], _INT),

@@ -164,12 +164,12 @@ int headrace_decode_greedy_runs(
     const void *cos_table, const void *sin_table, /* [positions, head_dim] */
     const int64_t *positions, /* [T]: the first run's */
     const int64_t *slots,     /* [num_runs, T]: each run's KV cache slots */
-    int32_t *seq_lens,        /* [T]: the first run's; the call adds one a run */
     int num_layers, const int64_t *layers, const int32_t *sliding_windows,
     const void *final_norm, float eps, int64_t hidden_size, int64_t intermediate_size,
     int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype, int weight_bits,
     int64_t group_size, int int8_activations,
     const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
+    int32_t *seq_lens, /* [T]: the first run's; the call adds one a run */
     const int32_t *seq_ids, int num_seqs, int block_size, float scale, int query_tile) {
     const size_t size = dtype == F32 ? 4 : 2;
     const size_t row_bytes = (size_t)hidden_size * size, rotary_bytes = (size_t)head_dim * size;
