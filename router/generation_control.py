@@ -46,7 +46,13 @@ from headrace.sdk.errors import (
     error_for_code,
 )
 from headrace.sdk.streams import Undecodable
-from headrace.sdk.weights import end_upload, upload_answer, upload_timeout, write_chunk
+from headrace.sdk.weights import (
+    end_upload,
+    read_to_end,
+    upload_answer,
+    upload_timeout,
+    write_chunk,
+)
 
 #: What one worker answered: its response or its error.
 Outcome = cpb.ControlResponse | HeadraceError
@@ -273,17 +279,21 @@ async def _stage_on_all(
 async def _send_to_all(
     forwards: list[_Forward], chunks: AsyncIterator[cpb.WeightsChunk | Undecodable]
 ) -> cpb.WeightsChunk | None:
-    """Each chunk to every worker as it arrives (never buffered whole here); the header."""
+    """Each chunk to every worker as it arrives (never buffered whole here); the header. Once
+    a worker refused it the others need no more, and the rest is read to its end unsent
+    (`read_to_end`), as it is before a chunk that cannot be decoded is refused."""
     header: cpb.WeightsChunk | None = None
     async for chunk in chunks:
         if isinstance(chunk, Undecodable):
+            await read_to_end(chunks)
             raise chunk.fault()
         if header is None:
             header = cpb.WeightsChunk(version=chunk.version, stage_only=chunk.stage_only)
             chunk.stage_only = True
         sent = await asyncio.gather(*(forward.send(chunk) for forward in forwards))
         if not all(sent):
-            break  # a worker refused it already: the others need no more
+            await read_to_end(chunks)
+            break
     return header
 
 

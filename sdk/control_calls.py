@@ -59,7 +59,8 @@ async def _upload(
     call: grpc.aio.StreamUnaryCall, chunks: Iterable[cpb.WeightsChunk]
 ) -> cpb.ControlResponse:
     """Write every chunk and half-close, then the server's answer. A server that answered
-    early (a refused tensor) stops the writing, and its status is the answer; a chunk that
+    early (a deadline; headrace's servers read a refused upload to its end, see
+    `read_to_end`) stops the writing, and its status is the answer; a chunk that
     cannot be made (a tensor of another dtype) cancels the call and raises its own error."""
     try:
         for chunk in chunks:

@@ -9,16 +9,22 @@ Design note on uploads (SDK to router, router to worker). Every upload ends in o
 ways: its last chunk is written and the stream half-closed (`end_upload`), or the call is
 cancelled; never by leaving the stream open, which leaves the server waiting for more. The
 writes go straight to the call (`write_chunk`), so gRPC's flow control is the back-pressure
-and a server that answered early (a refused tensor) stops the writing. And every upload has a
-deadline: ``upload_timeout`` of its bytes by default, derived from the measured rate, so an
-upload that stalls fails with DEADLINE_EXCEEDED instead of hanging.
+and a server that answered early stops the writing. And every upload has a deadline:
+``upload_timeout`` of its bytes by default, derived from the measured rate, so an upload that
+stalls fails with DEADLINE_EXCEEDED instead of hanging.
+
+A server that refuses an upload (a bad tensor, a worker's refusal) reads the rest of it before
+it answers (`read_to_end`): when an aio client's write fails because the server answered
+first, grpcio reports INTERNAL ("Internal error from Core") in place of the server's status
+(grpc/grpc#36066, open in 1.85), so an early refusal reached our own SDK and router as
+INTERNAL about one time in several. The rest is read and dropped, within the deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import AsyncIterator, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -251,6 +257,13 @@ def upload_timeout(num_bytes: int | None) -> float:
     if num_bytes is None:
         num_bytes = UNCOUNTED_UPLOAD_BYTES
     return UPLOAD_SETUP_S + num_bytes / UPLOAD_MIN_BYTES_PER_S
+
+
+async def read_to_end(chunks: AsyncIterator[object]) -> None:
+    """Read and drop the rest of a refused upload, so that the refusal is answered after the
+    client half-closed (see the design note above)."""
+    async for _ in chunks:
+        pass
 
 
 async def write_chunk(call: grpc.aio.StreamUnaryCall, chunk: cpb.WeightsChunk) -> bool:

@@ -251,6 +251,22 @@ def test_a_rejected_update_leaves_the_worker_serving_a_unchanged(
     assert served(client) == (greedy_tokens(offline), {"default"})
 
 
+def test_grpc_36066_a_refusal_early_in_a_long_upload_answers_its_status_never_internal(
+    client: Client, offline: LLM
+) -> None:
+    """A tensor refused at the start of a 16 MB upload: the worker reads the rest before it
+    answers, so the SDK gets INVALID_ARGUMENT naming the tensor every time, never the
+    INTERNAL grpcio's aio client reports when a write fails after the server answered."""
+    upload = [
+        ("model.layers.1.self_attn.o_proj.weight", torch.zeros(64, 65)),
+        ("model.embed_tokens.weight", torch.zeros(1024, 4096)),
+    ]
+    for _ in range(40):
+        with pytest.raises(InvalidArgumentError, match=r"layers\.1\.self_attn\.o_proj"):
+            client.update_weights_from_tensors(upload, "bad")
+    assert served(client) == (greedy_tokens(offline), {"default"})
+
+
 def test_sleep_refuses_requests_until_wake_up(client: Client, offline: LLM) -> None:
     assert client.sleep().workers[0].state == GenerationState.ASLEEP
     with pytest.raises(UnavailableError, match="asleep") as refused:

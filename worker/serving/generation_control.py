@@ -19,13 +19,14 @@ import grpc.aio
 from headrace.protos import control_pb2 as cpb
 from headrace.protos import control_pb2_grpc
 from headrace.sdk import status
-from headrace.sdk.errors import FailedPreconditionError, InvalidArgumentError
+from headrace.sdk.errors import FailedPreconditionError, HeadraceError, InvalidArgumentError
 from headrace.sdk.streams import Undecodable
 from headrace.sdk.weights import (
     LoraAdapterInfo,
     WorkerState,
     check_version,
     pause_mode_from_wire,
+    read_to_end,
 )
 from headrace.worker.distributed.weight_sync import (
     FromDisk,
@@ -128,18 +129,23 @@ class GenerationControlService(control_pb2_grpc.GenerationControlServicer):
     async def _receive(
         self, chunks: AsyncIterator[cpb.WeightsChunk | Undecodable]
     ) -> tuple[str, bool, FromTensors]:
-        """(version, stage_only, the tensors) of a whole stream, checked."""
+        """(version, stage_only, the tensors) of a whole stream, checked; a refused one is
+        read to its end before the refusal is raised (`read_to_end`)."""
         self._staged = None  # a new upload replaces what was staged, even if it fails
         assembler = TensorAssembler(self.engine.weight_checker)
         header: cpb.WeightsChunk | None = None
-        async for chunk in chunks:
-            if isinstance(chunk, Undecodable):
-                raise chunk.fault()
-            if header is None:
-                header = chunk
-                check_version(chunk.version)
-            if chunk.name or chunk.data:  # the first message may carry the version alone
-                assembler.add(chunk)
+        try:
+            async for chunk in chunks:
+                if isinstance(chunk, Undecodable):
+                    raise chunk.fault()
+                if header is None:
+                    header = chunk
+                    check_version(chunk.version)
+                if chunk.name or chunk.data:  # the first message may carry the version alone
+                    assembler.add(chunk)
+        except HeadraceError:
+            await read_to_end(chunks)
+            raise
         if header is None:
             raise InvalidArgumentError("version", "the stream carried no message")
         return header.version, header.stage_only, FromTensors(assembler.finish())
