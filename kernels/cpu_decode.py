@@ -216,10 +216,15 @@ class DecoderStack:
         num_rows = len(first)
         in_c, panels = cpu_ops.skinny_operands(num_rows, self.dtype, tables.head)
         dtype_held = all(in_kernel(t, self.dtype) for t in tables.tensors())
+        # (the C call reads rows of the tables unchecked: the last run's positions and the
+        # head's token ids must have theirs)
+        last_position = max(metadata.seq_lens_cpu) - 1 + len(later_slots)
+        in_tables = last_position < tables.cos.shape[0]
+        in_tables &= tables.head.shape[0] <= tables.embedding.shape[0]
         one_call = num_rows < PARTS_MIN_ROWS and self.fits(
             num_rows, self.dtype, kv_caches, metadata
         )
-        if not (in_c and dtype_held and one_call):
+        if not (in_c and dtype_held and in_tables and one_call):
             return None
         table = self._pointers.get(lambda: self._pointer_list(kv_caches), kv_caches)
         return greedy_runs(
