@@ -219,8 +219,10 @@ class DecoderStack:
         # (the C call reads rows of the tables unchecked: the last run's positions and the
         # head's token ids must have theirs)
         last_position = max(metadata.seq_lens_cpu) - 1 + len(later_slots)
-        in_tables = last_position < tables.cos.shape[0]
-        in_tables &= tables.head.shape[0] <= tables.embedding.shape[0]
+        in_tables = (
+            last_position < tables.cos.shape[0]
+            and tables.head.shape[0] <= tables.embedding.shape[0]
+        )
         one_call = num_rows < PARTS_MIN_ROWS and self.fits(
             num_rows, self.dtype, kv_caches, metadata
         )
