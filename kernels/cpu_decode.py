@@ -15,9 +15,9 @@ layer may instead be quantized alike (`headrace.kernels.quantized`: the same bit
 of one size or one per row), and the KV cache may be int8 (`headrace.kernels.kv_layout`).
 Each layer attends within its own sliding window, or to every key.
 
-Multi-step decode's runs after a step's first, greedy one-row decodes, run in one C call too
-(`DecoderStack.greedy_runs`): each run's embedding rows, the stack, the LM head's matmul and
-argmax, with no Python between runs, every token the one the runs one by one draw.
+A step of greedy one-row decodes runs in one C call whole (`DecoderStack.greedy_runs`): each
+run's embedding rows, the stack, the LM head's matmul and argmax, with no Python around the
+stack or between a multi-step decode's runs, every token the one the runs from Python draw.
 """
 
 from __future__ import annotations
@@ -202,26 +202,31 @@ class DecoderStack:
 
     def greedy_runs(
         self,
-        first: list[int],  # [T]: the first run's greedy tokens
+        input_ids: torch.Tensor,  # [T] int64: the first run's inputs
         positions: torch.Tensor,  # [T] int64: the first run's
-        later_slots: list[list[int]],  # [runs][T]: each later run's KV cache slots
+        later_slots: list[list[int]],  # [runs - 1][T]: each later run's KV cache slots
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,  # the first run's: T one-row decodes
         tables: GreedyTables,
-    ) -> list[list[int]] | None:  # [runs][T], or None: run them one by one
-        """A multi-step decode's runs after the first in one C call (decode_stack.c's
-        `headrace_decode_greedy_runs`), each token the one the runs one by one draw (the
-        same embedding rows, stack, head matmul and argmax), where they would all run in C:
-        a step the stack `fits` in one call, and a head the C matmul multiplies."""
-        num_rows = len(first)
+    ) -> list[list[int]] | None:  # [runs][T], or None: run them from Python
+        """A step of greedy one-row decodes in one C call (decode_stack.c's
+        `headrace_decode_greedy_runs`): its first run, at ``positions`` into the metadata's
+        slots, then each of a multi-step decode's later runs one position on, its inputs the
+        tokens the run before drew. Each token is the one the runs from Python draw (the same
+        embedding rows, stack, head matmul and argmax). Where they would all run in C: a step
+        the stack `fits` in one call, and a head the C matmul multiplies."""
+        num_rows = input_ids.shape[0]
         in_c, panels = cpu_ops.skinny_operands(num_rows, self.dtype, tables.head)
         dtype_held = all(in_kernel(t, self.dtype) for t in tables.tensors())
-        # (the C call reads rows of the tables unchecked: the last run's positions and the
-        # head's token ids must have theirs)
+        # (the C call reads rows of the tables unchecked: the inputs, the last run's
+        # positions and the head's token ids must have theirs)
         last_position = max(metadata.seq_lens_cpu) - 1 + len(later_slots)
+        vocabulary = tables.embedding.shape[0]
         in_tables = (
             last_position < tables.cos.shape[0]
-            and tables.head.shape[0] <= tables.embedding.shape[0]
+            and tables.head.shape[0] <= vocabulary
+            and int(input_ids.min()) >= 0
+            and int(input_ids.max()) < vocabulary
         )
         one_call = num_rows < PARTS_MIN_ROWS and self.fits(
             num_rows, self.dtype, kv_caches, metadata
@@ -230,7 +235,15 @@ class DecoderStack:
             return None
         table = self._pointers.get(lambda: self._pointer_list(kv_caches), kv_caches)
         return greedy_runs(
-            first, positions, later_slots, tables, panels, table, self, kv_caches[0].dtype, metadata
+            input_ids,
+            positions,
+            later_slots,
+            tables,
+            panels,
+            table,
+            self,
+            kv_caches[0].dtype,
+            metadata,
         )
 
     def _pointer_list(self, kv_caches: list[torch.Tensor]) -> list[int]:  # [L * 15]
@@ -345,9 +358,9 @@ class GreedyTables:
 
 
 def greedy_runs(
-    first: list[int],  # [T]
+    input_ids: torch.Tensor,  # [T] int64
     positions: torch.Tensor,  # [T] int64
-    later_slots: list[list[int]],  # [runs][T]
+    later_slots: list[list[int]],  # [runs - 1][T]
     tables: GreedyTables,
     head_panels: torch.Tensor | None,
     pointers: torch.Tensor,  # [L * 15] int64
@@ -356,10 +369,10 @@ def greedy_runs(
     metadata: AttentionMetadata,
 ) -> list[list[int]]:  # [runs][T]
     """`DecoderStack.greedy_runs`'s C call (it checked that they fit)."""
-    num_runs, num_rows = len(later_slots), len(first)
+    num_runs, num_rows = 1 + len(later_slots), input_ids.shape[0]
     tokens = torch.empty(num_runs + 1, num_rows, dtype=torch.int64)
-    tokens[0] = torch.tensor(first, dtype=torch.int64)
-    slots = torch.tensor(later_slots, dtype=torch.int64)
+    tokens[0] = input_ids
+    slots = torch.tensor([metadata.slot_mapping.tolist(), *later_slots], dtype=torch.int64)
     block_tables, starts, seq_lens = cpu_ops.attention_arrays(metadata)
     arrays = (block_tables, starts, seq_lens.clone())  # (the call counts the lengths up)
     positions = positions.to(torch.int64).contiguous()

@@ -148,17 +148,18 @@ int headrace_decode_layers(
     return failed ? -1 : 0;
 }
 
-/* A multi-step decode's runs after the first, each sequence one row, greedy, in one call
-   (no Python between the runs: ~1.3 ms a run on SmolLM2-135M, 13% of a bf16 one-row run).
-   Run r looks up the embeddings of the tokens run r - 1 drew, runs the layers at positions
-   + r into the KV slots slots[r - 1] (headrace_decode_layers), multiplies the final norm's
-   output by the LM head into float32 logits (headrace_skinny_linear) and takes each row's
-   first maximum (headrace_argmax_update): the calls the runs from Python make, on the same
-   values, so each token is the one they draw. Returns 0, or -1 when memory ran out (the
+/* A step of greedy one-row decodes in one call: its run, or a multi-step decode's runs, each
+   sequence one row (no Python around the stack: ~1.5 ms of a 10 ms bf16 one-row run on
+   SmolLM2-135M). Run r looks up the embeddings of its input tokens (row r of `tokens`: the
+   step's inputs, then the tokens run r - 1 drew), runs the layers at positions + r into the KV
+   slots slots[r] (headrace_decode_layers), multiplies the final norm's output by the LM head
+   into float32 logits (headrace_skinny_linear) and takes each row's first maximum
+   (headrace_argmax_update) into row r + 1: the calls a run from Python makes, on the same
+   values, so each token is the one it draws. Returns 0, or -1 when memory ran out (the
    tokens and the KV cache are then undefined). */
 int headrace_decode_greedy_runs(
     int num_runs, int64_t T,
-    int64_t *tokens,          /* [num_runs + 1, T]: row 0 the first run's; the call fills the rest */
+    int64_t *tokens,          /* [num_runs + 1, T]: row 0 the inputs; the call fills the rest */
     const void *embedding,    /* [vocabulary, hidden] */
     const void *head, const void *head_panels, int64_t head_rows, /* [head_rows, hidden]; panels or NULL */
     const void *cos_table, const void *sin_table, /* [positions, head_dim] */
@@ -169,7 +170,7 @@ int headrace_decode_greedy_runs(
     int num_heads, int num_kv_heads, int head_dim, int dtype, int kv_dtype, int weight_bits,
     int64_t group_size, int int8_activations,
     const int32_t *block_tables, int64_t block_table_stride, const int32_t *query_start_loc,
-    int32_t *seq_lens, /* [T]: the first run's; the call adds one a run */
+    int32_t *seq_lens, /* [T]: the first run's; the call adds one a run after it */
     const int32_t *seq_ids, int num_seqs, int block_size, float scale, int query_tile) {
     const size_t size = dtype == F32 ? 4 : 2;
     const size_t row_bytes = (size_t)hidden_size * size, rotary_bytes = (size_t)head_dim * size;
@@ -177,15 +178,15 @@ int headrace_decode_greedy_runs(
     char *cos = malloc((size_t)T * rotary_bytes), *sin = malloc((size_t)T * rotary_bytes);
     float *logits = malloc((size_t)(T * head_rows) * sizeof(float)), *best = malloc(T * sizeof(float));
     int failed = hidden == NULL || cos == NULL || sin == NULL || logits == NULL || best == NULL;
-    for (int r = 1; r <= num_runs && !failed; r++) {
-        const int64_t *drawn = tokens + (r - 1) * T;
-        int64_t *next = tokens + r * T;
+    for (int r = 0; r < num_runs && !failed; r++) {
+        const int64_t *inputs = tokens + r * T;
+        int64_t *next = tokens + (r + 1) * T;
         for (int64_t i = 0; i < T; i++) {
-            memcpy(hidden + i * row_bytes, (const char *)embedding + drawn[i] * row_bytes, row_bytes);
+            memcpy(hidden + i * row_bytes, (const char *)embedding + inputs[i] * row_bytes, row_bytes);
             const size_t at = (size_t)(positions[i] + r) * rotary_bytes;
             memcpy(cos + i * rotary_bytes, (const char *)cos_table + at, rotary_bytes);
             memcpy(sin + i * rotary_bytes, (const char *)sin_table + at, rotary_bytes);
-            seq_lens[i] += 1;
+            seq_lens[i] += r > 0;
             best[i] = -INFINITY;
             next[i] = 0;
         }
@@ -193,7 +194,7 @@ int headrace_decode_greedy_runs(
                      hidden, hidden, 1, 1, T, num_layers, layers, sliding_windows, final_norm,
                      eps, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim,
                      dtype, kv_dtype, weight_bits, group_size, int8_activations, cos, sin,
-                     slots + (r - 1) * T, block_tables, block_table_stride, query_start_loc,
+                     slots + r * T, block_tables, block_table_stride, query_start_loc,
                      seq_lens, seq_ids, num_seqs, block_size, scale, query_tile) != 0;
         failed = failed || headrace_skinny_linear(hidden, hidden_size, dtype, T, head, head_panels,
                                                   dtype, head_rows, hidden_size, NULL, logits,

@@ -14,6 +14,7 @@ before the windows.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,17 +38,20 @@ GREEDY = GenerationConfig(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 class Calls:
-    """Counts decode_layers calls, and the rows of each."""
+    """Counts the one-call stack's calls (decode_layers, and greedy_runs: a step of greedy
+    decodes, embedding to token), and the rows of each."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rows: list[int] = []
-        inner = cpu_decode.decode_layers
+        for name in ("decode_layers", "greedy_runs"):
+            monkeypatch.setattr(cpu_decode, name, self._counted(getattr(cpu_decode, name)))
 
-        def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-            self.rows.append(hidden.shape[0])
-            return inner(hidden, *args)
+    def _counted(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(rows: torch.Tensor, *args: Any) -> Any:  # hidden [T, hidden] or ids [T]
+            self.rows.append(rows.shape[0])
+            return inner(rows, *args)
 
-        monkeypatch.setattr(cpu_decode, "decode_layers", counted)
+        return counted
 
 
 def generate(path: str, dtype: str, prompts: list[list[int]], **engine: Any) -> dict[str, Any]:

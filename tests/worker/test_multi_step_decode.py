@@ -68,17 +68,17 @@ def most_runs(engine: Engine) -> list[int]:
 
 
 def runs_in_one_call(engine: Engine, take: bool = True) -> list[int]:
-    """Record, from now on, how many later runs each step the model ran in one call
-    (`decode_greedy_runs`; 0 where it ran them one by one); with ``take`` False the model
-    is never let to, so every step runs them one by one."""
+    """Record, from now on, how many runs each step of greedy decodes the model ran in one
+    call (`decode_greedy_runs`; 0 where they ran from Python); with ``take`` False the model
+    is never let to, so every step runs from Python."""
     counts: list[int] = []
     model = engine.runner.model
     in_one_call = model.decode_greedy_runs
 
-    def recording(first, positions, later_slots, *rest):
-        later = in_one_call(first, positions, later_slots, *rest) if take else None
-        counts.append(0 if later is None else len(later_slots))
-        return later
+    def recording(input_ids, positions, later_slots, *rest):
+        drawn = in_one_call(input_ids, positions, later_slots, *rest) if take else None
+        counts.append(0 if drawn is None else 1 + len(later_slots))
+        return drawn
 
     model.decode_greedy_runs = recording  # type: ignore[method-assign]
     return counts
@@ -121,26 +121,28 @@ def test_every_composition_equals_transformers(oracle, family, composition, back
     # (overlapped steps run several only when no step is in flight beside them)
     assert max(runs) == 4 or composition.startswith("overlapped")
     # The one-call C stack serves Llama's and Mistral's layers on the CPU kernels, and so
-    # their later runs; Qwen3's q/k norms and the other kernel sets run them one by one.
+    # their steps' runs; Qwen3's q/k norms and the other kernel sets run them from Python.
     if max(runs) == 4:
-        assert (max(one_call) == 3) == (backend == "cpu" and family != "qwen3")
+        assert (max(one_call) == 4) == (backend == "cpu" and family != "qwen3")
     if "preempting" in composition:
         assert llm.engine.scheduler.num_preemptions > 0
     assert_all_blocks_free(llm.engine)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_later_runs_in_one_call_draw_the_tokens_of_runs_one_by_one(oracle, dtype):
-    """The later runs in one C call (embedding rows, the stack, the head's matmul and argmax
-    in C) draw every token the runs one by one draw, in bf16 too (no oracle there: the runs
-    one by one are the reference), for one sequence and for a batch."""
+@pytest.mark.parametrize("k", [1, 5])
+def test_runs_in_one_call_draw_the_tokens_of_runs_from_python(oracle, dtype, k):
+    """A step's runs in one C call (embedding rows, the stack, the head's matmul and argmax
+    in C), one run a step or five, draw every token the runs from Python draw, in bf16 too
+    (no oracle there: the runs from Python are the reference), for one sequence and for a
+    batch."""
     path, prompts, _ = oracle("llama")
     tokens = {}
     for take in (True, False):
-        llm = LLM(str(path), **{**decoding(5, kernel_backend="cpu"), "dtype": dtype})
+        llm = LLM(str(path), **{**decoding(k, kernel_backend="cpu"), "dtype": dtype})
         one_call = runs_in_one_call(llm.engine, take)
         tokens[take] = run(llm, prompts, greedy()), run(llm, prompts[:1], greedy())
-        assert (max(one_call) == 4) == take
+        assert (max(one_call) == k) == take
         assert_all_blocks_free(llm.engine)
     assert tokens[True] == tokens[False]
 

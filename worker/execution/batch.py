@@ -133,6 +133,9 @@ class PreparedBatch:
     #: prompt logprobs are asked for. Decided when the batch is built, from the sequences as
     #: they stand then (the step may run while the engine appends other steps' tokens).
     is_plain_greedy: bool = field(init=False)
+    #: Whether, besides, every row is a sequence's one-row decode (no proposals): the
+    #: step's runs may go in one call of the model's (`CausalLM.decode_greedy_runs`).
+    decodes_greedily: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.is_plain_greedy = (
@@ -140,6 +143,8 @@ class PreparedBatch:
             and not self.prompt_rows
             and all(is_plain_greedy(chunk.seq) for chunk in self.sample_chunks)
         )
+        one_row_each = len(self.sample_rows) == self.inputs.num_tokens
+        self.decodes_greedily = self.is_plain_greedy and one_row_each and not self.draft_rows
 
     @property
     def logit_rows(self) -> list[int]:
@@ -158,6 +163,13 @@ class PreparedBatch:
             lists.append(targets[offset : offset + count])
             offset += count
         return lists
+
+    def runs_result(self, drawn: list[list[int]]) -> StepResult:
+        """The result of a step of greedy decodes from each run's tokens ([runs][rows]): the
+        last run's are the sampled ones, the others each chunk's `decoded_token_ids`."""
+        result = StepResult(self.sample_chunks, None, sample_token_ids=drawn[-1])
+        result.decoded_token_ids = [list(tokens) for tokens in zip(*drawn[:-1], strict=True)]
+        return result
 
     def result(self, logits: torch.Tensor | None) -> StepResult:
         """Split the logits of `logit_rows` into what the sampler, prompt logprobs and the

@@ -5,9 +5,11 @@ The scheduler's chunks become `input_ids [T]`, `positions [T]`, `slot_mapping [T
 rows that need logits go through the LM head: the last row of each chunk that samples, and
 prompt rows whose logprobs were asked for.
 
-A multi-step decode's step (`PreparedBatch.later_slots`) runs the model again after its first
-run, each row's input the greedy token the run before drew: in one call of the model's where
-it can (`decode_greedy_runs`: the CPU's one-call stack), else run by run.
+A step whose rows are all plain greedy one-row decodes (`PreparedBatch.decodes_greedily`)
+runs in one call of the model's where it can (`decode_greedy_runs`: the CPU's one-call stack,
+embedding to greedy token with no Python between), else from Python. A multi-step decode's
+step (`PreparedBatch.later_slots`) runs the model again after its first run, each row's
+input the greedy token the run before drew: in that one call, or run by run.
 """
 
 from __future__ import annotations
@@ -238,37 +240,39 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, block_copies: list[tuple[int, int]], batch: PreparedBatch) -> StepResult:
         """The device's part of a step: copy blocks, forward, then logits of the needed rows,
-        or only their greedy tokens when that is all the step needs. It reads nothing the
-        scheduler changes (`prepare` read that), so it may run while the next step is planned."""
+        or only their greedy tokens when that is all the step needs (a step of greedy decodes
+        in one call of the model's where it can). It reads nothing the scheduler changes
+        (`prepare` read that), so it may run while the next step is planned."""
         self.copy_blocks(block_copies)
-        hidden = self.forward(batch.inputs)
+        inputs = batch.inputs
+        if batch.decodes_greedily:
+            drawn = self.model.decode_greedy_runs(
+                inputs.input_ids,
+                inputs.positions,
+                batch.later_slots,
+                self.kv_caches,
+                inputs.metadata,
+            )
+            if drawn is not None:
+                return batch.runs_result(drawn)
+        hidden = self.forward(inputs)
         if batch.is_plain_greedy:
-            rows = batch.sample_rows + batch.draft_rows
-            tokens = self.model.compute_greedy(self._rows(hidden, rows)).tolist()
-            if batch.later_slots:
-                return self._decode_later_runs(batch, tokens)
-            num_samples = len(batch.sample_rows)
-            result = StepResult(batch.sample_chunks, None, sample_token_ids=tokens[:num_samples])
-            result.draft_targets = batch.split_drafts(tokens[num_samples:])
-            return result
+            return self._greedy_result(batch, hidden)
         assert not batch.later_slots, "a multi-step decode is plain greedy"
         rows = batch.logit_rows
         return batch.result(self.compute_logits(hidden, rows, self._logits_buffer(len(rows))))
 
-    def _decode_later_runs(self, batch: PreparedBatch, first: list[int]) -> StepResult:
-        """Multi-step decode: the batch's runs after the first (every row a sequence's
-        decode), each row's input the greedy token its run before drew (``first``: the first
-        run's), in one call of the model's where it can (`decode_greedy_runs`), else one by
-        one. Each chunk's tokens but the last are its `decoded_token_ids`."""
-        inputs = batch.inputs
-        later = self.model.decode_greedy_runs(
-            first, inputs.positions, batch.later_slots, self.kv_caches, inputs.metadata
-        )
-        if later is None:
-            later = self._runs_one_by_one(inputs, first, batch.later_slots)
-        drawn = [first, *later]
-        result = StepResult(batch.sample_chunks, None, sample_token_ids=drawn[-1])
-        result.decoded_token_ids = [list(tokens) for tokens in zip(*drawn[:-1], strict=True)]
+    def _greedy_result(self, batch: PreparedBatch, hidden: torch.Tensor) -> StepResult:
+        """A plain greedy step's tokens from the greedy head, with its proposals' targets, or
+        a multi-step decode's, its later runs run one by one."""
+        rows = batch.sample_rows + batch.draft_rows
+        tokens = self.model.compute_greedy(self._rows(hidden, rows)).tolist()
+        if batch.later_slots:
+            later = self._runs_one_by_one(batch.inputs, tokens, batch.later_slots)
+            return batch.runs_result([tokens, *later])
+        num_samples = len(batch.sample_rows)
+        result = StepResult(batch.sample_chunks, None, sample_token_ids=tokens[:num_samples])
+        result.draft_targets = batch.split_drafts(tokens[num_samples:])
         return result
 
     def _runs_one_by_one(

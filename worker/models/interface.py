@@ -45,18 +45,18 @@ class CausalLM(Protocol):
 
     def decode_greedy_runs(
         self,
-        first: list[int],
+        input_ids: torch.Tensor,
         positions: torch.Tensor,
         later_slots: list[list[int]],
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> list[list[int]] | None:
-        """A multi-step decode's runs after the first (every row one sequence's decode, its
-        input the token the run before drew; the first run's ``first`` tokens, ``positions``
-        and ``attn_metadata``; each later run one position on, written into its
-        ``later_slots``): their greedy tokens, [runs][rows], computed in one call where the
-        model can, each the token `__call__` and `compute_greedy` would draw; None where it
-        cannot (the runner then runs them one by one)."""
+        """A step of greedy one-row decodes (every row one sequence's decode): its first run
+        (``input_ids`` at ``positions``, as ``attn_metadata`` says), then a multi-step
+        decode's later runs, each one position on, its inputs the tokens the run before drew,
+        written into its ``later_slots``. Their greedy tokens, [runs][rows], computed in one
+        call where the model can, each the token `__call__` and `compute_greedy` would draw;
+        None where it cannot (the runner then runs them from Python)."""
         ...
 
 

@@ -296,16 +296,17 @@ class LlamaModel(nn.Module):
 
     def decode_greedy_runs(
         self,
-        first: list[int],  # [T]: the first run's greedy tokens
+        input_ids: torch.Tensor,  # [T]: the first run's
         positions: torch.Tensor,  # [T]: the first run's
-        later_slots: list[list[int]],  # [runs][T]
+        later_slots: list[list[int]],  # [runs - 1][T]
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,  # the first run's
         head: torch.Tensor,  # [N, hidden]: the LM head's `greedy_weight`
-    ) -> list[list[int]] | None:  # [runs][T], or None: run them one by one
-        """A multi-step decode's runs after the first in one call of the one-call stack
-        (`cpu_decode.DecoderStack.greedy_runs`), where it serves the step: built by the first
-        run, no adapter on, embeddings looked up as they lie and no local rotary."""
+    ) -> list[list[int]] | None:  # [runs][T], or None: run them from Python
+        """A step of greedy one-row decodes in one call of the one-call stack
+        (`cpu_decode.DecoderStack.greedy_runs`), where it serves the step: built by an
+        earlier forward, no adapter on, embeddings looked up as they lie and no local
+        rotary."""
         stack, embedding = self._decode_stack, self.embed_tokens
         plain = self.embedding_scale is None and self.local_rotary_emb is None
         if stack is None or embedding is None or not plain or self._adapters_on():
@@ -314,7 +315,7 @@ class LlamaModel(nn.Module):
         if table is None:
             return None
         tables = cpu_decode.GreedyTables(table, head, *self.rotary_emb.tables(stack.dtype))
-        return stack.greedy_runs(first, positions, later_slots, kv_caches, metadata, tables)
+        return stack.greedy_runs(input_ids, positions, later_slots, kv_caches, metadata, tables)
 
 
 def _decode_shape(
@@ -418,7 +419,7 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_greedy_runs(
         self,
-        first: list[int],
+        input_ids: torch.Tensor,
         positions: torch.Tensor,
         later_slots: list[list[int]],
         kv_caches: list[torch.Tensor],
@@ -427,11 +428,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head
         if head is None or self.config.final_softcap is not None:
             return None
-        weight = head.greedy_weight(len(first))
+        weight = head.greedy_weight(input_ids.shape[0])
         if weight is None:
             return None
         return self.model.decode_greedy_runs(
-            first, positions, later_slots, kv_caches, attn_metadata, weight
+            input_ids, positions, later_slots, kv_caches, attn_metadata, weight
         )
 
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N]
