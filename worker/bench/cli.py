@@ -449,10 +449,11 @@ Figures: tok/s = generated tokens over the run's wall time (prefill included); T
 request's arrival (or, for serve, its send) to its first token; ITL = the time between a
 request's successive chunks; decode step = an engine step in which every scheduled sequence
 decoded one token; host overhead = a decode step's time minus the time in the model's forward
-and LM head, i.e. the engine's own Python per step (scheduling, building the batch, sampling,
-detokenizing). p50 / p99 are percentiles over requests or steps. --json prints them as one
-JSON object on the last line, with one ratio_* key per baseline run in the same command (in
-this process, or a peer engine's process taking turns with it).
+and LM head (or its one call for both), i.e. the engine's own Python per step (scheduling,
+building the batch, sampling, detokenizing). p50 / p99 are percentiles over requests or
+steps. --json prints them as one JSON object on the last line, with one ratio_* key per
+baseline run in the same command (in this process, or a peer engine's process taking turns
+with it).
 """
 
 

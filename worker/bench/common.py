@@ -46,8 +46,9 @@ class Report:
     #: Time between successive streamed chunks of a request.
     itl_s: list[float] = field(default_factory=list)
     decode_step_s: list[float] = field(default_factory=list)
-    #: Step time minus the time in the model's forward and LM head: what the engine's own
-    #: Python costs each step (scheduling, batch building, sampling, detokenizing, outputs).
+    #: Step time minus the time in the model's forward and LM head (or its one call for
+    #: both: `decode_greedy_runs`): what the engine's own Python costs each step
+    #: (scheduling, batch building, sampling, detokenizing, outputs).
     host_overhead_s: list[float] = field(default_factory=list)
     #: Generated tokens of each request, in the workload's order, where the run keeps them
     #: (to compare greedy outputs with a peer's).

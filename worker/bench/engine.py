@@ -15,9 +15,10 @@ samples every request at temperature 0.8, top_p 0.9 with a seed of its own). Fig
 - TTFT: from the run's start (all requests arrive at once) to each request's first token;
 - decode step: wall time of steps in which every scheduled sequence decoded one token (with
   ``--num-decode-steps`` a step's time over its runs: per token of each sequence);
-- host overhead: a decode step's time minus the time spent in the model's forward and LM head,
-  i.e. what the engine's own Python costs per step (schedule, build the batch, sample,
-  detokenize, outputs). The tiny model makes the forward cheap, so this is most of its step.
+- host overhead: a decode step's time minus the time spent in the model's forward and LM head
+  (or in its one call for both, `decode_greedy_runs`), i.e. what the engine's own Python costs
+  per step (schedule, build the batch, sample, detokenize, outputs). The tiny model makes the
+  forward cheap, so this is most of its step.
 
 With ``--baseline hf`` each transformers mode runs the same prompts and output length, and
 ``ratio_hf_generate`` / ``ratio_hf_generate_batch`` are headrace's tok/s over theirs.
@@ -79,7 +80,8 @@ from headrace.worker.models.store import DEFAULT_MODEL, resolve_model
 
 
 class _TimedModel:
-    """Wraps the model to add up time spent in forward and the LM head during a step."""
+    """Wraps the model to add up time spent in forward and the LM head during a step (or in
+    the one call that runs both)."""
 
     def __init__(self, model: Any, device: torch.device) -> None:
         self._model = model

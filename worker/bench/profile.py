@@ -8,6 +8,9 @@ nothing wrapped, otherwise) and adds up the wall time each phase takes in decode
 - forward: the model's layers (embedding to final norm);
 - LM head: the logits of the rows that sample, or, when every row is plain greedy, the
   greedy head (logits a vocabulary slice at a time with a running argmax);
+- one call: a step of plain greedy one-row decodes run whole in one call of the model's
+  (`decode_greedy_runs`: the layers, the LM head and the argmax, on the CPU's one-call
+  stack); forward and LM head then take nothing;
 - sample: the sampler (penalties, warpers, draws, logprobs); absent with the greedy head;
 - detokenize: incremental detokenizing of each sampled token (stop strings included);
 - update: `Scheduler.update_from_output` (computed tokens, prefix-cache blocks, appending
@@ -29,6 +32,7 @@ PHASES = (
     "prepare",
     "forward",
     "LM head",
+    "one call",
     "sample",
     "detokenize",
     "update",
@@ -54,6 +58,7 @@ class StepProfile:
             (model, "forward", "forward"),
             (model, "compute_logits", "LM head"),
             (model, "compute_greedy", "LM head"),
+            (model, "decode_greedy_runs", "one call"),
             (engine, "sampler", "sample"),
             (engine, "_detokenize", "detokenize"),
             (engine.scheduler, "update_from_output", "update"),
